@@ -1,0 +1,475 @@
+"""Pricing a traced model: fx graph -> :class:`~recompute_graph.graph.CostGraph`.
+
+Two passes over the traced graph, both with the model in its current train/eval mode:
+
+1. **Memory pass** (store-all forward, grad enabled): every node runs under a
+   :class:`~recompute_graph.measure.StorageTracker` that attributes each new storage to the node that
+   allocated it, and under ``torch.autograd.graph.saved_tensors_hooks`` that record, per node, which
+   storages autograd saves for its backward. From these: ``output_bytes`` / ``alias_of`` (views and
+   in-place ops own no storage), saved inputs / output / internal buffers (deduplicated by storage;
+   storages that existed before the step - parameters, buffers, model inputs - are not counted),
+   ``backward_needs``, transient ``workspace_bytes``, and the flags ``inplace`` (an input's version
+   counter moved), ``random`` (a random aten op ran) and ``stateful`` (a module buffer was written).
+2. **Compute pass**: each node is run again in isolation on detached copies of its inputs, forward and
+   backward, under ``torch.utils.flop_counter.FlopCounterMode`` (FLOPs, deterministic) and, when
+   ``timing="measure"``, timed on the model's device (warm-up, ``repeats`` runs, median).
+
+``timing="flops"`` (forced on the ``meta`` device) prices time from FLOPs and bytes moved with a
+:class:`DeviceProfile` roofline: ``seconds = max(flops / flops_per_second, bytes / bytes_per_second)``.
+
+Model state is restored afterwards: buffers (BatchNorm running statistics) and the CPU/CUDA RNG states
+are exactly as before profiling.
+"""
+from __future__ import annotations
+
+import contextlib
+import operator
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import torch
+from torch import fx, nn
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.flop_counter import FlopCounterMode
+
+from .errors import ProfileError
+from .graph import CostGraph, CostNode
+from .measure import StorageTracker, storage_key
+from .trace import TraceResult, trace
+
+__all__ = ["DeviceProfile", "DEVICE_PROFILES", "profile_model", "profile_graph"]
+
+#: aten ops that draw random numbers (a node running one of them is marked ``random``).
+RANDOM_OPS = frozenset({
+    "native_dropout", "dropout", "bernoulli", "bernoulli_", "rand", "rand_like", "randn", "randn_like",
+    "randint", "randint_like", "randperm", "normal", "normal_", "uniform_", "exponential_", "multinomial",
+    "poisson", "rrelu_with_noise", "fused_dropout", "_fused_dropout",
+})
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """Throughput of a device for FLOP-based time estimates (roofline: compute- or memory-bound)."""
+
+    name: str
+    flops_per_second: float
+    bytes_per_second: float
+
+    def seconds(self, flops: int, bytes_moved: int) -> float:
+        return max(flops / self.flops_per_second, bytes_moved / self.bytes_per_second)
+
+
+DEVICE_PROFILES = {
+    # Sustained (not peak) rates, rough: good enough to rank recomputation choices.
+    "cpu": DeviceProfile("cpu", 5.0e10, 1.0e10),
+    "a100": DeviceProfile("a100", 1.5e14, 1.5e12),
+    "h100": DeviceProfile("h100", 4.0e14, 2.5e12),
+    "h200": DeviceProfile("h200", 4.0e14, 3.6e12),
+}
+
+
+def profile_model(model: nn.Module, example_inputs: Sequence[Any], *, timing: str = "measure",
+                  repeats: int = 5, warmup: int = 2, device_profile: DeviceProfile | str = "cpu",
+                  name: str | None = None) -> tuple[TraceResult, CostGraph]:
+    """Trace ``model`` and price every node on ``example_inputs``; see :func:`profile_graph`."""
+    traced = trace(model)
+    graph = profile_graph(traced, example_inputs, timing=timing, repeats=repeats, warmup=warmup,
+                          device_profile=device_profile, name=name or type(model).__name__)
+    return traced, graph
+
+
+def profile_graph(traced: TraceResult, example_inputs: Sequence[Any], *, timing: str = "measure",
+                  repeats: int = 5, warmup: int = 2, device_profile: DeviceProfile | str = "cpu",
+                  name: str | None = None) -> CostGraph:
+    """Price the nodes of a traced model on ``example_inputs`` (see the module docstring).
+
+    ``timing``: ``"measure"`` (wall clock on the inputs' device, the default) or ``"flops"``
+    (deterministic estimate from FLOPs with ``device_profile``). On ``meta`` tensors timing is always
+    ``"flops"``. Raises :class:`ProfileError` naming the node when a node cannot run.
+    """
+    if timing not in ("measure", "flops"):
+        raise ValueError(f"timing must be 'measure' or 'flops', got {timing!r}")
+    if isinstance(device_profile, str):
+        if device_profile not in DEVICE_PROFILES:
+            raise ValueError(f"unknown device profile {device_profile!r}; known: {sorted(DEVICE_PROFILES)}")
+        device_profile = DEVICE_PROFILES[device_profile]
+    gm = traced.graph_module
+    inputs = tuple(example_inputs)
+    on_meta = any(isinstance(t, torch.Tensor) and t.is_meta for t in tree_flatten(inputs)[0])
+    if on_meta:
+        timing = "flops"
+    with _preserved_state(gm):
+        memory = _MemoryPass(gm).run(*inputs)
+    with _preserved_state(gm):
+        compute = _ComputePass(gm, timing, repeats, warmup).run(*inputs)
+    return _build_cost_graph(gm, traced, memory, compute, timing, device_profile, name or "model", inputs)
+
+
+# --------------------------------------------------------------------------------------------- helpers
+@contextlib.contextmanager
+def _preserved_state(gm: nn.Module) -> Iterator[None]:
+    """Restore every buffer and the CPU/CUDA RNG states on exit (profiling must leave no trace)."""
+    buffers = [(b, b.detach().clone()) for b in gm.buffers()]
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+
+
+def _node_error(node: fx.Node, error: BaseException) -> ProfileError:
+    hint = ""
+    if "meta" in str(error).lower() or "data-dependent" in str(error).lower():
+        hint = ("\n  This node depends on tensor values, which meta tensors do not have: price this model "
+                "on real tensors (a smaller batch works) instead.")
+    return ProfileError(f"cannot run node {node.format_node()}: {type(error).__name__}: {error}{hint}")
+
+
+@dataclass
+class _NodeMemory:
+    output_keys: set[int]
+    output_bytes: int = 0
+    alias_of: str | None = None
+    grad_bytes: int = 0
+    requires_grad: bool = False
+    saved_input_bytes: int = 0
+    saved_output_bytes: int = 0
+    saved_buffer_bytes: int = 0
+    backward_needs: tuple[str, ...] = ()
+    workspace_bytes: int = 0
+    inplace: bool = False
+    random: bool = False
+    stateful: bool = False
+    parameters: tuple[nn.Parameter, ...] = ()
+    has_tensor_output: bool = False
+
+
+class _MemoryPass(fx.Interpreter):
+    """Store-all forward recording storages, saved tensors and side effects per node."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__(gm, garbage_collect_values=False)
+        self.tracker = StorageTracker()
+        self.records: dict[str, _NodeMemory] = {}
+        self.whole_step_saved: dict[int, int] = {}  # storage key -> bytes, all nodes together
+        self._saved_now: dict[int, int] = {}
+
+    def run(self, *args: Any) -> "_MemoryPass":
+        with torch.enable_grad(), self.tracker, torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
+            super().run(*args)
+        return self
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        key = storage_key(tensor)
+        if key is not None and key in self.tracker.owner_of:  # created during the step
+            self._saved_now[key] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    def run_node(self, n: fx.Node) -> Any:
+        if n.op in ("placeholder", "get_attr", "output"):
+            return super().run_node(n)
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        input_tensors = _tensors((args, kwargs))
+        versions = [t._version for t in input_tensors]
+        module = self.module.get_submodule(n.target) if n.op == "call_module" else None
+        buffer_versions = [b._version for b in module.buffers()] if module is not None else []
+        self._saved_now = {}
+        self.tracker.ops_seen = set()
+        self.tracker.owner = n.name
+        live_before = self.tracker.live_bytes
+        self.tracker.reset_peak()
+        try:
+            result = getattr(self, n.op)(n.target, args, kwargs)
+        except Exception as error:  # noqa: BLE001
+            raise _node_error(n, error) from error
+        finally:
+            self.tracker.owner = None
+        self.records[n.name] = self._record(n, result, input_tensors, versions, module, buffer_versions,
+                                            live_before)
+        self.whole_step_saved.update(self._saved_now)
+        return result
+
+    def _record(self, n: fx.Node, result: Any, input_tensors: list[torch.Tensor], versions: list[int],
+                module: nn.Module | None, buffer_versions: list[int], live_before: int) -> _NodeMemory:
+        owner_of = self.tracker.owner_of
+        outputs = _tensors(result)
+        output_keys = {storage_key(t) for t in outputs} - {None}
+        own_keys = {k for k in output_keys if owner_of.get(k) == n.name}
+        record = _NodeMemory(output_keys=output_keys, has_tensor_output=bool(outputs))
+        used_keys = {storage_key(t) for t in _tensors(_used_outputs(n, result))}
+        record.output_bytes = sum(t.untyped_storage().nbytes() for t in _unique_storages(outputs)
+                                  if storage_key(t) in own_keys & used_keys)
+        foreign = [owner_of[k] for k in output_keys - own_keys if k in owner_of]
+        record.alias_of = foreign[0] if foreign and not own_keys else None
+        grad_outputs = [t for t in outputs if t.requires_grad]
+        record.requires_grad = bool(grad_outputs)
+        record.grad_bytes = sum(t.numel() * t.element_size() for t in grad_outputs)
+        needs: set[str] = set()
+        for key, nbytes in self._saved_now.items():
+            owner = owner_of[key]
+            if key in output_keys:
+                record.saved_output_bytes += nbytes
+                needs.add(owner)
+            elif owner == n.name:  # created here but not returned: an internal buffer
+                record.saved_buffer_bytes += nbytes
+            else:
+                record.saved_input_bytes += nbytes
+                needs.add(owner)
+        record.backward_needs = tuple(sorted(needs))
+        kept_new = sum(nbytes for key, nbytes in self.tracker._live.items() if owner_of.get(key) == n.name)
+        record.workspace_bytes = max(0, self.tracker.peak_bytes - live_before - kept_new)
+        record.inplace = any(t._version != v for t, v in zip(input_tensors, versions))
+        record.random = bool(self.tracker.ops_seen & RANDOM_OPS)
+        if module is not None:
+            record.stateful = any(b._version != v for b, v in zip(module.buffers(), buffer_versions))
+            record.parameters = tuple(p for p in module.parameters() if p.requires_grad)
+        else:
+            attrs = [a for a in n.all_input_nodes if a.op == "get_attr"]
+            record.parameters = tuple(p for a in attrs for p in [self.env[a]]
+                                      if isinstance(p, nn.Parameter) and p.requires_grad)
+        return record
+
+
+def _used_outputs(n: fx.Node, result: Any) -> Any:
+    """The part of a node's result that some consumer reads: for a tuple/list result whose users all
+    take fixed items (``out[0]``), only those items; unused items die at once and are not outputs."""
+    if not isinstance(result, (tuple, list)) or not n.users:
+        return result
+    indices = set()
+    for user in n.users:
+        if user.op != "call_function" or user.target is not operator.getitem or not isinstance(user.args[1], int):
+            return result
+        if user.users:  # an unpacked item nobody reads does not count
+            indices.add(user.args[1])
+    return [result[i] for i in sorted(indices)]
+
+
+def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def _unique_storages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    seen: set[int | None] = set()
+    unique = []
+    for t in tensors:
+        key = storage_key(t)
+        if key not in seen:
+            seen.add(key)
+            unique.append(t)
+    return unique
+
+
+@dataclass
+class _NodeCompute:
+    forward_flops: int = 0
+    backward_flops: int = 0
+    forward_seconds: float | None = None
+    backward_seconds: float | None = None
+    forward_bytes_moved: int = 0
+
+
+class _ComputePass(fx.Interpreter):
+    """Runs each node alone, forward and backward, counting FLOPs and (optionally) timing it."""
+
+    def __init__(self, gm: fx.GraphModule, timing: str, repeats: int, warmup: int) -> None:
+        super().__init__(gm)
+        self.timing, self.repeats, self.warmup = timing, repeats, warmup
+        self.records: dict[str, _NodeCompute] = {}
+
+    def run(self, *args: Any) -> "_ComputePass":
+        super().run(*args)
+        return self
+
+    def run_node(self, n: fx.Node) -> Any:
+        if n.op in ("placeholder", "get_attr", "output"):
+            return super().run_node(n)
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        try:
+            with torch.no_grad():
+                result = getattr(self, n.op)(n.target, args, kwargs)
+            if _tensors(result):
+                self.records[n.name] = self._measure(n, args, kwargs)
+        except Exception as error:  # noqa: BLE001
+            raise _node_error(n, error) from error
+        return result
+
+    def _fresh_inputs(self, args: Any, kwargs: Any) -> tuple[Any, Any, list[torch.Tensor]]:
+        """Detached copies of the tensor arguments, as leaves requiring grad where the originals did."""
+        leaves: list[torch.Tensor] = []
+
+        def fresh(value: Any) -> Any:
+            if not isinstance(value, torch.Tensor):
+                return value
+            if value.is_floating_point() or value.is_complex():
+                leaf = value.detach().clone().requires_grad_(True)
+                leaves.append(leaf)
+                return leaf.clone()  # non-leaf, so in-place ops on it are allowed
+            return value.detach().clone()
+
+        new_args, new_kwargs = tree_map(fresh, (args, kwargs))
+        return new_args, new_kwargs, leaves
+
+    def _run_once(self, n: fx.Node, args: Any, kwargs: Any, backward: bool) -> tuple[Any, list[torch.Tensor]]:
+        fresh_args, fresh_kwargs, leaves = self._fresh_inputs(args, kwargs)
+        with torch.enable_grad():
+            out = getattr(self, n.op)(n.target, fresh_args, fresh_kwargs)
+        return out, leaves
+
+    def _backward(self, n: fx.Node, out: Any, leaves: list[torch.Tensor]) -> bool:
+        outputs = [t for t in _tensors(out) if t.requires_grad]
+        if not outputs:
+            return False
+        params = [p for p in self._node_parameters(n) if p.requires_grad]
+        targets = leaves + params
+        torch.autograd.grad(outputs, targets, [torch.ones_like(t) for t in outputs], allow_unused=True)
+        return True
+
+    def _node_parameters(self, n: fx.Node) -> list[nn.Parameter]:
+        if n.op == "call_module":
+            return list(self.module.get_submodule(n.target).parameters())
+        return [self.env[a] for a in n.all_input_nodes
+                if a.op == "get_attr" and isinstance(self.env.get(a), nn.Parameter)]
+
+    def _measure(self, n: fx.Node, args: Any, kwargs: Any) -> _NodeCompute:
+        record = _NodeCompute()
+        record.forward_bytes_moved = sum(t.numel() * t.element_size() for t in _tensors((args, kwargs)))
+        with FlopCounterMode(display=False) as counter:
+            out, leaves = self._run_once(n, args, kwargs, backward=False)
+        record.forward_flops = int(counter.get_total_flops())
+        record.forward_bytes_moved += sum(t.numel() * t.element_size() for t in _tensors(out))
+        with FlopCounterMode(display=False) as counter:
+            has_backward = self._backward(n, out, leaves)
+        record.backward_flops = int(counter.get_total_flops())
+        del out, leaves
+        if self.timing == "measure":
+            device = next((t.device for t in _tensors((args, kwargs))), torch.device("cpu"))
+            forward_times, total_times = [], []
+            for i in range(self.warmup + self.repeats):
+                _synchronize(device)
+                start = time.perf_counter()
+                out, leaves = self._run_once(n, args, kwargs, backward=True)
+                _synchronize(device)
+                middle = time.perf_counter()
+                if has_backward:
+                    self._backward(n, out, leaves)
+                    _synchronize(device)
+                end = time.perf_counter()
+                if i >= self.warmup:
+                    forward_times.append(middle - start)
+                    total_times.append(end - middle)
+                del out, leaves
+            record.forward_seconds = statistics.median(forward_times)
+            record.backward_seconds = statistics.median(total_times) if has_backward else 0.0
+        return record
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _build_cost_graph(gm: fx.GraphModule, traced: TraceResult, memory: _MemoryPass, compute: _ComputePass,
+                      timing: str, device_profile: DeviceProfile, name: str, inputs: tuple) -> CostGraph:
+    compute_nodes = [n for n in gm.graph.nodes
+                     if n.op not in ("placeholder", "get_attr", "output") and memory.records[n.name].has_tensor_output]
+    index_of = {n.name: i for i, n in enumerate(compute_nodes)}
+    opaque = set(traced.opaque_modules)
+
+    # Parameter gradients: charged to the last node (in forward order) that uses the parameter.
+    last_user: dict[int, tuple[int, int]] = {}
+    for n in compute_nodes:
+        for p in memory.records[n.name].parameters:
+            last_user[id(p)] = (index_of[n.name], p.numel() * p.element_size())
+    param_grad_bytes = [0] * len(compute_nodes)
+    for index, nbytes in last_user.values():
+        param_grad_bytes[index] += nbytes
+
+    nodes = []
+    for i, n in enumerate(compute_nodes):
+        mem = memory.records[n.name]
+        comp = compute.records.get(n.name, _NodeCompute())
+        if timing == "measure":
+            forward_cost, backward_cost = comp.forward_seconds or 0.0, comp.backward_seconds or 0.0
+        else:
+            forward_cost = device_profile.seconds(comp.forward_flops, comp.forward_bytes_moved)
+            backward_cost = (device_profile.seconds(comp.backward_flops, 2 * comp.forward_bytes_moved)
+                             if mem.requires_grad else 0.0)
+        kind = {"call_module": "module", "call_function": "function", "call_method": "method"}[n.op]
+        target = n.target if isinstance(n.target, str) else _qualified_name(n.target)
+        nodes.append(CostNode(
+            index=i, name=n.name, kind="opaque" if (n.op == "call_module" and n.target in opaque) else kind,
+            target=target,
+            predecessors=tuple(index_of[a] for a in _data_predecessors(n, index_of)),
+            output_bytes=mem.output_bytes,
+            alias_of=index_of[mem.alias_of] if mem.alias_of is not None else None,
+            grad_bytes=mem.grad_bytes,
+            saved_input_bytes=mem.saved_input_bytes, saved_output_bytes=mem.saved_output_bytes,
+            saved_buffer_bytes=mem.saved_buffer_bytes,
+            backward_needs=tuple(sorted(index_of[o] for o in mem.backward_needs)),
+            workspace_bytes=mem.workspace_bytes, param_grad_bytes=param_grad_bytes[i],
+            forward_cost=forward_cost, backward_cost=backward_cost,
+            forward_flops=comp.forward_flops, backward_flops=comp.backward_flops,
+            requires_grad=mem.requires_grad, inplace=mem.inplace, random=mem.random, stateful=mem.stateful,
+            opaque=n.op == "call_module" and n.target in opaque,
+        ))
+    parameters = {p.untyped_storage()._cdata: p.untyped_storage().nbytes() for p in gm.parameters()}
+    buffers = {b.untyped_storage()._cdata: b.untyped_storage().nbytes() for b in gm.buffers()}
+    input_storages = {storage_key(t): t.untyped_storage().nbytes() for t in _tensors(inputs)}
+    source = "flop-estimate" if timing == "flops" else "measured"
+    return CostGraph(
+        name=name, nodes=tuple(nodes), cost_unit="seconds",
+        cost_source=f"{source} ({device_profile.name})" if timing == "flops" else source,
+        input_bytes=sum(input_storages.values()), parameter_bytes=sum(parameters.values()),
+        buffer_bytes=sum(buffers.values()), has_backward=True, source="traced",
+    )
+
+
+#: Reading these from a tensor uses its metadata only, never its values.
+_METADATA_ATTRIBUTES = frozenset({"shape", "dtype", "device", "ndim", "is_cuda", "layout", "requires_grad"})
+_METADATA_METHODS = frozenset({"size", "dim", "numel", "type", "get_device", "is_contiguous", "stride"})
+
+
+def _data_predecessors(n: fx.Node, tensor_nodes: dict[str, int]) -> set[str]:
+    """Tensor-producing nodes whose *values* ``n`` depends on.
+
+    Non-tensor intermediates (shape arithmetic) are looked through; a dependence that only reads
+    metadata (``x.shape``, ``x.size()``, ``x.dtype``) is not a data dependence, so ``torch.zeros(x.shape[0])``
+    does not need ``x`` alive to be recomputed.
+    """
+    found: set[str] = set()
+    stack = list(n.all_input_nodes)
+    seen: set[str] = set()
+    while stack:
+        a = stack.pop()
+        if a.name in seen:
+            continue
+        seen.add(a.name)
+        if a.name in tensor_nodes:
+            found.add(a.name)
+        elif a.op == "call_function" and a.target is getattr and a.args[1] in _METADATA_ATTRIBUTES:
+            continue
+        elif a.op == "call_method" and a.target in _METADATA_METHODS:
+            continue
+        else:
+            stack.extend(a.all_input_nodes)
+    return found
+
+
+def _qualified_name(target: Any) -> str:
+    module = getattr(target, "__module__", None) or ""
+    name = getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or repr(target)
+    if module.startswith("torch._C") or module == "torch":
+        module = "torch"
+    return f"{module}.{name}" if module else name

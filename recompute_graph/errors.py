@@ -1,0 +1,45 @@
+"""Typed errors of recompute_graph.
+
+Every error the library raises on purpose derives from :class:`RecomputeError`, and the ones caused by a
+bad argument also derive from the matching builtin, so ``except ValueError`` keeps working for callers
+who do not know this library.
+"""
+from __future__ import annotations
+
+
+class RecomputeError(Exception):
+    """Base class of every error raised on purpose by recompute_graph."""
+
+
+class TraceError(RecomputeError):
+    """The model could not be turned into a graph.
+
+    ``module_path`` is the dotted name of the module whose code broke tracing ("" for the root) and
+    ``source_location`` is ``"file:line"`` of the offending statement when it could be found.
+    """
+
+    def __init__(self, message: str, *, module_path: str = "", source_location: str = "") -> None:
+        super().__init__(message)
+        self.module_path = module_path
+        self.source_location = source_location
+
+
+class ProfileError(RecomputeError):
+    """A traced node could not be run to measure its costs (e.g. data-dependent code on meta tensors)."""
+
+
+class GraphError(RecomputeError, ValueError):
+    """A cost graph is malformed (cycle, dangling edge, negative cost) or a graph file cannot be read."""
+
+
+class SolverError(RecomputeError):
+    """A solver cannot handle this graph (too large, missing dependency); the message says what to do."""
+
+
+class InfeasibleBudgetError(RecomputeError, ValueError):
+    """No plan fits the budget. ``min_budget_bytes`` is the smallest budget that is feasible."""
+
+    def __init__(self, message: str, *, budget_bytes: int, min_budget_bytes: int | None) -> None:
+        super().__init__(message)
+        self.budget_bytes = budget_bytes
+        self.min_budget_bytes = min_budget_bytes

@@ -1,0 +1,325 @@
+"""The cost graph: what every solver receives.
+
+A :class:`CostGraph` is an immutable, topologically ordered DAG of :class:`CostNode` objects. It is pure
+Python (no torch import) so that solvers, simulators and benchmark loaders never depend on the framework.
+
+Model
+-----
+* A node is one *operation of the forward pass* at module granularity: a call of a leaf module
+  (``nn.Conv2d``, ``nn.BatchNorm2d``, ...), of a torch function or of a tensor method, or an *opaque*
+  submodule that could not be traced. Its output (a tensor or a tuple of tensors) is the value the node
+  produces. Model inputs, parameters and buffers are not nodes: they are live before a training step
+  starts and are summarised by :attr:`CostGraph.input_bytes`, :attr:`CostGraph.parameter_bytes` and
+  :attr:`CostGraph.buffer_bytes`.
+* Edge ``u -> v`` iff ``v`` reads ``u``'s output. ``predecessors`` of a node are sorted indices; every
+  predecessor has a smaller index (the node order is a topological order).
+* Memory is accounted by *storage*: a view (``reshape``, ``permute``, ``x[0]``) or an in-place op
+  (``relu_``) allocates nothing, so its ``output_bytes`` is 0 and ``alias_of`` names the node that owns
+  the storage it shares. Keeping a view alive keeps its owner's whole storage alive.
+* Costs: ``forward_cost`` / ``backward_cost`` are in :attr:`CostGraph.cost_unit` (``"seconds"`` for
+  traced models, measured or estimated from FLOPs as :attr:`CostGraph.cost_source` says; the paper's own
+  units for benchmark graphs loaded from files).
+
+Invariants (checked at construction): indices are ``0..n-1`` in order, predecessors precede their node,
+node names are unique, byte counts and costs are non-negative, ``alias_of`` points to an earlier node
+that owns storage, ``backward_needs`` only lists existing nodes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterator
+
+from .errors import GraphError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import networkx
+
+__all__ = ["CostNode", "CostGraph"]
+
+NODE_KINDS = ("module", "function", "method", "opaque", "loaded")
+
+
+@dataclass(frozen=True)
+class CostNode:
+    """One forward operation and what it costs.
+
+    Attributes (bytes are bytes of tensor storage; costs are in the graph's ``cost_unit``):
+
+    index, name, kind, target
+        Position in topological order; unique name (the fx node name for traced models); one of
+        ``NODE_KINDS``; what is called (module path, function or method name).
+    predecessors, successors
+        Indices of the nodes whose output this node reads / that read this node's output.
+    output_bytes
+        Storage newly allocated for the node's output(s). 0 for views, in-place ops and non-tensors.
+    alias_of
+        For a view or in-place result: index of the node owning the storage it shares; else ``None``.
+    grad_bytes
+        Bytes of the gradient of the node's output during backward (0 if it does not require grad).
+    saved_input_bytes, saved_output_bytes, saved_buffer_bytes
+        What autograd saves for this node's backward, deduplicated by storage: storages produced by other
+        nodes (its inputs or their bases), the storage of its own output, and internal buffers created
+        by the node that are not its output (BatchNorm statistics, dropout masks, pooling indices).
+        Storages live before the step (parameters, model inputs) are not counted.
+    backward_needs
+        Indices of the nodes whose output storage the node's backward reads (itself included when it
+        saves its own output). Empty for nodes without backward.
+    workspace_bytes
+        Peak transient storage of the forward beyond its output and saved buffers (0 if not measured).
+    param_grad_bytes
+        Bytes of parameter gradients this node's backward allocates. A parameter shared by several
+        nodes is charged to the one whose backward runs first (the last user in forward order).
+    forward_cost, backward_cost
+        Time of the forward / backward of the node in ``cost_unit``.
+    forward_flops, backward_flops
+        FLOPs counted by ``torch.utils.flop_counter`` (0 when unknown).
+    requires_grad, inplace, random, stateful, opaque
+        Output requires grad; node writes into an input; node draws random numbers (dropout); node
+        mutates state on forward (BatchNorm running statistics); node is an untraceable submodule.
+    """
+
+    index: int
+    name: str
+    kind: str = "function"
+    target: str = ""
+    predecessors: tuple[int, ...] = ()
+    successors: tuple[int, ...] = ()
+    output_bytes: int = 0
+    alias_of: int | None = None
+    grad_bytes: int = 0
+    saved_input_bytes: int = 0
+    saved_output_bytes: int = 0
+    saved_buffer_bytes: int = 0
+    backward_needs: tuple[int, ...] = ()
+    workspace_bytes: int = 0
+    param_grad_bytes: int = 0
+    forward_cost: float = 0.0
+    backward_cost: float = 0.0
+    forward_flops: int = 0
+    backward_flops: int = 0
+    requires_grad: bool = True
+    inplace: bool = False
+    random: bool = False
+    stateful: bool = False
+    opaque: bool = False
+
+    @property
+    def saved_bytes(self) -> int:
+        """Everything this node's backward holds on to: saved inputs, output and internal buffers."""
+        return self.saved_input_bytes + self.saved_output_bytes + self.saved_buffer_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class CostGraph:
+    """Immutable, topologically ordered cost graph (see the module docstring for the model).
+
+    ``input_bytes``, ``parameter_bytes`` and ``buffer_bytes`` are live before a step and are *not*
+    part of the budget; ``parameter_bytes`` also tells how large the parameter gradients may get.
+    """
+
+    name: str
+    nodes: tuple[CostNode, ...]
+    cost_unit: str = "seconds"
+    cost_source: str = "measured"
+    input_bytes: int = 0
+    parameter_bytes: int = 0
+    buffer_bytes: int = 0
+    has_backward: bool = True
+    source: str = ""
+    _index_by_name: dict[str, int] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        nodes = tuple(self.nodes)
+        successors: list[list[int]] = [[] for _ in nodes]
+        names: dict[str, int] = {}
+        for position, node in enumerate(nodes):
+            self._check_node(position, node, names, len(nodes))
+            names[node.name] = position
+            for p in node.predecessors:
+                successors[p].append(position)
+        rebuilt = tuple(
+            dataclasses.replace(node, predecessors=tuple(sorted(set(node.predecessors))),
+                                successors=tuple(successors[i]))
+            for i, node in enumerate(nodes)
+        )
+        object.__setattr__(self, "nodes", rebuilt)
+        object.__setattr__(self, "_index_by_name", names)
+        for name in ("input_bytes", "parameter_bytes", "buffer_bytes"):
+            if getattr(self, name) < 0:
+                raise GraphError(f"CostGraph {self.name!r}: {name} is negative")
+
+    def _check_node(self, position: int, node: CostNode, names: dict[str, int], count: int) -> None:
+        where = f"CostGraph {self.name!r}, node {position} ({node.name!r})"
+        if node.index != position:
+            raise GraphError(f"{where}: index is {node.index}, expected {position} (nodes must be in order)")
+        if node.name in names:
+            raise GraphError(f"{where}: duplicate node name")
+        if node.kind not in NODE_KINDS:
+            raise GraphError(f"{where}: kind {node.kind!r} is not one of {NODE_KINDS}")
+        for p in node.predecessors:
+            if not 0 <= p < position:
+                raise GraphError(f"{where}: predecessor {p} does not precede it; nodes must be topologically "
+                                 "ordered and edges must point forward")
+        for q in node.backward_needs:
+            if not 0 <= q < count:
+                raise GraphError(f"{where}: backward_needs names missing node {q}")
+        if node.alias_of is not None:
+            if not 0 <= node.alias_of < position:
+                raise GraphError(f"{where}: alias_of={node.alias_of} must name an earlier node")
+        for attr in ("output_bytes", "grad_bytes", "saved_input_bytes", "saved_output_bytes",
+                     "saved_buffer_bytes", "workspace_bytes", "param_grad_bytes", "forward_flops",
+                     "backward_flops"):
+            if getattr(node, attr) < 0:
+                raise GraphError(f"{where}: {attr} is negative")
+        if not (node.forward_cost >= 0 and node.backward_cost >= 0):  # also rejects NaN
+            raise GraphError(f"{where}: costs must be non-negative numbers")
+
+    # ----------------------------------------------------------------- access
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def __iter__(self) -> Iterator[CostNode]:
+        return iter(self.nodes)
+
+    def __getitem__(self, key: int | str) -> CostNode:
+        if isinstance(key, str):
+            try:
+                return self.nodes[self._index_by_name[key]]
+            except KeyError:
+                raise KeyError(f"no node named {key!r} in cost graph {self.name!r}") from None
+        return self.nodes[key]
+
+    def index_of(self, name: str) -> int:
+        return self[name].index
+
+    @property
+    def edges(self) -> tuple[tuple[int, int], ...]:
+        return tuple((p, node.index) for node in self.nodes for p in node.predecessors)
+
+    @property
+    def sources(self) -> tuple[int, ...]:
+        return tuple(n.index for n in self.nodes if not n.predecessors)
+
+    @property
+    def sinks(self) -> tuple[int, ...]:
+        return tuple(n.index for n in self.nodes if not n.successors)
+
+    def storage_owner(self, index: int) -> int:
+        """Index of the node that owns the storage of ``index``'s output (follows ``alias_of``)."""
+        while self.nodes[index].alias_of is not None:
+            index = self.nodes[index].alias_of  # type: ignore[assignment]
+        return index
+
+    # ----------------------------------------------------------------- totals
+    @property
+    def total_forward_cost(self) -> float:
+        return sum(n.forward_cost for n in self.nodes)
+
+    @property
+    def total_backward_cost(self) -> float:
+        return sum(n.backward_cost for n in self.nodes)
+
+    @property
+    def total_output_bytes(self) -> int:
+        return sum(n.output_bytes for n in self.nodes)
+
+    def stored_bytes_per_node(self) -> tuple[int, ...]:
+        """Bytes each node keeps alive until its backward when nothing is recomputed (store-all).
+
+        A node is charged its internal saved buffers plus its output storage if any node's backward
+        reads that storage. The sum over nodes is the deduplicated activation memory autograd keeps
+        after a store-all forward.
+        """
+        needed_storage: set[int] = set()
+        for node in self.nodes:
+            needed_storage.update(self.storage_owner(q) for q in node.backward_needs)
+        return tuple(n.saved_buffer_bytes + (n.output_bytes if n.index in needed_storage else 0)
+                     for n in self.nodes)
+
+    def store_all_saved_bytes(self) -> int:
+        """Deduplicated bytes autograd keeps after a store-all forward (sum of :meth:`stored_bytes_per_node`)."""
+        return sum(self.stored_bytes_per_node())
+
+    # ----------------------------------------------------------------- views and (de)serialisation
+    def to_networkx(self) -> "networkx.DiGraph":
+        """A ``networkx.DiGraph`` with node keys = indices and every CostNode field as node attributes."""
+        import networkx
+
+        g = networkx.DiGraph(name=self.name, cost_unit=self.cost_unit)
+        for node in self.nodes:
+            g.add_node(node.index, **node.to_dict())
+        g.add_edges_from(self.edges)
+        return g
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": "recompute_graph.CostGraph/1",
+            "name": self.name, "cost_unit": self.cost_unit, "cost_source": self.cost_source,
+            "input_bytes": self.input_bytes, "parameter_bytes": self.parameter_bytes,
+            "buffer_bytes": self.buffer_bytes, "has_backward": self.has_backward, "source": self.source,
+            "nodes": [{k: v for k, v in n.to_dict().items() if k != "successors"} for n in self.nodes],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "CostGraph":
+        if data.get("format") != "recompute_graph.CostGraph/1":
+            raise GraphError("not a saved recompute_graph cost graph (missing format "
+                             "'recompute_graph.CostGraph/1')")
+        fields = {f.name for f in dataclasses.fields(CostNode)}
+        nodes = []
+        for raw in data["nodes"]:
+            unknown = set(raw) - fields
+            if unknown:
+                raise GraphError(f"saved node {raw.get('name')!r} has unknown fields {sorted(unknown)}")
+            raw = dict(raw)
+            for key in ("predecessors", "backward_needs"):
+                raw[key] = tuple(raw.get(key, ()))
+            nodes.append(CostNode(**raw))
+        kwargs = {k: data[k] for k in ("name", "cost_unit", "cost_source", "input_bytes", "parameter_bytes",
+                                       "buffer_bytes", "has_backward", "source") if k in data}
+        return cls(nodes=tuple(nodes), **kwargs)
+
+    def save(self, path: str) -> None:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self.to_dict(), f, indent=1)
+
+    @classmethod
+    def load(cls, path: str) -> "CostGraph":
+        with open(path, encoding="utf-8") as f:
+            return cls.from_dict(json.load(f))
+
+    def fingerprint(self) -> str:
+        """A short hash of the structure and costs (stable across runs for equal graphs)."""
+        text = json.dumps(self.to_dict(), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    # ----------------------------------------------------------------- display
+    def __repr__(self) -> str:
+        return (f"CostGraph({self.name!r}: {len(self.nodes)} nodes, {len(self.edges)} edges, "
+                f"outputs {_format_bytes(self.total_output_bytes)}, store-all saved "
+                f"{_format_bytes(self.store_all_saved_bytes())}, forward {self.total_forward_cost:.4g} "
+                f"{self.cost_unit} [{self.cost_source}])")
+
+    def summary(self, max_rows: int = 40) -> str:
+        """A fixed-width table of the nodes, for people."""
+        header = f"{'#':>4} {'name':<28} {'kind':<8} {'output':>10} {'saved':>10} {'fwd':>10} {'bwd':>10}"
+        lines = [repr(self), header]
+        rows = self.nodes if len(self.nodes) <= max_rows else self.nodes[: max_rows - 1]
+        for n in rows:
+            lines.append(f"{n.index:>4} {n.name[:28]:<28} {n.kind:<8} {_format_bytes(n.output_bytes):>10} "
+                         f"{_format_bytes(n.saved_bytes):>10} {n.forward_cost:>10.3g} {n.backward_cost:>10.3g}")
+        if len(rows) < len(self.nodes):
+            lines.append(f"  ... {len(self.nodes) - len(rows)} more nodes")
+        return "\n".join(lines)
+
+
+def _format_bytes(n: int) -> str:
+    from .units import format_bytes
+
+    return format_bytes(n)

@@ -1,0 +1,190 @@
+"""Measuring what really happens: peak tensor memory and time of a training step.
+
+Budget semantics used throughout the project: *peak bytes of tensor storage allocated during one training
+step (forward, loss, backward) above what was live before it (parameters, buffers, inputs); parameter
+gradients count.*
+
+Two meters implement it:
+
+* ``"storage"`` (any device, the default off CUDA): :class:`StorageTracker`, a ``TorchDispatchMode`` that
+  registers every *new* storage an aten op returns (one not shared with the op's inputs) and a weak-reference
+  finalizer that subtracts it when the storage dies. It sees exactly the tensors PyTorch creates,
+  including those autograd frees in C++ during backward; it does not see kernel-internal scratch buffers.
+  Storages that existed before the step are never counted, even if the step frees them.
+* ``"cuda"``: the CUDA caching allocator, ``torch.cuda.max_memory_allocated()`` after
+  ``reset_peak_memory_stats()``, minus what was allocated before the step. It also sees kernel
+  workspaces (cuBLAS/cuDNN) and the allocator's rounding of every block to 512 bytes.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["StorageTracker", "peak_memory", "saved_tensor_bytes", "time_step", "StepTiming", "make_training_step", "default_loss"]
+
+
+def storage_key(tensor: torch.Tensor) -> int | None:
+    """An identity for the storage behind ``tensor`` (shared by all its views), or None if it has none."""
+    try:
+        return tensor.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):  # sparse, nested or storage-less tensor subclasses
+        return None
+
+
+class StorageTracker(TorchDispatchMode):
+    """Live and peak bytes of the tensor storages created while the mode is active.
+
+    ``live_bytes`` / ``peak_bytes``: current and maximum sum of ``nbytes`` of live storages created under
+    the mode. ``owner``: set it to any label (e.g. a graph node index) and every new storage is recorded
+    in ``owner_of`` under that label while it lives. ``ops_seen`` collects the names of aten ops run
+    while ``owner`` is not None (to spot random ops). Use as a context manager; nesting is allowed.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self.owner: Any = None
+        self.owner_of: dict[int, Any] = {}
+        self.ops_seen: set[str] = set()
+        self._live: dict[int, int] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if self.owner is not None:
+            self.ops_seen.add(func.overloadpacket.__name__)
+        input_keys = {storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for tensor in tree_flatten(out)[0]:
+            if isinstance(tensor, torch.Tensor):
+                self._register(tensor, input_keys)
+        return out
+
+    def _register(self, tensor: torch.Tensor, input_keys: set[int | None]) -> None:
+        key = storage_key(tensor)
+        if key is None or key in input_keys or key in self._live:
+            return
+        storage = tensor.untyped_storage()
+        nbytes = storage.nbytes()
+        self._live[key] = nbytes
+        if self.owner is not None:
+            self.owner_of[key] = self.owner
+        self.live_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        weakref.finalize(storage, self._release, key)
+
+    def _release(self, key: int) -> None:
+        nbytes = self._live.pop(key, 0)
+        self.owner_of.pop(key, None)
+        self.live_bytes -= nbytes
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.live_bytes
+
+
+def _is_cuda(device: str | torch.device | None) -> bool:
+    return device is not None and torch.device(device).type == "cuda"
+
+
+def peak_memory(step: Callable[[], Any], *, device: str | torch.device | None = None) -> int:
+    """Peak bytes of tensor storage allocated while ``step()`` runs, above what was live before it.
+
+    ``device``: a CUDA device to read the CUDA allocator's statistics; anything else (default) uses the
+    :class:`StorageTracker`, which works on every device.
+    """
+    if _is_cuda(device):
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        step()
+        torch.cuda.synchronize(device)
+        return int(torch.cuda.max_memory_allocated(device) - before)
+    with StorageTracker() as tracker:
+        step()
+    return tracker.peak_bytes
+
+
+def saved_tensor_bytes(run: Callable[[], Any]) -> int:
+    """Bytes autograd saves for backward while ``run()`` executes, deduplicated by storage.
+
+    Measured with ``torch.autograd.graph.saved_tensors_hooks``; storages that existed before ``run``
+    (parameters, buffers, inputs) are not counted, matching the budget semantics. The saved tensors are
+    released when ``run``'s results are dropped.
+    """
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        key = storage_key(tensor)
+        if key is not None and key in tracker._live:
+            saved[key] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with StorageTracker() as tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return sum(saved.values())
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """Wall-clock seconds of repeated runs of a step (after warm-up); ``median_seconds`` is the summary."""
+
+    seconds: tuple[float, ...]
+
+    @property
+    def median_seconds(self) -> float:
+        return statistics.median(self.seconds)
+
+    def __repr__(self) -> str:
+        return f"StepTiming(median {self.median_seconds * 1e3:.3f} ms over {len(self.seconds)} runs)"
+
+
+def time_step(step: Callable[[], Any], *, repeats: int = 5, warmup: int = 1,
+              device: str | torch.device | None = None) -> StepTiming:
+    """Run ``step`` ``warmup`` times, then time ``repeats`` runs (synchronising CUDA around each)."""
+    if repeats < 1:
+        raise ValueError("repeats must be >= 1")
+    for _ in range(warmup):
+        step()
+    seconds = []
+    for _ in range(repeats):
+        if _is_cuda(device):
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        step()
+        if _is_cuda(device):
+            torch.cuda.synchronize(device)
+        seconds.append(time.perf_counter() - start)
+    return StepTiming(tuple(seconds))
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """Sum of every floating-point tensor in ``output`` (tensor, tuple, list or dict), each summed."""
+    tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not tensors:
+        raise ValueError("the model output contains no floating-point tensor to build a loss from")
+    loss = tensors[0].sum()
+    for t in tensors[1:]:
+        loss = loss + t.sum()
+    return loss
+
+
+def make_training_step(model: nn.Module, inputs: Sequence[Any],
+                       loss_fn: Callable[[Any], torch.Tensor] = default_loss) -> Callable[[], float]:
+    """A closure running one training step: clear gradients (to None), forward, loss, backward.
+
+    Returns the loss value. Gradients are set to None first so that every step allocates them anew and
+    the meters see the same thing each time.
+    """
+    def step() -> float:
+        model.zero_grad(set_to_none=True)
+        loss = loss_fn(model(*inputs))
+        loss.backward()
+        return loss.item()
+    return step

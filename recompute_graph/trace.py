@@ -1,0 +1,151 @@
+"""Tracing a PyTorch model into a torch.fx graph of module-level nodes.
+
+Granularity: leaf modules of ``torch.nn`` (``Conv2d``, ``BatchNorm2d``, ``ReLU``, ``LSTMCell`` ...) stay
+single ``call_module`` nodes; user-defined modules are traced through; torch functions and tensor methods
+are ``call_function`` / ``call_method`` nodes. A user-defined submodule whose ``forward`` cannot be traced
+symbolically (data-dependent Python control flow, ``.item()``, iteration over a tensor, ...) becomes one
+*opaque* ``call_module`` node; the rest of the model stays fine-grained. Only if the root module's own
+code cannot be traced is a :class:`~recompute_graph.errors.TraceError` raised.
+
+Tracing never modifies the user's model: torch.fx only patches functions for the duration of the trace
+and the returned ``GraphModule`` refers to the user's submodules and parameters without changing them.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.utils._pytree import tree_flatten
+
+from .errors import TraceError
+
+__all__ = ["TraceResult", "trace"]
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+#: Tensor constructors that torch.fx cannot trace when a size comes from a traced shape
+#: (``torch.zeros(x.shape[0], 4)``); during tracing they record a node instead of failing.
+SHAPE_DEPENDENT_CONSTRUCTORS = ("zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange",
+                                "eye", "linspace", "tensor", "as_tensor")
+_THIS_FILE = os.path.abspath(__file__)
+
+
+@dataclass(frozen=True)
+class TraceResult:
+    """A traced model: the fx ``graph_module`` and the qualified names of the submodules that had to be
+    kept opaque (each one is a single node), with the reason tracing them failed."""
+
+    graph_module: fx.GraphModule
+    opaque_modules: tuple[str, ...]
+    opaque_reasons: tuple[str, ...]
+
+    def __repr__(self) -> str:
+        nodes = sum(1 for n in self.graph_module.graph.nodes if n.op not in ("placeholder", "output"))
+        opaque = f", opaque: {list(self.opaque_modules)}" if self.opaque_modules else ""
+        return f"TraceResult({type(self.graph_module).__name__}: {nodes} nodes{opaque})"
+
+
+class _SubmoduleTraceFailure(Exception):
+    def __init__(self, qualname: str, error: BaseException) -> None:
+        super().__init__(qualname)
+        self.qualname = qualname
+        self.error = error
+
+
+class _ModuleLevelTracer(fx.Tracer):
+    """fx tracer that treats ``opaque`` submodules as leaves and reports which submodule failed."""
+
+    def __init__(self, opaque: frozenset[str]) -> None:
+        super().__init__()
+        self.opaque = opaque
+
+    def trace(self, root: Any, concrete_args: Any = None) -> fx.Graph:
+        originals = {name: getattr(torch, name) for name in SHAPE_DEPENDENT_CONSTRUCTORS}
+        try:
+            for name, function in originals.items():
+                setattr(torch, name, self._recording(function))
+            return super().trace(root, concrete_args)
+        finally:
+            for name, function in originals.items():
+                setattr(torch, name, function)
+
+    def _recording(self, function: Any) -> Any:
+        @functools.wraps(function)
+        def constructor(*args: Any, **kwargs: Any) -> Any:
+            if any(isinstance(leaf, fx.Proxy) for leaf in tree_flatten((args, kwargs))[0]):
+                return self.create_proxy("call_function", function, args, kwargs)
+            return function(*args, **kwargs)
+        return constructor
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return module_qualified_name in self.opaque or super().is_leaf_module(m, module_qualified_name)
+
+    def call_module(self, m: nn.Module, forward: Any, args: tuple, kwargs: dict) -> Any:
+        qualname = self.path_of_module(m)
+        if self.is_leaf_module(m, qualname):
+            return super().call_module(m, forward, args, kwargs)
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except _SubmoduleTraceFailure:
+            raise
+        except Exception as error:  # noqa: BLE001 - any failure while tracing this module's code
+            raise _SubmoduleTraceFailure(qualname, error) from error
+
+
+def trace(model: nn.Module) -> TraceResult:
+    """Trace ``model`` into a module-level fx graph, making untraceable submodules opaque.
+
+    Raises :class:`TraceError` naming the root module and the source line if the root's own
+    ``forward`` cannot be traced. The user's model is never modified.
+    """
+    if not isinstance(model, nn.Module):
+        raise TraceError(f"expected an nn.Module, got {type(model).__name__}")
+    opaque: dict[str, str] = {}
+    submodule_count = sum(1 for _ in model.modules())
+    for _attempt in range(submodule_count + 1):
+        tracer = _ModuleLevelTracer(frozenset(opaque))
+        try:
+            graph = tracer.trace(model)
+        except _SubmoduleTraceFailure as failure:
+            if failure.qualname in opaque:  # cannot happen: an opaque module is a leaf
+                raise _trace_error(model, "", failure.error) from failure.error
+            opaque[failure.qualname] = _describe(failure.error)
+            continue
+        except Exception as error:  # noqa: BLE001
+            raise _trace_error(model, "", error) from error
+        graph_module = fx.GraphModule(tracer.root, graph, class_name=f"Traced{type(model).__name__}")
+        return TraceResult(graph_module, tuple(opaque), tuple(opaque.values()))
+    raise TraceError(f"tracing {type(model).__name__} did not converge")  # pragma: no cover
+
+
+def _describe(error: BaseException) -> str:
+    location = _user_source_location(error)
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return f"{type(error).__name__}: {first_line}" + (f" at {location}" if location else "")
+
+
+def _user_source_location(error: BaseException) -> str:
+    """``file:line`` of the innermost traceback frame in user code (outside torch and this library)."""
+    location = ""
+    for frame in traceback.extract_tb(error.__traceback__):
+        path = os.path.abspath(frame.filename)
+        if path.startswith(_TORCH_DIR) or path == _THIS_FILE:
+            continue
+        location = f"{frame.filename}:{frame.lineno}"
+        if frame.line:
+            location += f" ({frame.line.strip()})"
+    return location
+
+
+def _trace_error(model: nn.Module, qualname: str, error: BaseException) -> TraceError:
+    location = _user_source_location(error)
+    module = f"{type(model).__name__}" + (f".{qualname}" if qualname else " (the root module)")
+    message = (f"cannot trace {module}: {type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+               + (f"\n  at {location}" if location else "")
+               + "\n  The root module's own forward must be traceable by torch.fx; move data-dependent "
+               "control flow into a submodule (it then becomes one opaque node) or make it shape-based.")
+    return TraceError(message, module_path=qualname, source_location=location)

@@ -1,0 +1,42 @@
+"""Byte sizes: parsing ``"1.5GiB"`` / ``"800MB"`` and formatting for people."""
+from __future__ import annotations
+
+import math
+import re
+
+__all__ = ["parse_bytes", "format_bytes"]
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(text: str) -> int:
+    """Parse a size such as ``"1.5GiB"``, ``"800MB"``, ``"4096"`` into whole bytes (rounded down).
+
+    Decimal units (kB, MB, GB, TB) are powers of 1000, binary ones (KiB, MiB, GiB, TiB) powers of 1024.
+    Raises ``ValueError`` naming the accepted forms when the text is not a positive size.
+    """
+    match = _SIZE.match(text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(f"cannot parse size {text!r}: use a number of bytes optionally followed by one of "
+                         "B, kB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), "
+                         "e.g. '1.5GiB' or '800MB'")
+    value = float(match.group(1)) * _UNITS[unit]
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"size {text!r} must be positive")
+    return int(value)
+
+
+def format_bytes(n: float) -> str:
+    """``1536 -> '1.5 KiB'``: binary units, three significant digits."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
