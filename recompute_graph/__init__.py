@@ -1,0 +1,39 @@
+"""recompute_graph: train networks that do not fit in accelerator memory.
+
+Data flows one way: trace (``trace``) -> cost graph (``costs``, ``graph``) -> solver -> schedule ->
+simulate / rewrite -> measure (``measure``). Importing the package is light: the torch-dependent parts
+(tracing, profiling, measuring) load on first use, so pure-Python users (solvers, benchmark loaders) never
+import torch.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .errors import (GraphError, InfeasibleBudgetError, ProfileError, RecomputeError, SolverError,
+                     TraceError)
+from .graph import CostGraph, CostNode
+from .units import format_bytes, parse_bytes
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "trace": ("trace", "trace"),
+    "TraceResult": ("trace", "TraceResult"),
+    "profile_model": ("costs", "profile_model"),
+    "profile_graph": ("costs", "profile_graph"),
+    "DeviceProfile": ("costs", "DeviceProfile"),
+    "peak_memory": ("measure", "peak_memory"),
+    "time_step": ("measure", "time_step"),
+    "load_graph": ("benchmark_graphs", "load_graph"),
+}
+
+__all__ = ["CostGraph", "CostNode", "RecomputeError", "TraceError", "ProfileError", "GraphError",
+           "SolverError", "InfeasibleBudgetError", "parse_bytes", "format_bytes", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        module, attribute = _LAZY[name]
+        return getattr(importlib.import_module(f".{module}", __name__), attribute)
+    raise AttributeError(f"module 'recompute_graph' has no attribute {name!r}")

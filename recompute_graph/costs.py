@@ -432,7 +432,7 @@ def _build_cost_graph(gm: fx.GraphModule, traced: TraceResult, memory: _MemoryPa
         name=name, nodes=tuple(nodes), cost_unit="seconds",
         cost_source=f"{source} ({device_profile.name})" if timing == "flops" else source,
         input_bytes=sum(input_storages.values()), parameter_bytes=sum(parameters.values()),
-        buffer_bytes=sum(buffers.values()), has_backward=True, source="traced",
+        buffer_bytes=sum(buffers.values()), implicit_backward=True, source="traced",
     )
 
 
@@ -468,8 +468,10 @@ def _data_predecessors(n: fx.Node, tensor_nodes: dict[str, int]) -> set[str]:
 
 
 def _qualified_name(target: Any) -> str:
+    """``torch.cat`` rather than ``torch._VariableFunctionsClass.cat``; ``module.qualname`` otherwise."""
+    name = getattr(target, "__name__", None)
+    if name is not None and getattr(torch, name, None) is target:
+        return f"torch.{name}"
     module = getattr(target, "__module__", None) or ""
-    name = getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or repr(target)
-    if module.startswith("torch._C") or module == "torch":
-        module = "torch"
-    return f"{module}.{name}" if module else name
+    qualname = getattr(target, "__qualname__", None) or name or repr(target)
+    return f"{module}.{qualname}" if module else qualname

@@ -79,6 +79,9 @@ class CostNode:
     requires_grad, inplace, random, stateful, opaque
         Output requires grad; node writes into an input; node draws random numbers (dropout); node
         mutates state on forward (BatchNorm running statistics); node is an untraceable submodule.
+    phase
+        ``"forward"``, or ``"backward"`` for the explicit backward nodes of a joint graph (see
+        :attr:`CostGraph.implicit_backward`).
     """
 
     index: int
@@ -105,6 +108,7 @@ class CostNode:
     random: bool = False
     stateful: bool = False
     opaque: bool = False
+    phase: str = "forward"
 
     @property
     def saved_bytes(self) -> int:
@@ -121,6 +125,11 @@ class CostGraph:
 
     ``input_bytes``, ``parameter_bytes`` and ``buffer_bytes`` are live before a step and are *not*
     part of the budget; ``parameter_bytes`` also tells how large the parameter gradients may get.
+
+    ``implicit_backward``: True (traced models, Kusumoto graphs) when every node is a forward operation
+    whose backward is described by its ``backward_*`` fields. False for plain scheduling DAGs whose nodes
+    already are every computation to schedule: Checkmate's joint forward+backward graphs (nodes with
+    ``phase="backward"``) and the random layered DAGs, which have no backward at all.
     """
 
     name: str
@@ -130,7 +139,7 @@ class CostGraph:
     input_bytes: int = 0
     parameter_bytes: int = 0
     buffer_bytes: int = 0
-    has_backward: bool = True
+    implicit_backward: bool = True
     source: str = ""
     _index_by_name: dict[str, int] = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -160,6 +169,8 @@ class CostGraph:
             raise GraphError(f"{where}: index is {node.index}, expected {position} (nodes must be in order)")
         if node.name in names:
             raise GraphError(f"{where}: duplicate node name")
+        if node.phase not in ("forward", "backward"):
+            raise GraphError(f"{where}: phase {node.phase!r} must be 'forward' or 'backward'")
         if node.kind not in NODE_KINDS:
             raise GraphError(f"{where}: kind {node.kind!r} is not one of {NODE_KINDS}")
         for p in node.predecessors:
@@ -262,7 +273,7 @@ class CostGraph:
             "format": "recompute_graph.CostGraph/1",
             "name": self.name, "cost_unit": self.cost_unit, "cost_source": self.cost_source,
             "input_bytes": self.input_bytes, "parameter_bytes": self.parameter_bytes,
-            "buffer_bytes": self.buffer_bytes, "has_backward": self.has_backward, "source": self.source,
+            "buffer_bytes": self.buffer_bytes, "implicit_backward": self.implicit_backward, "source": self.source,
             "nodes": [{k: v for k, v in n.to_dict().items() if k != "successors"} for n in self.nodes],
         }
 
@@ -282,7 +293,7 @@ class CostGraph:
                 raw[key] = tuple(raw.get(key, ()))
             nodes.append(CostNode(**raw))
         kwargs = {k: data[k] for k in ("name", "cost_unit", "cost_source", "input_bytes", "parameter_bytes",
-                                       "buffer_bytes", "has_backward", "source") if k in data}
+                                       "buffer_bytes", "implicit_backward", "source") if k in data}
         return cls(nodes=tuple(nodes), **kwargs)
 
     def save(self, path: str) -> None:
@@ -301,10 +312,11 @@ class CostGraph:
 
     # ----------------------------------------------------------------- display
     def __repr__(self) -> str:
+        saved = (f", store-all saved {_format_bytes(self.store_all_saved_bytes())}" if self.implicit_backward
+                 else f", {sum(n.phase == 'backward' for n in self.nodes)} backward nodes")
         return (f"CostGraph({self.name!r}: {len(self.nodes)} nodes, {len(self.edges)} edges, "
-                f"outputs {_format_bytes(self.total_output_bytes)}, store-all saved "
-                f"{_format_bytes(self.store_all_saved_bytes())}, forward {self.total_forward_cost:.4g} "
-                f"{self.cost_unit} [{self.cost_source}])")
+                f"outputs {_format_bytes(self.total_output_bytes)}{saved}, compute "
+                f"{self.total_forward_cost + self.total_backward_cost:.4g} {self.cost_unit} [{self.cost_source}])")
 
     def summary(self, max_rows: int = 40) -> str:
         """A fixed-width table of the nodes, for people."""

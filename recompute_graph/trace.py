@@ -13,6 +13,7 @@ and the returned ``GraphModule`` refers to the user's submodules and parameters 
 from __future__ import annotations
 
 import functools
+import operator
 import os
 import traceback
 from dataclasses import dataclass
@@ -49,6 +50,22 @@ class TraceResult:
         return f"TraceResult({type(self.graph_module).__name__}: {nodes} nodes{opaque})"
 
 
+#: Augmented assignments (``x += y``) that torch.fx would otherwise record as out-of-place ``x = x + y``,
+#: changing both aliasing semantics and memory; they are recorded as ``operator.iadd`` etc. instead.
+IN_PLACE_OPERATORS = {
+    "__iadd__": operator.iadd, "__isub__": operator.isub, "__imul__": operator.imul,
+    "__itruediv__": operator.itruediv, "__ifloordiv__": operator.ifloordiv, "__imod__": operator.imod,
+    "__ipow__": operator.ipow, "__iand__": operator.iand, "__ior__": operator.ior, "__ixor__": operator.ixor,
+    "__ilshift__": operator.ilshift, "__irshift__": operator.irshift, "__imatmul__": operator.imatmul,
+}
+
+
+def _in_place_operator(function: Any) -> Any:
+    def method(self: fx.Proxy, other: Any) -> fx.Proxy:
+        return self.tracer.create_proxy("call_function", function, (self, other), {})
+    return method
+
+
 class _SubmoduleTraceFailure(Exception):
     def __init__(self, qualname: str, error: BaseException) -> None:
         super().__init__(qualname)
@@ -65,13 +82,21 @@ class _ModuleLevelTracer(fx.Tracer):
 
     def trace(self, root: Any, concrete_args: Any = None) -> fx.Graph:
         originals = {name: getattr(torch, name) for name in SHAPE_DEPENDENT_CONSTRUCTORS}
+        proxy_originals = {dunder: fx.Proxy.__dict__.get(dunder) for dunder in IN_PLACE_OPERATORS}
         try:
             for name, function in originals.items():
                 setattr(torch, name, self._recording(function))
+            for dunder, function in IN_PLACE_OPERATORS.items():
+                setattr(fx.Proxy, dunder, _in_place_operator(function))
             return super().trace(root, concrete_args)
         finally:
             for name, function in originals.items():
                 setattr(torch, name, function)
+            for dunder, method in proxy_originals.items():
+                if method is None:
+                    delattr(fx.Proxy, dunder)
+                else:
+                    setattr(fx.Proxy, dunder, method)
 
     def _recording(self, function: Any) -> Any:
         @functools.wraps(function)

@@ -1,0 +1,26 @@
+"""Shared fixtures: tiny zoo models and their cost graphs, profiled once per test session."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import models_zoo
+from recompute_graph.costs import profile_model
+
+torch.set_num_threads(2)
+
+
+@functools.lru_cache(maxsize=None)
+def profiled_tiny(name: str):
+    """(model, example_inputs, trace_result, cost_graph) for zoo model ``name`` at the tiny preset,
+    priced with deterministic FLOP-based times."""
+    model, inputs = models_zoo.get_model(name, "tiny")
+    traced, graph = profile_model(model, inputs, timing="flops")
+    return model, inputs, traced, graph
+
+
+@pytest.fixture(params=models_zoo.MODEL_NAMES)
+def zoo_name(request) -> str:
+    return request.param

@@ -1,0 +1,233 @@
+"""Tracing survives the patterns real models use; untraceable parts become opaque nodes."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import models_zoo
+from recompute_graph import TraceError, RecomputeError
+from recompute_graph.costs import profile_model
+from recompute_graph.measure import saved_tensor_bytes
+from recompute_graph.trace import trace
+
+
+def snapshot(model: nn.Module):
+    return (set(vars(model)), {k: v.clone() for k, v in model.state_dict().items()}, model.training,
+            [type(m).forward for m in model.modules()], [dict(m._forward_hooks) for m in model.modules()],
+            [set(vars(m)) for m in model.modules()])
+
+
+def assert_unchanged(model, before):
+    after = snapshot(model)
+    assert after[0] == before[0] and after[2:] == before[2:]
+    assert after[1].keys() == before[1].keys()
+    assert all(torch.equal(after[1][k], before[1][k]) for k in before[1])
+
+
+def check_traces_faithfully(model: nn.Module, *inputs, opaque=()):
+    """Traced module computes what the model computes; profiling prices it and matches autograd."""
+    before = snapshot(model)
+    result = trace(model)
+    assert result.opaque_modules == tuple(opaque)
+    torch.manual_seed(3)
+    expected = model(*inputs)
+    torch.manual_seed(3)
+    actual = result.graph_module(*inputs)
+    torch.testing.assert_close(actual, expected)
+    _, graph = profile_model(model, inputs, timing="flops")
+    assert graph.store_all_saved_bytes() == saved_tensor_bytes(lambda: model(*inputs))
+    assert_unchanged(model, before)
+    return result, graph
+
+
+class ShapeConstructors(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+
+    def forward(self, x):
+        bias = torch.zeros(x.shape[0], 6, dtype=x.dtype, device=x.device)
+        steps = torch.arange(x.size(1), device=x.device).to(x.dtype)
+        return self.linear(x) + bias + torch.ones(x.shape[0], x.shape[1]) * steps
+
+
+class Views(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(12, 12)
+
+    def forward(self, x):
+        y = self.linear(x).view(x.shape[0], 3, 4).permute(0, 2, 1).reshape(x.shape[0], -1)
+        return y.transpose(0, 1).contiguous().t()[:, 2:].tanh()
+
+
+class CatOverList(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.heads = nn.ModuleList([nn.Linear(4, 3) for _ in range(3)])
+
+    def forward(self, x):
+        return torch.cat([head(x) for head in self.heads], dim=1).sigmoid()
+
+
+class SharedModule(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(5, 5)
+
+    def forward(self, x):
+        return self.layer(torch.relu(self.layer(self.layer(x))))
+
+
+class TiedWeights(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(11, 6)
+        self.out = nn.Linear(6, 11, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, tokens):
+        return torch.log_softmax(self.out(self.embed(tokens).tanh()), dim=-1)
+
+
+class InPlace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        y = self.relu(self.a(x))
+        z = self.b(y)
+        z += y
+        return z.mul_(2).sigmoid_()
+
+
+class TupleAndDict(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        return {"logits": h.exp(), "pair": (h.sin(), h.cos())}
+
+
+class DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.sum() > 0:  # data-dependent control flow: fx cannot trace this
+            return self.proj(x).relu()
+        return self.proj(-x).relu()
+
+
+class WithOpaquePart(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.before, self.gate, self.after = nn.Linear(4, 4), DataDependent(), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.after(self.gate(self.before(x).tanh()).tanh())
+
+
+class UntraceableRoot(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x):
+        for row in range(int(x[0, 0].item() > 0) + 1):  # .item() on a traced value
+            x = self.a(x)
+        return x
+
+
+def test_tensor_constructors_sized_from_an_input_shape():
+    result, graph = check_traces_faithfully(ShapeConstructors(), torch.randn(3, 6))
+    targets = {n.target for n in graph}
+    assert {"torch.zeros", "torch.arange", "torch.ones"} <= targets
+    # a constructor reads only the input's shape, so it has no data predecessor
+    assert graph[[n.target for n in graph].index("torch.zeros")].predecessors == ()
+
+
+def test_views_reshapes_and_permutes_own_no_storage():
+    _, graph = check_traces_faithfully(Views(), torch.randn(5, 12))
+    views = [n for n in graph if n.target in ("view", "permute", "transpose", "t", "_operator.getitem")]
+    assert views and all(n.output_bytes == 0 and n.alias_of is not None for n in views)
+    reshape = graph[[n.target for n in graph].index("reshape")]
+    assert reshape.output_bytes > 0  # reshape of a permuted tensor must copy
+
+
+def test_cat_over_a_list_has_every_branch_as_predecessor():
+    _, graph = check_traces_faithfully(CatOverList(), torch.randn(2, 4))
+    cat = graph[[n.target for n in graph].index("torch.cat")]
+    assert len(cat.predecessors) == 3 and cat.output_bytes == 2 * 9 * 4
+
+
+def test_module_called_several_times_is_one_node_per_call_and_grads_are_charged_once():
+    model = SharedModule()
+    _, graph = check_traces_faithfully(model, torch.randn(3, 5))
+    calls = [n for n in graph if n.target == "layer"]
+    assert len(calls) == 3
+    assert sum(n.param_grad_bytes for n in graph) == sum(p.numel() * 4 for p in model.parameters())
+    assert calls[-1].param_grad_bytes > 0 and calls[0].param_grad_bytes == 0
+
+
+def test_tied_weights_are_one_parameter():
+    model = TiedWeights()
+    _, graph = check_traces_faithfully(model, torch.randint(0, 11, (2, 7)))
+    assert graph.parameter_bytes == 11 * 6 * 4
+    assert sum(n.param_grad_bytes for n in graph) == 11 * 6 * 4
+
+
+def test_in_place_activations_and_augmented_assignment_alias_their_input():
+    _, graph = check_traces_faithfully(InPlace(), torch.randn(3, 4))
+    inplace = [n for n in graph if n.inplace]
+    assert {n.target for n in inplace} == {"relu", "_operator.iadd", "mul_", "sigmoid_"}
+    assert all(n.output_bytes == 0 and n.alias_of is not None for n in inplace)
+
+
+def test_tuple_and_dict_outputs():
+    model = TupleAndDict()
+    result = trace(model)
+    x = torch.randn(2, 4)
+    out = result.graph_module(x)
+    assert set(out) == {"logits", "pair"} and isinstance(out["pair"], tuple)
+    torch.testing.assert_close(out, model(x))
+    _, graph = profile_model(model, (x,), timing="flops")
+    assert graph.store_all_saved_bytes() == saved_tensor_bytes(lambda: model(x))
+
+
+def test_data_dependent_submodule_becomes_one_opaque_node_and_the_rest_stays_fine_grained():
+    model = WithOpaquePart()
+    result, graph = check_traces_faithfully(model, torch.randn(2, 4), opaque=("gate",))
+    assert "x.sum() > 0" in result.opaque_reasons[0] and "test_trace.py" in result.opaque_reasons[0]
+    kinds = {n.target: n.kind for n in graph}
+    assert kinds["gate"] == "opaque" and graph["gate"].opaque
+    assert kinds["before"] == kinds["after"] == "module" and "tanh" in kinds
+
+
+def test_zoo_models_need_no_opaque_node(zoo_name):
+    model, _ = models_zoo.get_model(zoo_name, "tiny")
+    assert trace(model).opaque_modules == ()
+
+
+def test_untraceable_root_raises_trace_error_naming_module_and_line_and_leaves_model_alone():
+    model = UntraceableRoot()
+    before = snapshot(model)
+    with pytest.raises(TraceError) as info:
+        trace(model)
+    error = info.value
+    assert isinstance(error, RecomputeError)
+    assert "UntraceableRoot" in str(error) and "test_trace.py" in error.source_location
+    assert "x[0, 0].item()" in str(error)
+    assert_unchanged(model, before)
+    torch.testing.assert_close(model(torch.ones(1, 4)), model(torch.ones(1, 4)))
+
+
+def test_non_module_is_rejected():
+    with pytest.raises(TraceError, match="nn.Module"):
+        trace(lambda x: x)
