@@ -321,11 +321,9 @@ class _ComputePass(fx.Interpreter):
         new_args, new_kwargs = tree_map(fresh, (args, kwargs))
         return new_args, new_kwargs, leaves
 
-    def _run_once(self, n: fx.Node, args: Any, kwargs: Any, backward: bool) -> tuple[Any, list[torch.Tensor]]:
-        fresh_args, fresh_kwargs, leaves = self._fresh_inputs(args, kwargs)
+    def _forward(self, n: fx.Node, fresh_args: Any, fresh_kwargs: Any) -> Any:
         with torch.enable_grad():
-            out = getattr(self, n.op)(n.target, fresh_args, fresh_kwargs)
-        return out, leaves
+            return getattr(self, n.op)(n.target, fresh_args, fresh_kwargs)
 
     def _backward(self, n: fx.Node, out: Any, leaves: list[torch.Tensor]) -> bool:
         outputs = [t for t in _tensors(out) if t.requires_grad]
@@ -345,8 +343,9 @@ class _ComputePass(fx.Interpreter):
     def _measure(self, n: fx.Node, args: Any, kwargs: Any) -> _NodeCompute:
         record = _NodeCompute()
         record.forward_bytes_moved = sum(t.numel() * t.element_size() for t in _tensors((args, kwargs)))
+        fresh_args, fresh_kwargs, leaves = self._fresh_inputs(args, kwargs)
         with FlopCounterMode(display=False) as counter:
-            out, leaves = self._run_once(n, args, kwargs, backward=False)
+            out = self._forward(n, fresh_args, fresh_kwargs)
         record.forward_flops = int(counter.get_total_flops())
         record.forward_bytes_moved += sum(t.numel() * t.element_size() for t in _tensors(out))
         with FlopCounterMode(display=False) as counter:
@@ -357,9 +356,10 @@ class _ComputePass(fx.Interpreter):
             device = next((t.device for t in _tensors((args, kwargs))), torch.device("cpu"))
             forward_times, total_times = [], []
             for i in range(self.warmup + self.repeats):
+                fresh_args, fresh_kwargs, leaves = self._fresh_inputs(args, kwargs)
                 _synchronize(device)
                 start = time.perf_counter()
-                out, leaves = self._run_once(n, args, kwargs, backward=True)
+                out = self._forward(n, fresh_args, fresh_kwargs)
                 _synchronize(device)
                 middle = time.perf_counter()
                 if has_backward:
@@ -369,7 +369,7 @@ class _ComputePass(fx.Interpreter):
                 if i >= self.warmup:
                     forward_times.append(middle - start)
                     total_times.append(end - middle)
-                del out, leaves
+                del out, leaves, fresh_args, fresh_kwargs
             record.forward_seconds = statistics.median(forward_times)
             record.backward_seconds = statistics.median(total_times) if has_backward else 0.0
         return record

@@ -1,0 +1,23 @@
+# Two commands do all set-up on a fresh machine:
+#   make demo   - create .venv, install, run the quick demo
+#   make test   - create .venv, install, run the whole test suite
+PYTHON ?= python3
+VENV := .venv
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test setup
+demo: $(STAMP)
+	$(VENV)/bin/python scripts/demo.py
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest
+
+setup: $(STAMP)
+
+$(STAMP): setup.cfg pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet --upgrade pip
+	# torch pinned for development: the CPU wheel of 2.13.0 lies on local disk
+	$(VENV)/bin/pip install --quiet "torch==2.13.0"
+	$(VENV)/bin/pip install --quiet -e ".[test]"
+	touch $(STAMP)

@@ -1,0 +1,134 @@
+"""Cost profiling: what each node keeps, allocates and costs, on real and meta tensors."""
+import pytest
+import torch
+from torch import nn
+
+import models_zoo
+from recompute_graph import ProfileError
+from recompute_graph.costs import profile_model
+from recompute_graph.measure import saved_tensor_bytes
+
+from conftest import profiled_tiny
+
+
+def test_store_all_saved_bytes_match_saved_tensors_hooks_on_every_tiny_zoo_model(zoo_name):
+    model, inputs, _, graph = profiled_tiny(zoo_name)
+    whole_step = saved_tensor_bytes(lambda: model(*inputs))
+    assert whole_step > 0
+    assert graph.store_all_saved_bytes() == pytest.approx(whole_step, rel=0.02)
+
+
+def test_every_node_of_every_tiny_zoo_model_is_priced(zoo_name):
+    model, inputs, traced, graph = profiled_tiny(zoo_name)
+    assert len(graph) > 0 and graph.cost_unit == "seconds" and graph.cost_source.startswith("flop-estimate")
+    compute_heavy = [n for n in graph if n.kind == "module" and n.forward_flops > 0]
+    assert compute_heavy and all(n.forward_cost > 0 for n in compute_heavy)
+    assert all(n.backward_cost > 0 for n in compute_heavy if n.requires_grad)
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    assert sum(n.param_grad_bytes for n in graph) == trainable
+    assert graph.parameter_bytes == trainable
+    assert graph.input_bytes == sum(t.numel() * t.element_size() for t in inputs)
+
+
+def test_saved_bytes_are_split_into_inputs_output_and_internal_buffers():
+    _, _, _, graph = profiled_tiny("resnet18")
+    bn = graph["bn1"]
+    channels = 8
+    assert bn.stateful and not bn.random
+    assert bn.saved_buffer_bytes == 2 * channels * 4  # batch mean and inverse std
+    assert bn.saved_input_bytes == graph["conv1"].output_bytes and bn.backward_needs == (graph["conv1"].index,)
+    relu = graph["relu"]
+    assert relu.inplace and relu.output_bytes == 0 and relu.alias_of == bn.index
+    assert relu.saved_output_bytes == bn.output_bytes  # ReLU keeps its (in-place) result
+    maxpool = graph["maxpool"]
+    assert maxpool.saved_buffer_bytes == maxpool.output_bytes * 2  # int64 indices, float32 output
+
+
+def test_dropout_is_marked_random_and_keeps_its_mask_as_buffer():
+    _, _, _, graph = profiled_tiny("gpt2")
+    dropout = graph["drop"]
+    # on CPU, dropout keeps a mask of its output's dtype (CUDA keeps a 1-byte bool mask)
+    assert dropout.random and dropout.saved_buffer_bytes == dropout.output_bytes
+    assert not graph["blocks_0_ln_1"].random
+
+
+def test_profiling_leaves_model_buffers_and_rng_untouched():
+    model, inputs = models_zoo.get_model("resnet18", "tiny")
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    rng = torch.get_rng_state()
+    profile_model(model, inputs, timing="measure", repeats=1, warmup=0)
+    assert all(torch.equal(v, dict(model.named_buffers())[k]) for k, v in buffers.items())
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_measured_timing_is_positive_and_flop_timing_is_deterministic():
+    model, inputs = models_zoo.get_model("mlp", "tiny")
+    _, measured = profile_model(model, inputs, timing="measure", repeats=3, warmup=1)
+    assert measured.cost_source == "measured"
+    assert all(n.forward_cost > 0 for n in measured) and all(n.backward_cost > 0 for n in measured)
+    _, first = profile_model(model, inputs, timing="flops")
+    _, second = profile_model(model, inputs, timing="flops")
+    assert first == second and first.fingerprint() == second.fingerprint()
+    linear = first["layers_0"]
+    assert linear.forward_flops == 2 * 4 * 32 * 32 and linear.backward_flops == 2 * linear.forward_flops
+
+
+@pytest.mark.parametrize("name", ["resnet50", "gpt2", "unet", "rnn"])
+def test_meta_tensors_give_the_same_sizes_and_flops_without_allocating(name):
+    _, _, _, real = profiled_tiny(name)
+    with torch.device("meta"):
+        model, inputs = models_zoo.get_model(name, "tiny")
+    inputs = tuple(t.to("meta") for t in inputs)
+    assert all(p.is_meta for p in model.parameters())
+    _, meta = profile_model(model, inputs)
+    assert meta.cost_source.startswith("flop-estimate")
+    fields = ("name", "predecessors", "output_bytes", "alias_of", "grad_bytes", "saved_input_bytes",
+              "saved_output_bytes", "saved_buffer_bytes", "backward_needs", "param_grad_bytes",
+              "forward_flops", "backward_flops", "inplace", "random", "stateful")
+    assert [[getattr(n, f) for f in fields] for n in meta] == [[getattr(n, f) for f in fields] for n in real]
+
+
+class DataDependent(nn.Module):
+    def forward(self, x):
+        return x * 2 if x.sum() > 0 else x
+
+
+class Wide(nn.Module):
+    """Opaque (data-dependent) module with a large transient intermediate."""
+
+    def forward(self, x):
+        if x.sum() > -1e30:
+            return x.unsqueeze(-1).expand(*x.shape, 64).clone().mean(-1)
+        return x
+
+
+class Holder(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.lin, self.inner = nn.Linear(8, 8), inner
+
+    def forward(self, x):
+        return self.inner(self.lin(x))
+
+
+def test_transient_memory_inside_a_node_is_workspace():
+    _, graph = profile_model(Holder(Wide()), (torch.randn(4, 8),), timing="flops")
+    assert graph["inner"].opaque
+    assert graph["inner"].workspace_bytes >= 4 * 8 * 64 * 4
+    assert graph["inner"].output_bytes == 4 * 8 * 4
+
+
+def test_data_dependent_node_on_meta_raises_profile_error_naming_the_node():
+    with torch.device("meta"):
+        model = Holder(DataDependent())
+    with pytest.raises(ProfileError, match="inner") as info:
+        profile_model(model, (torch.randn(2, 8, device="meta"),))
+    assert "real tensors" in str(info.value)
+
+
+def test_bad_profiling_options_are_value_errors():
+    model, inputs = models_zoo.get_model("mlp", "tiny")
+    with pytest.raises(ValueError, match="timing"):
+        profile_model(model, inputs, timing="guess")
+    with pytest.raises(ValueError, match="device profile"):
+        profile_model(model, inputs, timing="flops", device_profile="abacus")

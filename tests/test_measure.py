@@ -1,0 +1,107 @@
+"""The memory meter against hand-computed activation sizes of an MLP chain and torch.utils.checkpoint.
+
+MLPChain(D, W): D x (Linear(W, W) -> ReLU) then Linear(W, O); batch B, float32; one activation is
+``act = B * W * 4`` bytes. ReLU saves its output and the next Linear saves that same tensor as its input,
+so a store-all forward keeps exactly one activation per layer (the model input is not counted).
+"""
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import models_zoo
+from recompute_graph.measure import (StorageTracker, default_loss, make_training_step, peak_memory,
+                                     saved_tensor_bytes, time_step)
+
+D, W, B, O, K = 8, 64, 2048, 4, 2
+ACT = B * W * 4
+HEAD_GRADS = O * W * 4 + O * 4
+LOSS = 4 + 4  # the loss scalar and its seed gradient
+
+
+@pytest.fixture
+def mlp():
+    torch.manual_seed(0)
+    return models_zoo.MLPChain(D, W, None, O), torch.randn(B, W)
+
+
+def test_store_all_forward_peaks_at_one_activation_per_layer_plus_the_last_linear_output(mlp):
+    model, x = mlp
+    kept = []
+    # during the last ReLU: D-1 saved ReLU outputs, the last Linear's output and the new ReLU output
+    assert peak_memory(lambda: kept.append(model(x))) == (D + 1) * ACT
+    with StorageTracker() as tracker:
+        out = model(x)
+    assert tracker.live_bytes == D * ACT + B * O * 4
+    assert saved_tensor_bytes(lambda: model(x)) == D * ACT
+
+
+def test_store_all_training_step_peaks_at_activations_plus_two_gradients(mlp):
+    model, x = mlp
+    # first ReLU backward: D saved activations, the gradient of the last ReLU output and of its input,
+    # the head's parameter gradients and the loss scalar
+    assert peak_memory(make_training_step(model, (x,))) == (D + 2) * ACT + HEAD_GRADS + LOSS
+
+
+def test_checkpointing_every_k_layers_lowers_the_peak_as_expected(mlp):
+    model, x = mlp
+    layers = list(model.layers)
+    segments = [nn.Sequential(*layers[2 * K * i: 2 * K * (i + 1)]) for i in range(D // K)]
+
+    def forward():
+        h = x
+        for segment in segments:
+            h = checkpoint(segment, h, use_reentrant=False)
+        return layers[-1](h)
+
+    with StorageTracker() as tracker:
+        out = forward()
+    assert tracker.live_bytes == (D // K) * ACT + B * O * 4  # only segment boundaries are kept
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        forward().sum().backward()
+
+    # backward of one segment: boundaries, the K recomputed activations and one gradient
+    checkpointed = peak_memory(step)
+    assert checkpointed == (D // K + K + 1) * ACT + HEAD_GRADS + LOSS
+    assert checkpointed < peak_memory(make_training_step(model, (x,)))
+
+
+def test_storages_live_before_the_step_are_not_counted():
+    weight = torch.randn(256, 256)
+    assert peak_memory(lambda: (weight.t()[::2].unsqueeze(0), weight.add_(1))) == 0
+    assert peak_memory(lambda: torch.empty(1000, dtype=torch.float64)) == 8000
+
+
+def test_peak_is_the_maximum_of_live_bytes_not_the_sum_of_allocations():
+    def step():
+        for _ in range(5):
+            a = torch.ones(1000)
+            del a
+    assert peak_memory(step) == 4000
+
+
+def test_time_step_runs_warmup_then_repeats():
+    calls = []
+    timing = time_step(lambda: calls.append(1), repeats=4, warmup=2)
+    assert len(calls) == 6 and len(timing.seconds) == 4 and timing.median_seconds >= 0
+    assert "4 runs" in repr(timing)
+    with pytest.raises(ValueError, match="repeats"):
+        time_step(lambda: None, repeats=0)
+
+
+def test_default_loss_sums_floating_tensors_of_nested_outputs():
+    out = {"a": torch.ones(2, 3), "b": (torch.full((2,), 2.0), torch.arange(3))}
+    assert default_loss(out).item() == 10.0
+    with pytest.raises(ValueError, match="no floating-point"):
+        default_loss((torch.arange(3),))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_allocator_meter_sees_the_same_activations(mlp):  # pragma: no cover - GPU only
+    model, x = mlp
+    model, x = model.cuda(), x.cuda()
+    kept = []
+    measured = peak_memory(lambda: kept.append(model(x)), device="cuda")
+    assert measured == pytest.approx((D + 1) * ACT, rel=0.01)
