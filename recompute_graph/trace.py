@@ -7,11 +7,19 @@ symbolically (data-dependent Python control flow, ``.item()``, iteration over a 
 *opaque* ``call_module`` node; the rest of the model stays fine-grained. Only if the root module's own
 code cannot be traced is a :class:`~recompute_graph.errors.TraceError` raised.
 
+In-place operations are *functionalized* after tracing (``relu_`` -> ``relu``, ``ReLU(inplace=True)``
+-> a copy with ``inplace=False``, ``x += y`` -> ``x + y``) and later readers of the mutated tensor read the
+in-place node's result, which is what they saw in the original program. A recomputation schedule can
+then keep, free and recompute every value independently; the price is one transient activation where
+the original wrote in place. In-place writes into model inputs, parameters, buffers or views are kept
+as they are (functionalizing them would change what the program does).
+
 Tracing never modifies the user's model: torch.fx only patches functions for the duration of the trace
 and the returned ``GraphModule`` refers to the user's submodules and parameters without changing them.
 """
 from __future__ import annotations
 
+import copy
 import functools
 import operator
 import os
@@ -37,12 +45,14 @@ _THIS_FILE = os.path.abspath(__file__)
 
 @dataclass(frozen=True)
 class TraceResult:
-    """A traced model: the fx ``graph_module`` and the qualified names of the submodules that had to be
-    kept opaque (each one is a single node), with the reason tracing them failed."""
+    """A traced model: the fx ``graph_module``, the qualified names of the submodules that had to be kept
+    opaque (each one is a single node) with the reason tracing them failed, and the names of the nodes
+    whose in-place operation was functionalized."""
 
     graph_module: fx.GraphModule
     opaque_modules: tuple[str, ...]
     opaque_reasons: tuple[str, ...]
+    functionalized: tuple[str, ...] = ()
 
     def __repr__(self) -> str:
         nodes = sum(1 for n in self.graph_module.graph.nodes if n.op not in ("placeholder", "output"))
@@ -143,8 +153,87 @@ def trace(model: nn.Module) -> TraceResult:
         except Exception as error:  # noqa: BLE001
             raise _trace_error(model, "", error) from error
         graph_module = fx.GraphModule(tracer.root, graph, class_name=f"Traced{type(model).__name__}")
-        return TraceResult(graph_module, tuple(opaque), tuple(opaque.values()))
+        functionalized = _functionalize(graph_module)
+        return TraceResult(graph_module, tuple(opaque), tuple(opaque.values()), functionalized)
     raise TraceError(f"tracing {type(model).__name__} did not converge")  # pragma: no cover
+
+
+#: Out-of-place twins of in-place Python operators.
+OUT_OF_PLACE_OPERATORS = {
+    operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
+    operator.itruediv: operator.truediv, operator.ifloordiv: operator.floordiv, operator.imod: operator.mod,
+    operator.ipow: operator.pow, operator.iand: operator.and_, operator.ior: operator.or_,
+    operator.ixor: operator.xor, operator.ilshift: operator.lshift, operator.irshift: operator.rshift,
+    operator.imatmul: operator.matmul,
+}
+#: Producers whose result may share storage with another tensor: writing into them in place changes that
+#: other tensor too, so such writes are not functionalized.
+_VIEW_METHODS = frozenset({"view", "view_as", "reshape", "reshape_as", "permute", "transpose", "t", "narrow",
+                           "select", "squeeze", "unsqueeze", "flatten", "unflatten", "expand", "expand_as",
+                           "split", "chunk", "unbind", "diagonal", "unfold", "as_strided", "movedim",
+                           "swapaxes", "detach", "__getitem__", "contiguous", "real", "imag"})
+
+
+def _out_of_place_twin(gm: fx.GraphModule, node: fx.Node) -> Any:
+    """How to rewrite ``node`` out of place: a callable applying the change, or None if not in place."""
+    if node.op == "call_function":
+        if node.target in OUT_OF_PLACE_OPERATORS:
+            twin = OUT_OF_PLACE_OPERATORS[node.target]
+            return lambda: setattr(node, "target", twin)
+        name = getattr(node.target, "__name__", "")
+        if (name.endswith("_") and not name.startswith("_") and getattr(torch, name, None) is node.target
+                and callable(getattr(torch, name[:-1], None))):
+            twin = getattr(torch, name[:-1])
+            return lambda: setattr(node, "target", twin)
+        if node.kwargs.get("inplace") is True:
+            return lambda: setattr(node, "kwargs", {**node.kwargs, "inplace": False})
+    elif node.op == "call_method":
+        name = node.target
+        if name.endswith("_") and not name.startswith("_") and callable(getattr(torch.Tensor, name[:-1], None)):
+            return lambda: setattr(node, "target", name[:-1])
+    elif node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        if getattr(module, "inplace", None) is True:
+            def replace_module() -> None:
+                twin = copy.copy(module)  # shares parameters; the user's module keeps inplace=True
+                twin.inplace = False
+                parent, _, leaf = node.target.rpartition(".")
+                setattr(gm.get_submodule(parent), leaf, twin)
+            return replace_module
+    return None
+
+
+def _writes_through_to_something_else(target: fx.Node) -> bool:
+    if target.op in ("placeholder", "get_attr"):
+        return True
+    if target.op == "call_method" and target.target in _VIEW_METHODS:
+        return True
+    if target.op == "call_function" and (target.target is operator.getitem
+                                         or getattr(target.target, "__name__", "") in _VIEW_METHODS):
+        return True
+    return False
+
+
+def _functionalize(gm: fx.GraphModule) -> tuple[str, ...]:
+    """Rewrite in-place nodes out of place (see the module docstring); returns their names."""
+    rewritten = []
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    for node in list(gm.graph.nodes):
+        rewrite = _out_of_place_twin(gm, node)
+        if rewrite is None or not node.args or not isinstance(node.args[0], fx.Node):
+            continue
+        mutated = node.args[0]
+        if _writes_through_to_something_else(mutated):
+            continue
+        rewrite()
+        for user in list(mutated.users):
+            if user is not node and order[user] > order[node]:
+                user.replace_input_with(mutated, node)
+        rewritten.append(node.name)
+    if rewritten:
+        gm.graph.lint()
+        gm.recompile()
+    return tuple(rewritten)
 
 
 def _describe(error: BaseException) -> str:

@@ -183,11 +183,14 @@ def test_tied_weights_are_one_parameter():
     assert sum(n.param_grad_bytes for n in graph) == 11 * 6 * 4
 
 
-def test_in_place_activations_and_augmented_assignment_alias_their_input():
-    _, graph = check_traces_faithfully(InPlace(), torch.randn(3, 4))
-    inplace = [n for n in graph if n.inplace]
-    assert {n.target for n in inplace} == {"relu", "_operator.iadd", "mul_", "sigmoid_"}
-    assert all(n.output_bytes == 0 and n.alias_of is not None for n in inplace)
+def test_in_place_activations_and_augmented_assignment_are_functionalized():
+    model = InPlace()
+    result, graph = check_traces_faithfully(model, torch.randn(3, 4))
+    assert set(result.functionalized) == {"relu", "iadd", "mul_", "sigmoid_"}
+    assert model.relu.inplace, "the user's module keeps inplace=True"
+    assert not any(n.inplace for n in graph)
+    assert all(graph[name].output_bytes == 3 * 4 * 4 and graph[name].alias_of is None
+               for name in ("relu", "iadd", "mul_", "sigmoid_"))
 
 
 def test_tuple_and_dict_outputs():
@@ -231,3 +234,35 @@ def test_untraceable_root_raises_trace_error_naming_module_and_line_and_leaves_m
 def test_non_module_is_rejected():
     with pytest.raises(TraceError, match="nn.Module"):
         trace(lambda x: x)
+
+
+class ReadsAfterInPlace(nn.Module):
+    """``x.add_(1)`` then reading ``x``: readers must see the updated values after functionalization."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        before = h * 3          # reads h before the write
+        h.add_(1)
+        return h * 2 + before   # reads h after the write
+
+
+def test_readers_after_an_in_place_write_read_the_written_value():
+    model = ReadsAfterInPlace()
+    result, graph = check_traces_faithfully(model, torch.randn(2, 4))
+    assert result.functionalized == ("add_",)
+    assert graph["mul_1"].predecessors == (graph["add_"].index,)
+
+
+def test_in_place_writes_into_inputs_are_kept_in_place():
+    class WritesInput(nn.Module):
+        def forward(self, x):
+            x.mul_(2)
+            return x + 1
+    result = trace(WritesInput())
+    assert result.functionalized == ()
+    x = torch.ones(3)
+    assert torch.equal(result.graph_module(x), torch.full((3,), 3.0)) and torch.equal(x, torch.full((3,), 2.0))
