@@ -12,7 +12,8 @@ Two passes over the traced graph, both with the model in its current train/eval 
    counter moved), ``random`` (a random aten op ran) and ``stateful`` (a module buffer was written).
 2. **Compute pass**: each node is run again in isolation on detached copies of its inputs, forward and
    backward, under ``torch.utils.flop_counter.FlopCounterMode`` (FLOPs, deterministic) and, when
-   ``timing="measure"``, timed on the model's device (warm-up, ``repeats`` runs, median).
+   ``timing="measure"``, timed on the model's device (warm-up, ``repeats`` runs, median). The storage
+   tracker around the isolated backward gives ``backward_workspace_bytes``.
 
 ``timing="flops"`` (forced on the ``meta`` device) prices time from FLOPs and bytes moved with a
 :class:`DeviceProfile` roofline: ``seconds = max(flops / flops_per_second, bytes / bytes_per_second)``.
@@ -278,6 +279,7 @@ class _NodeCompute:
     forward_seconds: float | None = None
     backward_seconds: float | None = None
     forward_bytes_moved: int = 0
+    backward_workspace_bytes: int = 0
 
 
 class _ComputePass(fx.Interpreter):
@@ -325,14 +327,15 @@ class _ComputePass(fx.Interpreter):
         with torch.enable_grad():
             return getattr(self, n.op)(n.target, fresh_args, fresh_kwargs)
 
-    def _backward(self, n: fx.Node, out: Any, leaves: list[torch.Tensor]) -> bool:
+    def _backward(self, n: fx.Node, out: Any, leaves: list[torch.Tensor]) -> list[torch.Tensor | None] | None:
+        """Backward of one isolated node; returns the gradients of its inputs (None: no backward)."""
         outputs = [t for t in _tensors(out) if t.requires_grad]
         if not outputs:
-            return False
+            return None
         params = [p for p in self._node_parameters(n) if p.requires_grad]
-        targets = leaves + params
-        torch.autograd.grad(outputs, targets, [torch.ones_like(t) for t in outputs], allow_unused=True)
-        return True
+        grads = torch.autograd.grad(outputs, leaves + params, [torch.ones_like(t) for t in outputs],
+                                    allow_unused=True)
+        return list(grads[: len(leaves)])
 
     def _node_parameters(self, n: fx.Node) -> list[nn.Parameter]:
         if n.op == "call_module":
@@ -348,9 +351,15 @@ class _ComputePass(fx.Interpreter):
             out = self._forward(n, fresh_args, fresh_kwargs)
         record.forward_flops = int(counter.get_total_flops())
         record.forward_bytes_moved += sum(t.numel() * t.element_size() for t in _tensors(out))
-        with FlopCounterMode(display=False) as counter:
-            has_backward = self._backward(n, out, leaves)
+        with FlopCounterMode(display=False) as counter, StorageTracker() as tracker:
+            input_grads = self._backward(n, out, leaves)
         record.backward_flops = int(counter.get_total_flops())
+        has_backward = input_grads is not None
+        if has_backward:
+            returned = sum(g.untyped_storage().nbytes() for g in _unique_storages(
+                [g for g in input_grads if g is not None]) if storage_key(g) in tracker._live)
+            record.backward_workspace_bytes = max(0, tracker.peak_bytes - returned)
+        del input_grads
         del out, leaves
         if self.timing == "measure":
             device = next((t.device for t in _tensors((args, kwargs))), torch.device("cpu"))
@@ -418,7 +427,8 @@ def _build_cost_graph(gm: fx.GraphModule, traced: TraceResult, memory: _MemoryPa
             saved_input_bytes=mem.saved_input_bytes, saved_output_bytes=mem.saved_output_bytes,
             saved_buffer_bytes=mem.saved_buffer_bytes,
             backward_needs=tuple(sorted(index_of[o] for o in mem.backward_needs)),
-            workspace_bytes=mem.workspace_bytes, param_grad_bytes=param_grad_bytes[i],
+            workspace_bytes=mem.workspace_bytes, backward_workspace_bytes=comp.backward_workspace_bytes,
+            param_grad_bytes=param_grad_bytes[i],
             forward_cost=forward_cost, backward_cost=backward_cost,
             forward_flops=comp.forward_flops, backward_flops=comp.backward_flops,
             requires_grad=mem.requires_grad, inplace=mem.inplace, random=mem.random, stateful=mem.stateful,
@@ -427,12 +437,14 @@ def _build_cost_graph(gm: fx.GraphModule, traced: TraceResult, memory: _MemoryPa
     parameters = {p.untyped_storage()._cdata: p.untyped_storage().nbytes() for p in gm.parameters()}
     buffers = {b.untyped_storage()._cdata: b.untyped_storage().nbytes() for b in gm.buffers()}
     input_storages = {storage_key(t): t.untyped_storage().nbytes() for t in _tensors(inputs)}
+    output_node = next(n for n in gm.graph.nodes if n.op == "output")
+    outputs = sorted({index_of[a.name] for a in output_node.all_input_nodes if a.name in index_of})
     source = "flop-estimate" if timing == "flops" else "measured"
     return CostGraph(
         name=name, nodes=tuple(nodes), cost_unit="seconds",
         cost_source=f"{source} ({device_profile.name})" if timing == "flops" else source,
         input_bytes=sum(input_storages.values()), parameter_bytes=sum(parameters.values()),
-        buffer_bytes=sum(buffers.values()), implicit_backward=True, source="traced",
+        buffer_bytes=sum(buffers.values()), implicit_backward=True, source="traced", output_indices=tuple(outputs),
     )
 
 

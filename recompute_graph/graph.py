@@ -69,6 +69,9 @@ class CostNode:
         saves its own output). Empty for nodes without backward.
     workspace_bytes
         Peak transient storage of the forward beyond its output and saved buffers (0 if not measured).
+    backward_workspace_bytes
+        Peak transient storage of the backward beyond the input gradients it returns: internal
+        temporaries and the fresh gradients of the parameters it uses (which are then accumulated).
     param_grad_bytes
         Bytes of parameter gradients this node's backward allocates. A parameter shared by several
         nodes is charged to the one whose backward runs first (the last user in forward order).
@@ -98,6 +101,7 @@ class CostNode:
     saved_buffer_bytes: int = 0
     backward_needs: tuple[int, ...] = ()
     workspace_bytes: int = 0
+    backward_workspace_bytes: int = 0
     param_grad_bytes: int = 0
     forward_cost: float = 0.0
     backward_cost: float = 0.0
@@ -126,6 +130,8 @@ class CostGraph:
     ``input_bytes``, ``parameter_bytes`` and ``buffer_bytes`` are live before a step and are *not*
     part of the budget; ``parameter_bytes`` also tells how large the parameter gradients may get.
 
+    ``output_indices``: the nodes whose values the model returns (default: the sinks).
+
     ``implicit_backward``: True (traced models, Kusumoto graphs) when every node is a forward operation
     whose backward is described by its ``backward_*`` fields. False for plain scheduling DAGs whose nodes
     already are every computation to schedule: Checkmate's joint forward+backward graphs (nodes with
@@ -141,6 +147,7 @@ class CostGraph:
     buffer_bytes: int = 0
     implicit_backward: bool = True
     source: str = ""
+    output_indices: tuple[int, ...] = ()
     _index_by_name: dict[str, int] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -158,6 +165,10 @@ class CostGraph:
             for i, node in enumerate(nodes)
         )
         object.__setattr__(self, "nodes", rebuilt)
+        object.__setattr__(self, "output_indices", tuple(self.output_indices))
+        for o in self.output_indices:
+            if not 0 <= o < len(nodes):
+                raise GraphError(f"CostGraph {self.name!r}: output {o} is not a node")
         object.__setattr__(self, "_index_by_name", names)
         for name in ("input_bytes", "parameter_bytes", "buffer_bytes"):
             if getattr(self, name) < 0:
@@ -184,7 +195,7 @@ class CostGraph:
             if not 0 <= node.alias_of < position:
                 raise GraphError(f"{where}: alias_of={node.alias_of} must name an earlier node")
         for attr in ("output_bytes", "grad_bytes", "saved_input_bytes", "saved_output_bytes",
-                     "saved_buffer_bytes", "workspace_bytes", "param_grad_bytes", "forward_flops",
+                     "saved_buffer_bytes", "workspace_bytes", "backward_workspace_bytes", "param_grad_bytes", "forward_flops",
                      "backward_flops"):
             if getattr(node, attr) < 0:
                 raise GraphError(f"{where}: {attr} is negative")
@@ -220,6 +231,11 @@ class CostGraph:
     @property
     def sinks(self) -> tuple[int, ...]:
         return tuple(n.index for n in self.nodes if not n.successors)
+
+    @property
+    def outputs(self) -> tuple[int, ...]:
+        """Nodes whose values the model returns (the sinks when not given)."""
+        return self.output_indices or self.sinks
 
     def storage_owner(self, index: int) -> int:
         """Index of the node that owns the storage of ``index``'s output (follows ``alias_of``)."""
@@ -274,6 +290,7 @@ class CostGraph:
             "name": self.name, "cost_unit": self.cost_unit, "cost_source": self.cost_source,
             "input_bytes": self.input_bytes, "parameter_bytes": self.parameter_bytes,
             "buffer_bytes": self.buffer_bytes, "implicit_backward": self.implicit_backward, "source": self.source,
+            "output_indices": list(self.output_indices),
             "nodes": [{k: v for k, v in n.to_dict().items() if k != "successors"} for n in self.nodes],
         }
 
@@ -294,6 +311,7 @@ class CostGraph:
             nodes.append(CostNode(**raw))
         kwargs = {k: data[k] for k in ("name", "cost_unit", "cost_source", "input_bytes", "parameter_bytes",
                                        "buffer_bytes", "implicit_backward", "source") if k in data}
+        kwargs["output_indices"] = tuple(data.get("output_indices", ()))
         return cls(nodes=tuple(nodes), **kwargs)
 
     def save(self, path: str) -> None:

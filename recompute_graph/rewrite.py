@@ -1,0 +1,404 @@
+"""The executor: runs any schedule the simulator accepts, on any device.
+
+One ``torch.autograd.Function`` wraps the whole model. Its ``forward`` runs the schedule's forward ops,
+its ``backward`` the backward ops, node by node (the Rotor/Rockmate model, docs/architecture.md):
+
+* ``Forward(v, tape=False)`` runs the fx node under ``torch.no_grad()``.
+* ``Forward(v, tape=True)`` runs it with grad enabled on *detached* inputs (leaves requiring grad), so
+  that the node has a local autograd graph holding exactly what its backward saves.
+* ``FreeValue(v)`` drops the executor's reference. If the node's tape still exists, the tape's output
+  tensor gets an empty placeholder as ``.data`` so that the storage lives only while saved tensors need
+  it; the shape is restored right before the backward.
+* ``Backward(v)`` calls ``torch.autograd.grad`` on the node's local graph with the accumulated gradient
+  of its output, adds the gradients of the detached inputs into their producers' buffers, and collects
+  parameter gradients, which ``backward`` returns to autograd (so parameter hooks and DDP work as usual).
+
+Correctness of recomputation: a node's first computation in a step records the CPU and CUDA RNG states
+and every recomputation replays them (dropout masks are identical); a recomputation of a node that
+mutates module buffers (BatchNorm running statistics) restores them afterwards, so they are updated
+exactly once per step. Non-tensor intermediates (shape arithmetic) are evaluated once per step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import fx, nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .errors import RecomputeError
+from .graph import CostGraph
+from .measure import storage_key
+from .schedule import Backward, Forward, FreeValue, Op, Schedule
+
+__all__ = ["RewriteError", "ScheduleExecutor"]
+
+
+class RewriteError(RecomputeError):
+    """The traced model cannot be executed under a schedule (the message says which node and why)."""
+
+
+@dataclass
+class _Tape:
+    outputs: list[torch.Tensor]            # output tensors requiring grad (local graph roots)
+    positions: list[int]                   # their positions in the node's flattened value
+    leaves: list[tuple[Any, int, torch.Tensor]]  # (source, position, detached input leaf)
+    parameters: list[nn.Parameter]
+    freed_shapes: list[torch.Size] | None = None
+
+
+@dataclass
+class _StepState:
+    """Everything one training step keeps between the forward and the backward ops."""
+
+    values: dict[int, Any] = field(default_factory=dict)
+    static: dict[str, Any] = field(default_factory=dict)
+    tapes: dict[int, _Tape] = field(default_factory=dict)
+    grads: dict[Any, dict[int, torch.Tensor]] = field(default_factory=dict)
+    owned_grads: set[tuple[Any, int]] = field(default_factory=set)
+    rng_states: dict[int, tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]] = field(default_factory=dict)
+    computed: set[int] = field(default_factory=set)
+    output_sources: list[tuple[int | None, int]] = field(default_factory=list)
+
+
+class ScheduleExecutor:
+    """Executes a :class:`Schedule` over the fx graph a :class:`CostGraph` was profiled from.
+
+    ``observer(phase, position, op)`` (optional) is called after every op, e.g. to record memory.
+    """
+
+    def __init__(self, graph_module: fx.GraphModule, graph: CostGraph, schedule: Schedule,
+                 observer: Callable[[str, int, Op], None] | None = None) -> None:
+        self.gm = graph_module
+        self.graph = graph
+        self.schedule = schedule
+        self.observer = observer
+        self.fx_nodes = {n.name: n for n in graph_module.graph.nodes}
+        missing = [node.name for node in graph if node.name not in self.fx_nodes]
+        if missing:
+            raise RewriteError(f"cost graph nodes {missing[:5]} are not in the traced module; profile the "
+                               "same traced module that you execute")
+        self.cost_index = {node.name: node.index for node in graph}
+        self.fx_of = [self.fx_nodes[node.name] for node in graph]
+        self.placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
+        self.output_node = next(n for n in graph_module.graph.nodes if n.op == "output")
+        self.parameters = _unique([p for p in graph_module.parameters() if p.requires_grad])
+        self._parameter_ids = {id(p): i for i, p in enumerate(self.parameters)}
+        self._node_parameters = [self._parameters_of(n) for n in self.fx_of]
+        self._state_tensors = [self._mutable_state(n) if graph.nodes[i].stateful else []
+                               for i, n in enumerate(self.fx_of)]
+
+    # ------------------------------------------------------------------ public entry points
+    def run_forward(self, inputs: Sequence[Any]) -> tuple[_StepState, Any]:
+        """Run the forward ops on ``inputs`` (one per placeholder); returns the state and the output."""
+        state = _StepState()
+        for placeholder, value in zip(self.placeholders, inputs):
+            state.static[placeholder.name] = value
+        for position, op in enumerate(self.schedule.forward_ops):
+            self._run(state, op, first_pass=True)
+            if self.observer is not None:
+                self.observer("forward", position, op)
+        output = fx.node.map_arg(self.output_node.args[0], lambda a: self._lookup(state, a))
+        for leaf in tree_flatten(self.output_node.args[0])[0]:
+            count = sum(isinstance(t, torch.Tensor) for t in tree_flatten(self._lookup(state, leaf))[0]) \
+                if isinstance(leaf, fx.Node) else int(isinstance(leaf, torch.Tensor))
+            source = self.cost_index.get(leaf.name) if isinstance(leaf, fx.Node) else None
+            state.output_sources += [(source, k) for k in range(count)]
+        return state, output
+
+    def run_backward(self, state: _StepState, output_grads: Sequence[torch.Tensor | None]
+                     ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+        """Run the backward ops given the gradients of the flattened tensor outputs; returns the
+        gradients of the placeholders and of ``self.parameters``."""
+        for (source, position), grad in zip(state.output_sources, output_grads):
+            if source is not None and grad is not None:
+                self._accumulate(state, source, position, grad)
+        state.output_sources = []
+        for position, op in enumerate(self.schedule.backward_ops):
+            self._run(state, op, first_pass=False)
+            if self.observer is not None:
+                self.observer("backward", position, op)
+        input_grads = [state.grads.get(("input", p.name), {}).get(0) for p in self.placeholders]
+        collected = state.grads.get("parameters", {})
+        parameter_grads = [collected.get(i) for i in range(len(self.parameters))]
+        state.values.clear()
+        state.tapes.clear()
+        state.grads.clear()
+        return input_grads, parameter_grads
+
+    # ------------------------------------------------------------------ ops
+    def _run(self, state: _StepState, op: Op, first_pass: bool) -> None:
+        if isinstance(op, Forward):
+            self._forward(state, op.node, op.tape)
+            if first_pass:
+                self._evaluate_static_users(state, self.fx_of[op.node])
+        elif isinstance(op, FreeValue):
+            self._free(state, op.node)
+        elif isinstance(op, Backward):
+            self._backward(state, op.node)
+        else:  # pragma: no cover - the simulator rejects these first
+            raise RewriteError(f"unknown op {op!r}")
+
+    def _forward(self, state: _StepState, index: int, tape: bool) -> None:
+        node = self.fx_of[index]
+        leaves: list[tuple[Any, int, torch.Tensor]] = []
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs),
+                                       lambda a: self._input(state, a, leaves if tape else None))
+        recompute = index in state.computed
+        restore = [(t, t.clone()) for t in self._state_tensors[index]] if recompute else []
+        saved: set[int] = set()
+        try:
+            with _replayed_rng(state, index, self.graph.nodes[index].random, recompute, args):
+                with torch.set_grad_enabled(tape), _SavedStorages(saved, active=tape):
+                    out = self._call(node, args, kwargs)
+        except Exception as error:  # noqa: BLE001
+            raise RewriteError(f"node {node.format_node()} failed: {type(error).__name__}: {error}") from error
+        finally:
+            with torch.no_grad():
+                for tensor, saved in restore:
+                    tensor.copy_(saved)
+        state.computed.add(index)
+        state.values[index] = out
+        if tape:
+            flat = tree_flatten(out)[0]
+            positions = [k for k, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if positions:
+                state.tapes[index] = _Tape([flat[k] for k in positions], positions, leaves,
+                                           self._node_parameters[index])
+            # The local graph holds its input leaves; release the storage of those its backward does not
+            # read (saved tensors are separate aliases, see _SavedStorages).
+            outputs = {id(t) for t in flat}
+            for _, _, leaf in leaves:
+                if id(leaf) not in outputs and storage_key(leaf) not in saved:
+                    leaf.data = torch.empty(0, dtype=leaf.dtype, device=leaf.device)
+
+    def _free(self, state: _StepState, index: int) -> None:
+        value = state.values.pop(index)
+        tape = state.tapes.get(index)
+        if tape is not None and tape.freed_shapes is None:
+            flat = tree_flatten(value)[0]
+            if all(any(t is f for f in flat) for t in tape.outputs):
+                tape.freed_shapes = [t.shape for t in tape.outputs]
+                leaves = [leaf for _, _, leaf in tape.leaves]
+                for t in tape.outputs:
+                    base = t._base
+                    # a view output keeps its base alive: release it too when it belongs to this node
+                    # (created inside it, or one of its input leaves); never a parameter or buffer
+                    if base is not None and (base.grad_fn is not None or any(base is leaf for leaf in leaves)):
+                        base.data = torch.empty(0, dtype=base.dtype, device=base.device)
+                    t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+
+    def _backward(self, state: _StepState, index: int) -> None:
+        tape = state.tapes.pop(index, None)
+        grads = state.grads.pop(index, {})
+        if tape is None:
+            return
+        pairs = [(t, grads[k]) for t, k in zip(tape.outputs, tape.positions) if k in grads]
+        if not pairs:
+            return
+        if tape.freed_shapes is not None:
+            for t, shape in zip(tape.outputs, tape.freed_shapes):
+                t.data = torch.empty((), dtype=t.dtype, device=t.device).expand(shape)
+        targets = [leaf for _, _, leaf in tape.leaves] + tape.parameters
+        try:
+            results = torch.autograd.grad([t for t, _ in pairs], targets, [g for _, g in pairs],
+                                          allow_unused=True)
+        except RuntimeError as error:
+            raise RewriteError(f"backward of node {self.fx_of[index].format_node()} failed: {error}") from error
+        fresh = _fresh_results(results, [g for _, g in pairs])
+        for (source, position, _), grad, owned in zip(tape.leaves, results, fresh):
+            if grad is not None:
+                self._accumulate(state, source, position, grad, owned)
+        for parameter, grad, owned in zip(tape.parameters, results[len(tape.leaves):], fresh[len(tape.leaves):]):
+            if grad is not None:
+                self._accumulate(state, "parameters", self._parameter_ids[id(parameter)], grad, owned)
+
+    # ------------------------------------------------------------------ helpers
+    def _accumulate(self, state: _StepState, source: Any, position: int, grad: torch.Tensor,
+                    owned: bool = False) -> None:
+        """Add ``grad`` into a gradient buffer. A buffer that may alias another tensor (``owned`` False:
+        autograd returned an incoming gradient as is) is never written in place."""
+        buffers = state.grads.setdefault(source, {})
+        previous = buffers.get(position)
+        if previous is None:
+            buffers[position] = grad
+            if owned:
+                state.owned_grads.add((source, position))
+        elif (source, position) in state.owned_grads:
+            previous.add_(grad)
+        else:
+            buffers[position] = previous + grad
+            state.owned_grads.add((source, position))
+
+    def _input(self, state: _StepState, a: fx.Node, leaves: list | None) -> Any:
+        value = self._lookup(state, a)
+        if leaves is None or (a.name not in self.cost_index and a.op != "placeholder"):
+            return value
+        source = self.cost_index.get(a.name, ("input", a.name))
+        # values computed without tape do not require grad at run time: ask the cost graph instead
+        node_needs_grad = a.name in self.cost_index and self.graph.nodes[self.cost_index[a.name]].requires_grad
+        flat, spec = tree_flatten(value)
+        detached = []
+        for position, item in enumerate(flat):
+            if isinstance(item, torch.Tensor) and (item.requires_grad or (
+                    node_needs_grad and (item.is_floating_point() or item.is_complex()))):
+                leaf = item.detach().requires_grad_(True)
+                leaves.append((source, position, leaf))
+                detached.append(leaf)
+            elif isinstance(item, torch.Tensor):
+                detached.append(item.detach())
+            else:
+                detached.append(item)
+        return tree_unflatten(detached, spec)
+
+    def _lookup(self, state: _StepState, a: fx.Node) -> Any:
+        if a.name in self.cost_index:
+            index = self.cost_index[a.name]
+            if index not in state.values:
+                raise RewriteError(f"node {a.name!r} is read but its value is not live; the schedule was not "
+                                   "checked by the simulator")
+            return state.values[index]
+        if a.name not in state.static:
+            self._evaluate_static(state, a)
+        return state.static[a.name]
+
+    def _evaluate_static(self, state: _StepState, a: fx.Node) -> None:
+        if a.op == "get_attr":
+            target: Any = self.gm
+            for part in a.target.split("."):
+                target = getattr(target, part)
+            state.static[a.name] = target
+            return
+        if a.op == "placeholder":
+            raise RewriteError(f"model input {a.name!r} was not given")
+        args, kwargs = fx.node.map_arg((a.args, a.kwargs), lambda b: self._lookup(state, b))
+        with torch.no_grad():
+            state.static[a.name] = self._call(a, args, kwargs)
+
+    def _evaluate_static_users(self, state: _StepState, node: fx.Node) -> None:
+        """Evaluate non-tensor users (shape arithmetic) as soon as their inputs exist, once per step."""
+        for user in node.users:
+            if user.name in self.cost_index or user.name in state.static or user.op == "output":
+                continue
+            if all(self._available(state, a) for a in user.all_input_nodes):
+                self._evaluate_static(state, user)
+                self._evaluate_static_users(state, user)
+
+    def _available(self, state: _StepState, a: fx.Node) -> bool:
+        if a.name in self.cost_index:
+            return self.cost_index[a.name] in state.values
+        return a.name in state.static or a.op == "get_attr"
+
+    def _call(self, node: fx.Node, args: Any, kwargs: Any) -> Any:
+        if node.op == "call_module":
+            return self.gm.get_submodule(node.target)(*args, **kwargs)
+        if node.op == "call_function":
+            return node.target(*args, **kwargs)
+        if node.op == "call_method":
+            receiver, *rest = args
+            return getattr(receiver, node.target)(*rest, **kwargs)
+        raise RewriteError(f"cannot execute node {node.format_node()}")  # pragma: no cover
+
+    def _parameters_of(self, node: fx.Node) -> list[nn.Parameter]:
+        if node.op == "call_module":
+            found = list(self.gm.get_submodule(node.target).parameters())
+        else:
+            found = []
+            for a in node.all_input_nodes:
+                if a.op == "get_attr":
+                    value = self._get_attr(a)
+                    if isinstance(value, nn.Parameter):
+                        found.append(value)
+        return _unique([p for p in found if p.requires_grad])
+
+    def _get_attr(self, a: fx.Node) -> Any:
+        target: Any = self.gm
+        for part in a.target.split("."):
+            target = getattr(target, part)
+        return target
+
+    def _mutable_state(self, node: fx.Node) -> list[torch.Tensor]:
+        """Buffers a stateful node may write (restored after each recomputation)."""
+        if node.op == "call_module":
+            return list(self.gm.get_submodule(node.target).buffers())
+        return [self._get_attr(a) for a in node.all_input_nodes
+                if a.op == "get_attr" and isinstance(self._get_attr(a), torch.Tensor)
+                and not isinstance(self._get_attr(a), nn.Parameter)]
+
+
+def _unique(parameters: list[nn.Parameter]) -> list[nn.Parameter]:
+    seen: set[int] = set()
+    unique = []
+    for p in parameters:
+        if id(p) not in seen:
+            seen.add(id(p))
+            unique.append(p)
+    return unique
+
+
+def _fresh_results(results: Sequence[torch.Tensor | None], incoming: list[torch.Tensor]) -> list[bool]:
+    """Which gradients autograd returned in storage of their own (not an incoming gradient passed
+    through, not shared with another result): those may be accumulated into in place."""
+    incoming_keys = {storage_key(g) for g in incoming}
+    keys = [storage_key(r) if r is not None else None for r in results]
+    return [k is not None and k not in incoming_keys and keys.count(k) == 1 for k in keys]
+
+
+class _SavedStorages:
+    """While active, record the storages autograd saves and pack each saved tensor as a separate alias,
+    so that emptying ``.data`` of an input leaf or an output never touches what the backward reads."""
+
+    def __init__(self, saved: set[int], active: bool) -> None:
+        self.saved = saved
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack) if active else None
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        key = storage_key(tensor)
+        if key is not None:
+            self.saved.add(key)
+        return tensor.detach()
+
+    def __enter__(self) -> None:
+        if self.hooks is not None:
+            self.hooks.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.hooks is not None:
+            self.hooks.__exit__(*exc)
+
+
+def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+class _replayed_rng:
+    """First computation of a random node: record the RNG states. Recomputation: replay them and put the
+    generators back afterwards, so the rest of the step draws the same numbers as without recomputation."""
+
+    def __init__(self, state: _StepState, index: int, random: bool, recompute: bool, args: Any) -> None:
+        self.state, self.index, self.active = state, index, random
+        self.recompute = recompute
+        self.devices = sorted({t.device.index or 0 for t in tree_flatten(args)[0]
+                               if isinstance(t, torch.Tensor) and t.device.type == "cuda"})
+        self.saved: tuple[torch.Tensor, list[tuple[int, torch.Tensor]]] | None = None
+
+    def __enter__(self) -> None:
+        if not self.active:
+            return
+        current = (torch.get_rng_state(), [(d, torch.cuda.get_rng_state(d)) for d in self.devices])
+        if not self.recompute or self.index not in self.state.rng_states:
+            self.state.rng_states[self.index] = current
+            return
+        self.saved = current
+        cpu, cuda = self.state.rng_states[self.index]
+        torch.set_rng_state(cpu)
+        for device, rng in cuda:
+            torch.cuda.set_rng_state(rng, device)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.saved is not None:
+            cpu, cuda = self.saved
+            torch.set_rng_state(cpu)
+            for device, rng in cuda:
+                torch.cuda.set_rng_state(rng, device)

@@ -1,0 +1,205 @@
+"""The schedule IR: one ordered program of operations over a cost graph, for every solver.
+
+Operations (node = index into the :class:`~recompute_graph.graph.CostGraph`):
+
+``Forward(node, tape)``
+    Compute the node's output from the current values of its predecessors, which must be live. The
+    result becomes the node's current value (a previous value of the same node is dropped). With
+    ``tape=True`` autograd records what the node's backward needs (its saved tensors) until
+    ``Backward(node)``; with ``tape=False`` nothing is recorded (``torch.no_grad``). The first
+    ``Forward`` of a node in a step is its computation; every further one is a *recomputation*.
+``FreeValue(node)``
+    Drop the node's current value. Its storage survives only while a tape (or a view) still refers to it.
+``Backward(node)``
+    Run the node's backward from its tape and the gradient of its output: add the gradients of its
+    inputs into their buffers, produce its parameter gradients, then release the tape and the output
+    gradient. A node whose output gradient never arrived (unused output) does nothing.
+
+A :class:`Schedule` has ``forward_ops`` (run inside the model's forward call; the model outputs must be
+live at their end) and ``backward_ops`` (run when autograd reaches the model in backward; the gradients
+of the outputs are available at their start). Graphs with ``implicit_backward=False`` (joint graphs
+whose backward computations are nodes of their own) use ``Forward``/``FreeValue`` only.
+
+Strategies become schedules through one shared function, :func:`lower_segments`, which turns an
+increasing sequence of lower sets ``L_1 ⊊ ... ⊊ L_k = V`` (Kusumoto et al. 2019; Chen et al.'s segments
+are prefixes of a topological order) into ops, and :func:`insert_frees`, a liveness pass that frees
+every value right after its last reader.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Iterable, Sequence, Union
+
+from .errors import GraphError
+from .graph import CostGraph
+
+__all__ = ["Forward", "FreeValue", "Backward", "Op", "Schedule", "lower_segments", "insert_frees",
+           "store_all_lower_sets", "prefix_lower_sets"]
+
+
+@dataclass(frozen=True)
+class Forward:
+    node: int
+    tape: bool = True
+
+    def __repr__(self) -> str:
+        return f"Forward({self.node}{'' if self.tape else ', tape=False'})"
+
+
+@dataclass(frozen=True)
+class FreeValue:
+    node: int
+
+    def __repr__(self) -> str:
+        return f"FreeValue({self.node})"
+
+
+@dataclass(frozen=True)
+class Backward:
+    node: int
+
+    def __repr__(self) -> str:
+        return f"Backward({self.node})"
+
+
+Op = Union[Forward, FreeValue, Backward]
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """An ordered program of ops: ``forward_ops`` then, in backward, ``backward_ops``."""
+
+    forward_ops: tuple[Op, ...]
+    backward_ops: tuple[Op, ...] = ()
+
+    @property
+    def ops(self) -> tuple[Op, ...]:
+        return self.forward_ops + self.backward_ops
+
+    def computation_counts(self) -> Counter[int]:
+        """How many times each node is computed (1 = never recomputed)."""
+        return Counter(op.node for op in self.ops if isinstance(op, Forward))
+
+    def recomputed_nodes(self) -> tuple[int, ...]:
+        return tuple(sorted(n for n, count in self.computation_counts().items() if count > 1))
+
+    def __repr__(self) -> str:
+        counts = self.computation_counts()
+        extra = sum(c - 1 for c in counts.values())
+        return (f"Schedule({len(self.forward_ops)} forward ops, {len(self.backward_ops)} backward ops, "
+                f"{extra} recomputations of {sum(1 for c in counts.values() if c > 1)} nodes)")
+
+
+def _reads(graph: CostGraph, op: Op) -> tuple[int, ...]:
+    return graph.nodes[op.node].predecessors if isinstance(op, Forward) else ()
+
+
+def insert_frees(graph: CostGraph, forward_ops: Sequence[Op], backward_ops: Sequence[Op],
+                 outputs: Iterable[int] | None = None) -> Schedule:
+    """Add ``FreeValue`` ops so that every value is dropped right after its last reader.
+
+    Readers: a ``Forward`` reads its predecessors; the end of the forward ops reads the model outputs.
+    A value that nobody reads before it is recomputed (or before the end) is freed right after it is
+    computed; what its backward needs stays alive through the tape. Existing ``FreeValue`` ops in the
+    input are dropped and re-derived.
+    """
+    outputs = tuple(graph.outputs if outputs is None else outputs)
+    sequence: list[Op | None] = [op for op in forward_ops if not isinstance(op, FreeValue)]
+    boundary = len(sequence)
+    sequence.append(None)  # the end of the forward ops: reads the outputs
+    sequence += [op for op in backward_ops if not isinstance(op, FreeValue)]
+    current: dict[int, int] = {}          # node -> position of the op that defined its current value
+    last_read: dict[int, int] = {}        # defining position -> last position that reads it
+    owner_node: dict[int, int] = {}       # defining position -> node
+    for position, op in enumerate(sequence):
+        reads = outputs if op is None else _reads(graph, op)
+        for node in reads:
+            if node in current:
+                last_read[current[node]] = position
+        if isinstance(op, Forward):
+            current[op.node] = position
+            last_read.setdefault(position, position)
+            owner_node[position] = op.node
+    frees_after: dict[int, list[int]] = {}
+    for definition, position in last_read.items():
+        frees_after.setdefault(position, []).append(owner_node[definition])
+    forward: list[Op] = []
+    backward: list[Op] = []
+    for position, op in enumerate(sequence):
+        target = forward if position < boundary else backward
+        if op is not None:
+            target.append(op)
+        for node in sorted(frees_after.get(position, ())):
+            (backward if position >= boundary else forward).append(FreeValue(node))
+    return Schedule(tuple(forward), tuple(backward))
+
+
+def _check_lower_sets(graph: CostGraph, lower_sets: Sequence[frozenset[int]]) -> None:
+    everything = frozenset(range(len(graph)))
+    if not lower_sets or lower_sets[-1] != everything:
+        raise GraphError("a strategy must end with the lower set of all nodes")
+    previous: frozenset[int] = frozenset()
+    for position, lower in enumerate(lower_sets):
+        if not previous < lower:
+            raise GraphError(f"lower set {position} does not strictly contain the previous one")
+        for v in lower:
+            if any(p not in lower for p in graph.nodes[v].predecessors):
+                raise GraphError(f"set {position} is not a lower set: node {v} is in it but not all its "
+                                 "predecessors")
+        previous = lower
+
+
+def lower_segments(graph: CostGraph, lower_sets: Sequence[Iterable[int]]) -> Schedule:
+    """Lower an increasing sequence of lower sets ``L_1 ⊊ ... ⊊ L_k = V`` to a schedule.
+
+    Forward: segments ``V_i = L_i \\ L_{i-1}`` in order; segments before the last run without tape and
+    keep only what later segments read (the boundary); the last segment runs with tape and is not
+    recomputed. Backward, for ``i = k..1``: segments before the last are recomputed with tape (nodes
+    whose output needs no gradient only if a recomputed node reads them), then every node of ``V_i``
+    runs its backward in reverse topological order. Frees come from :func:`insert_frees`.
+    """
+    sets = [frozenset(lower) for lower in lower_sets]
+    _check_lower_sets(graph, sets)
+    if not graph.implicit_backward:
+        raise GraphError(f"graph {graph.name!r} has explicit backward nodes; lower_segments needs a graph "
+                         "whose backward is implicit")
+    segments = []
+    previous: frozenset[int] = frozenset()
+    for lower in sets:
+        segments.append(sorted(lower - previous))
+        previous = lower
+    last = len(segments) - 1
+    forward_ops: list[Op] = []
+    for i, segment in enumerate(segments):
+        for v in segment:
+            forward_ops.append(Forward(v, tape=(i == last) and graph.nodes[v].requires_grad))
+    backward_ops: list[Op] = []
+    for i in range(last, -1, -1):
+        segment = segments[i]
+        if i < last:
+            backward_ops += [Forward(v, tape=graph.nodes[v].requires_grad)
+                             for v in _recomputed_in_segment(graph, segment)]
+        backward_ops += [Backward(v) for v in reversed(segment) if graph.nodes[v].requires_grad]
+    return insert_frees(graph, forward_ops, backward_ops)
+
+
+def _recomputed_in_segment(graph: CostGraph, segment: list[int]) -> list[int]:
+    """Nodes of a segment to recompute: those needing a tape, and what a recomputed node reads."""
+    members = set(segment)
+    needed = {v for v in segment if graph.nodes[v].requires_grad}
+    for v in reversed(segment):
+        if v in needed:
+            needed.update(p for p in graph.nodes[v].predecessors if p in members)
+    return [v for v in segment if v in needed]
+
+
+def store_all_lower_sets(graph: CostGraph) -> list[frozenset[int]]:
+    """The strategy that recomputes nothing: one segment, everything taped."""
+    return [frozenset(range(len(graph)))]
+
+
+def prefix_lower_sets(graph: CostGraph, split_after: Iterable[int]) -> list[frozenset[int]]:
+    """Segments cut after the given positions of the topological order (each prefix is a lower set)."""
+    cuts = sorted(set(i for i in split_after if 0 <= i < len(graph) - 1))
+    return [frozenset(range(i + 1)) for i in cuts] + [frozenset(range(len(graph)))]

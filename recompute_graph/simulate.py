@@ -1,0 +1,242 @@
+"""The simulator: the one judge of every solver's schedule.
+
+``simulate(graph, schedule)`` replays a :class:`~recompute_graph.schedule.Schedule` on the cost graph and
+returns the predicted peak memory, the compute time and a memory timeline, or raises
+:class:`ScheduleError` for a schedule that cannot run.
+
+Memory model (bytes of tensor storage above what was live before the step; see docs/concepts.md):
+
+* A ``Forward(v)`` creates a storage of ``output_bytes(v)``; a view or alias node (``alias_of``) creates
+  none and refers to the storage of the predecessor it views. During the op, ``workspace_bytes(v)`` is
+  live on top.
+* With a tape, the node's internal saved buffers (``saved_buffer_bytes``) are allocated and the tape
+  holds references to the storages its backward reads (``backward_needs``: its inputs' and its own).
+* A storage lives while a value or a tape refers to it (reference counting, as in PyTorch).
+* At the start of backward the gradients of the model outputs arrive (``grad_bytes``). A ``Backward(v)``
+  allocates a gradient buffer (``grad_bytes``) for each predecessor needing one that has none yet, has
+  ``backward_workspace_bytes`` live on top while it runs, keeps its parameter gradients
+  (``param_grad_bytes``, to the end of the step), then frees the node's tape and its output gradient.
+
+Time: ``forward_cost`` for every ``Forward`` and ``backward_cost`` for every ``Backward`` that ran;
+computations beyond the first of a node count as ``recompute_cost``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from .errors import RecomputeError
+from .graph import CostGraph
+from .schedule import Backward, Forward, FreeValue, Op, Schedule
+
+__all__ = ["ScheduleError", "SimulationResult", "TimelinePoint", "simulate"]
+
+
+class ScheduleError(RecomputeError, ValueError):
+    """A schedule cannot run: a value used before it exists, a backward before its inputs, ..."""
+
+
+@dataclass(frozen=True)
+class TimelinePoint:
+    """Memory around one op: ``live_bytes`` after it and ``peak_bytes`` while it ran."""
+
+    phase: str  # "forward" or "backward"
+    position: int  # index within its phase's ops
+    op: Op | None  # None: the arrival of the output gradients at the start of backward
+    live_bytes: int
+    peak_bytes: int
+
+
+@dataclass(frozen=True)
+class SimulationResult:
+    """What a schedule costs. Bytes above what was live before the step; costs in ``graph.cost_unit``."""
+
+    peak_bytes: int
+    forward_peak_bytes: int
+    compute_cost: float
+    recompute_cost: float
+    final_bytes: int
+    timeline: tuple[TimelinePoint, ...] = field(repr=False)
+
+    def overhead(self, baseline_cost: float) -> float:
+        """Extra compute relative to ``baseline_cost`` (usually the store-all compute)."""
+        return self.recompute_cost / baseline_cost if baseline_cost > 0 else 0.0
+
+
+class _Simulation:
+    def __init__(self, graph: CostGraph) -> None:
+        self.graph = graph
+        self.storage_bytes: dict[int, int] = {}
+        self.storage_refs: dict[int, int] = {}
+        self.next_storage = 0
+        self.value: dict[int, int] = {}            # node -> storage id of its current value
+        self.tape: dict[int, list[int]] = {}       # node -> storages its tape refers to
+        self.grad: set[int] = set()                # nodes holding a gradient buffer
+        self.backward_done: set[int] = set()
+        self.computed: set[int] = set()
+        self.live = 0
+        self.peak = 0
+        self.compute_cost = 0.0
+        self.recompute_cost = 0.0
+        self.timeline: list[TimelinePoint] = []
+        self.op_peak = 0
+
+    # ---------------------------------------------------------------- storages
+    def _new_storage(self, nbytes: int) -> int:
+        sid = self.next_storage
+        self.next_storage += 1
+        self.storage_bytes[sid] = nbytes
+        self.storage_refs[sid] = 1
+        self._add(nbytes)
+        return sid
+
+    def _ref(self, sid: int) -> int:
+        self.storage_refs[sid] += 1
+        return sid
+
+    def _unref(self, sid: int) -> None:
+        self.storage_refs[sid] -= 1
+        if self.storage_refs[sid] == 0:
+            self.live -= self.storage_bytes.pop(sid)
+            del self.storage_refs[sid]
+
+    def _add(self, nbytes: int) -> None:
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+        self.op_peak = max(self.op_peak, self.live)
+
+    def _where(self, phase: str, position: int, op: Op) -> str:
+        node = self.graph.nodes[op.node]
+        return f"{phase} op {position} {op!r} (node {node.name!r})"
+
+    # ---------------------------------------------------------------- ops
+    def forward(self, op: Forward, where: str) -> None:
+        node = self.graph.nodes[op.node]
+        for p in node.predecessors:
+            if p not in self.value:
+                raise ScheduleError(f"{where}: reads node {p} ({self.graph.nodes[p].name!r}), whose value is "
+                                    "not live: compute it first or do not free it before")
+        if op.tape and op.node in self.tape:
+            raise ScheduleError(f"{where}: the node already holds a tape; run Backward({op.node}) first")
+        if node.alias_of is None:
+            sid = self._new_storage(node.output_bytes)
+        else:
+            sid = self._ref(self._viewed_storage(op.node, where))
+        self.op_peak = max(self.op_peak, self.live + node.workspace_bytes)
+        self.peak = max(self.peak, self.op_peak)
+        if op.tape and node.requires_grad and self.graph.implicit_backward:
+            refs = [self._new_storage(node.saved_buffer_bytes)]
+            for q in node.backward_needs:
+                refs.append(self._ref(sid if q == self.graph.storage_owner(op.node)
+                                      else self._needed_storage(op.node, q, where)))
+            self.tape[op.node] = refs
+        if op.node in self.value:
+            self._unref(self.value[op.node])
+        self.value[op.node] = sid
+        self.compute_cost += node.forward_cost
+        if op.node in self.computed:
+            self.recompute_cost += node.forward_cost
+        self.computed.add(op.node)
+
+    def _viewed_storage(self, index: int, where: str) -> int:
+        owner = self.graph.nodes[index].alias_of
+        for p in self.graph.nodes[index].predecessors:
+            if self.graph.storage_owner(p) == owner:
+                return self.value[p]
+        if owner in self.value:
+            return self.value[owner]
+        raise ScheduleError(f"{where}: the node views node {owner}'s storage, which is not live")
+
+    def _needed_storage(self, index: int, needed: int, where: str) -> int:
+        for p in self.graph.nodes[index].predecessors:
+            if self.graph.storage_owner(p) == needed:
+                return self.value[p]
+        if needed in self.value:
+            return self.value[needed]
+        raise ScheduleError(f"{where}: its backward needs node {needed}'s storage, which is not live")
+
+    def free(self, op: FreeValue, where: str) -> None:
+        if op.node not in self.value:
+            raise ScheduleError(f"{where}: the value is not live")
+        self._unref(self.value.pop(op.node))
+
+    def arrive_output_gradients(self) -> None:
+        """End of the forward ops: the outputs must be live; their gradients arrive (implicit backward)."""
+        for o in self.graph.outputs:
+            if o not in self.value:
+                raise ScheduleError(f"model output node {o} ({self.graph.nodes[o].name!r}) is not live at the "
+                                    "end of the forward ops")
+        if not self.graph.implicit_backward:
+            return
+        for o in self.graph.outputs:
+            if self.graph.nodes[o].requires_grad and o not in self.grad:
+                self.grad.add(o)
+                self._add(self.graph.nodes[o].grad_bytes)
+
+    def backward(self, op: Backward, where: str) -> None:
+        if not self.graph.implicit_backward:
+            raise ScheduleError(f"{where}: graph {self.graph.name!r} has explicit backward nodes; compute them "
+                                "with Forward instead")
+        node = self.graph.nodes[op.node]
+        if op.node in self.backward_done:
+            raise ScheduleError(f"{where}: the backward of this node already ran")
+        if op.node not in self.tape:
+            raise ScheduleError(f"{where}: no tape: compute the node with Forward(..., tape=True) first")
+        for s in node.successors:
+            if self._propagates(s, op.node) and s not in self.backward_done:
+                raise ScheduleError(f"{where}: runs before the backward of node {s} "
+                                    f"({self.graph.nodes[s].name!r}), whose gradient it needs")
+        if op.node in self.grad:
+            for p in node.predecessors:
+                if self.graph.nodes[p].requires_grad and p not in self.grad:
+                    self.grad.add(p)
+                    self._add(self.graph.nodes[p].grad_bytes)
+            self.op_peak = max(self.op_peak, self.live + node.backward_workspace_bytes)
+            self.peak = max(self.peak, self.op_peak)
+            self._add(node.param_grad_bytes)
+            self.compute_cost += node.backward_cost
+            self.grad.discard(op.node)
+            self.live -= node.grad_bytes
+        for sid in self.tape.pop(op.node):
+            self._unref(sid)
+        self.backward_done.add(op.node)
+
+    def _propagates(self, successor: int, node: int) -> bool:
+        return self.graph.nodes[successor].requires_grad and self.graph.nodes[node].requires_grad
+
+    def finish(self) -> None:
+        if not self.graph.implicit_backward:
+            return
+        missing = sorted(self.grad)
+        if missing:
+            names = ", ".join(repr(self.graph.nodes[v].name) for v in missing[:5])
+            raise ScheduleError(f"the schedule ends with gradients that never propagated: nodes {names}"
+                                f"{' ...' if len(missing) > 5 else ''} still need Backward")
+
+    def run(self, phase: str, position: int, op: Op) -> None:
+        if not isinstance(op, (Forward, FreeValue, Backward)) or not 0 <= op.node < len(self.graph):
+            raise ScheduleError(f"{phase} op {position} {op!r}: not an op over this graph's nodes")
+        where = self._where(phase, position, op)
+        self.op_peak = self.live
+        if isinstance(op, Forward):
+            self.forward(op, where)
+        elif isinstance(op, FreeValue):
+            self.free(op, where)
+        else:
+            self.backward(op, where)
+        self.timeline.append(TimelinePoint(phase, position, op, self.live, self.op_peak))
+
+
+def simulate(graph: CostGraph, schedule: Schedule) -> SimulationResult:
+    """Replay ``schedule`` on ``graph``; raise :class:`ScheduleError` if it cannot run (see module doc)."""
+    sim = _Simulation(graph)
+    for position, op in enumerate(schedule.forward_ops):
+        sim.run("forward", position, op)
+    forward_peak = sim.peak
+    sim.op_peak = sim.live
+    sim.arrive_output_gradients()
+    sim.timeline.append(TimelinePoint("backward", -1, None, sim.live, sim.op_peak))
+    for position, op in enumerate(schedule.backward_ops):
+        sim.run("backward", position, op)
+    sim.finish()
+    return SimulationResult(peak_bytes=sim.peak, forward_peak_bytes=forward_peak,
+                            compute_cost=sim.compute_cost, recompute_cost=sim.recompute_cost,
+                            final_bytes=sim.live, timeline=tuple(sim.timeline))
