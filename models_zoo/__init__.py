@@ -54,7 +54,7 @@ _BUILDERS: dict[str, Callable[..., Any]] = {
     "resnet18": _resnet(18), "resnet34": _resnet(34), "resnet50": _resnet(50), "resnet101": _resnet(101),
     "resnet152": _resnet(152), "unet": _unet, "gpt2": _gpt2, "vgg19": _vgg19, "mlp": _mlp, "rnn": _rnn,
 }
-_RESNET = {"tiny": dict(batch=2, image_size=32, width=8, num_classes=10),
+_RESNET = {"tiny": dict(batch=4, image_size=32, width=4, num_classes=10),
            "small": dict(batch=8, image_size=64, width=32, num_classes=100),
            "paper": dict(batch=32, image_size=224, width=64, num_classes=1000)}
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
@@ -62,15 +62,15 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "unet": {"tiny": dict(batch=2, image_size=32, depth=2, width=8),
              "small": dict(batch=4, image_size=128, depth=4, width=16),
              "paper": dict(batch=8, image_size=576, depth=4, width=64)},
-    "gpt2": {"tiny": dict(batch=2, seq_len=16, layers=2, width=32, heads=4, vocab_size=97),
+    "gpt2": {"tiny": dict(batch=2, seq_len=32, layers=2, width=32, heads=4, vocab_size=97),
              "small": dict(batch=4, seq_len=128, layers=4, width=256, heads=4, vocab_size=5000),
              "paper": dict(batch=8, seq_len=1024, layers=12, width=768, heads=12, vocab_size=50257)},
-    "vgg19": {"tiny": dict(batch=2, image_size=32, width=4, num_classes=10, hidden=64),
+    "vgg19": {"tiny": dict(batch=4, image_size=32, width=2, num_classes=10, hidden=32),
               "small": dict(batch=8, image_size=64, width=16, num_classes=100, hidden=512),
               "paper": dict(batch=32, image_size=224, width=64, num_classes=1000, hidden=4096)},
-    "mlp": {"tiny": dict(batch=4, depth=4, width=32), "small": dict(batch=64, depth=16, width=1024),
+    "mlp": {"tiny": dict(batch=64, depth=4, width=32), "small": dict(batch=64, depth=16, width=1024),
             "paper": dict(batch=256, depth=32, width=4096)},
-    "rnn": {"tiny": dict(batch=2, steps=6, input_size=8, hidden_size=16),
+    "rnn": {"tiny": dict(batch=8, steps=6, input_size=8, hidden_size=16),
             "small": dict(batch=16, steps=100, input_size=64, hidden_size=256),
             "paper": dict(batch=64, steps=1000, input_size=128, hidden_size=512)},
 }

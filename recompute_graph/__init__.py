@@ -18,6 +18,12 @@ from .units import format_bytes, parse_bytes
 __version__ = "0.1.0"
 
 _LAZY = {
+    "optimize": ("api", "optimize"),
+    "RecomputedModule": ("optimized_module", "RecomputedModule"),
+    "RecomputePlan": ("planner", "RecomputePlan"),
+    "make_plan": ("planner", "make_plan"),
+    "simulate": ("simulate", "simulate"),
+    "ScheduleError": ("simulate", "ScheduleError"),
     "trace": ("trace", "trace"),
     "TraceResult": ("trace", "TraceResult"),
     "profile_model": ("costs", "profile_model"),

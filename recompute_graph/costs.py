@@ -327,14 +327,16 @@ class _ComputePass(fx.Interpreter):
         with torch.enable_grad():
             return getattr(self, n.op)(n.target, fresh_args, fresh_kwargs)
 
-    def _backward(self, n: fx.Node, out: Any, leaves: list[torch.Tensor]) -> list[torch.Tensor | None] | None:
-        """Backward of one isolated node; returns the gradients of its inputs (None: no backward)."""
+    def _backward(self, n: fx.Node, out: Any, leaves: list[torch.Tensor],
+                  seeds: list[torch.Tensor] | None = None) -> list[torch.Tensor | None] | None:
+        """Backward of one isolated node from ``seeds`` (default: ones) as output gradients; returns
+        the gradients of its inputs (None: the node has no backward)."""
         outputs = [t for t in _tensors(out) if t.requires_grad]
         if not outputs:
             return None
         params = [p for p in self._node_parameters(n) if p.requires_grad]
-        grads = torch.autograd.grad(outputs, leaves + params, [torch.ones_like(t) for t in outputs],
-                                    allow_unused=True)
+        seeds = seeds if seeds is not None else [torch.ones_like(t) for t in outputs]
+        grads = torch.autograd.grad(outputs, leaves + params, seeds, allow_unused=True)
         return list(grads[: len(leaves)])
 
     def _node_parameters(self, n: fx.Node) -> list[nn.Parameter]:
@@ -351,8 +353,9 @@ class _ComputePass(fx.Interpreter):
             out = self._forward(n, fresh_args, fresh_kwargs)
         record.forward_flops = int(counter.get_total_flops())
         record.forward_bytes_moved += sum(t.numel() * t.element_size() for t in _tensors(out))
+        seeds = [torch.ones_like(t) for t in _tensors(out) if t.requires_grad]
         with FlopCounterMode(display=False) as counter, StorageTracker() as tracker:
-            input_grads = self._backward(n, out, leaves)
+            input_grads = self._backward(n, out, leaves, seeds)
         record.backward_flops = int(counter.get_total_flops())
         has_backward = input_grads is not None
         if has_backward:

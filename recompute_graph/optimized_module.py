@@ -99,6 +99,18 @@ class RecomputedModule(nn.Module):
                 raise TypeError(f"missing argument {name!r}")
         return values
 
+    def plan(self, *args: Any, **kwargs: Any) -> Any:
+        """Plan (or fetch the cached plan) for inputs like these; returns the plan."""
+        return self._executor_and_plan(self._bind(args, kwargs))[1]
+
+    def _executor_and_plan(self, inputs: list[Any]) -> tuple[ScheduleExecutor, Any]:
+        key = _signature_key(inputs)
+        if key not in self._plans:
+            self._plans[key] = self._plan_for(inputs)
+        executor, plan = self._plans[key]
+        object.__setattr__(self, "recompute_plan", plan)
+        return executor, plan
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         inputs = self._bind(args, kwargs)
         needs_grad = torch.is_grad_enabled() and (
@@ -106,11 +118,7 @@ class RecomputedModule(nn.Module):
             or any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs))
         if not (self.training and needs_grad):
             return self._graph_module(*inputs)
-        key = _signature_key(inputs)
-        if key not in self._plans:
-            self._plans[key] = self._plan_for(inputs)
-        executor, plan = self._plans[key]
-        object.__setattr__(self, "recompute_plan", plan)
+        executor, _ = self._executor_and_plan(inputs)
         return run_schedule(executor, inputs)
 
     def extra_repr(self) -> str:

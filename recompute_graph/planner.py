@@ -1,0 +1,135 @@
+"""Planning: a cost graph and a budget -> the best schedule that fits, as a :class:`RecomputePlan`.
+
+Pure Python (no torch). Budgets (see docs/concepts.md): an ``int`` number of bytes, a size string
+(``"1.5GiB"``, ``"800MB"``) or a ``float`` in (0, 1], a fraction of the budget store-all needs (its
+predicted peak plus the planning margin), so that ``1.0`` always fits.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Union
+
+from .errors import InfeasibleBudgetError
+from .graph import CostGraph
+from .schedule import Schedule
+from .simulate import SimulationResult
+from .solvers import SOLVERS, Solution, best_of, get_solver
+from .units import format_bytes, parse_bytes
+
+__all__ = ["Budget", "parse_budget", "RecomputePlan", "make_plan", "AUTO_SOLVERS"]
+
+Budget = Union[int, float, str]
+#: A plan fits a budget when its predicted peak times (1 + PLANNING_MARGIN) does: the margin covers what
+#: the cost model leaves out (the loss function's own tensors, allocator rounding). Measured peaks of the
+#: zoo models lie within 0.1 % above the prediction (tests/test_executor.py).
+PLANNING_MARGIN = 0.01
+#: What ``solver="auto"`` runs (the best feasible answer wins).
+AUTO_SOLVERS = ("store_all", "chen_greedy", "chen_sqrt")
+
+_BUDGET_FORMS = ("a positive int of bytes, a size string such as '1.5GiB' or '800MB', or a float in "
+                 "(0, 1] meaning that fraction of the store-all peak")
+
+
+def parse_budget(budget: Budget) -> tuple[str, float]:
+    """``("bytes", n)`` or ``("fraction", f)``; ValueError listing the accepted forms otherwise."""
+    if isinstance(budget, bool):
+        raise ValueError(f"budget {budget!r} is not valid: use {_BUDGET_FORMS}")
+    if isinstance(budget, int):
+        if budget <= 0:
+            raise ValueError(f"budget {budget} must be positive: use {_BUDGET_FORMS}")
+        return "bytes", budget
+    if isinstance(budget, float):
+        if not (math.isfinite(budget) and 0 < budget <= 1):
+            raise ValueError(f"budget {budget!r} is not valid: use {_BUDGET_FORMS}")
+        return "fraction", budget
+    if isinstance(budget, str):
+        try:
+            return "bytes", parse_bytes(budget)
+        except ValueError:
+            raise ValueError(f"cannot parse budget {budget!r}: use {_BUDGET_FORMS}") from None
+    raise ValueError(f"budget of type {type(budget).__name__} is not valid: use {_BUDGET_FORMS}")
+
+
+@dataclass(frozen=True)
+class RecomputePlan:
+    """The chosen schedule and what the simulator predicts for it.
+
+    ``predicted_compute_overhead`` = recomputation time / store-all compute time (0.25 = 25 % more).
+    """
+
+    solver: str
+    budget_bytes: int
+    predicted_peak_bytes: int
+    store_all_peak_bytes: int
+    predicted_compute_overhead: float
+    schedule: Schedule = field(repr=False)
+    simulation: SimulationResult = field(repr=False)
+    graph: CostGraph = field(repr=False)
+    description: str = ""
+
+    @property
+    def recomputed_nodes(self) -> tuple[int, ...]:
+        return self.schedule.recomputed_nodes()
+
+    def one_line(self) -> str:
+        return (f"{self.solver}: peak {format_bytes(self.predicted_peak_bytes)} of budget "
+                f"{format_bytes(self.budget_bytes)} (store-all {format_bytes(self.store_all_peak_bytes)}), "
+                f"+{self.predicted_compute_overhead:.1%} compute")
+
+    def __str__(self) -> str:
+        change = self.predicted_peak_bytes / self.store_all_peak_bytes - 1 if self.store_all_peak_bytes else 0.0
+        rows = [
+            ("solver", f"{self.solver} ({self.description})" if self.description else self.solver),
+            ("budget", format_bytes(self.budget_bytes)),
+            ("predicted peak", f"{format_bytes(self.predicted_peak_bytes)} ({change:+.1%} vs store-all)"),
+            ("store-all peak", format_bytes(self.store_all_peak_bytes)),
+            ("compute overhead", f"+{self.predicted_compute_overhead:.1%}"),
+            ("recomputed nodes", f"{len(self.recomputed_nodes)} of {len(self.graph)}"),
+        ]
+        width = max(len(k) for k, _ in rows)
+        return "RecomputePlan\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def make_plan(graph: CostGraph, budget: Budget, solver: str = "auto") -> RecomputePlan:
+    """The best schedule for ``graph`` within ``budget``; InfeasibleBudgetError (with the smallest
+    feasible budget) when none fits."""
+    kind, value = parse_budget(budget)
+    names = AUTO_SOLVERS if solver == "auto" else (solver,)
+    for name in names:
+        get_solver(name)  # unknown names fail before any work
+    store_all = SOLVERS["store_all"](graph, None)
+    store_all_cost = store_all.simulation.compute_cost
+    budget_bytes = (int(value * min_budget_for_peak(store_all.peak_bytes)) if kind == "fraction"
+                    else int(value))
+    usable_bytes = int(budget_bytes / (1 + PLANNING_MARGIN))
+    solutions = [store_all if name == "store_all" else SOLVERS[name](graph, usable_bytes) for name in names]
+    chosen = best_of(solutions, usable_bytes)
+    if not chosen.fits(usable_bytes):
+        lowest_peak = min(SOLVERS[name](graph, None).peak_bytes if name != "store_all" else store_all.peak_bytes
+                          for name in names)
+        smallest = min_budget_for_peak(lowest_peak)
+        raise InfeasibleBudgetError(
+            f"no plan of {'any solver' if solver == 'auto' else repr(solver)} fits a budget of "
+            f"{format_bytes(budget_bytes)} ({budget_bytes} bytes) for {graph.name!r}; the smallest feasible "
+            f"budget is {format_bytes(smallest)} ({smallest} bytes, {smallest / store_all.peak_bytes:.1%} of "
+            "the store-all peak). Raise the budget or try another solver.",
+            budget_bytes=budget_bytes, min_budget_bytes=smallest)
+    return _plan(chosen, graph, budget_bytes, store_all, store_all_cost)
+
+
+def min_budget_for_peak(peak_bytes: int) -> int:
+    """The smallest budget that a plan with this predicted peak fits (see PLANNING_MARGIN)."""
+    budget = math.ceil(peak_bytes * (1 + PLANNING_MARGIN))
+    while int(budget / (1 + PLANNING_MARGIN)) < peak_bytes:
+        budget += 1
+    return budget
+
+
+def _plan(chosen: Solution, graph: CostGraph, budget_bytes: int, store_all: Solution,
+          store_all_cost: float) -> RecomputePlan:
+    return RecomputePlan(
+        solver=chosen.solver, budget_bytes=budget_bytes, predicted_peak_bytes=chosen.peak_bytes,
+        store_all_peak_bytes=store_all.peak_bytes,
+        predicted_compute_overhead=chosen.simulation.overhead(store_all_cost),
+        schedule=chosen.schedule, simulation=chosen.simulation, graph=graph, description=chosen.description)

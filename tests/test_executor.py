@@ -1,0 +1,144 @@
+"""The executor trains exactly like the original model, within the planned memory.
+
+Acceptance matrix: every tiny zoo model x {store_all, chen_sqrt, chen_greedy} x budgets {1.0, 0.5, the
+smallest feasible}: gradients equal the original's (max relative error <= 1e-5), buffers equal (BatchNorm
+running statistics updated exactly once), measured peak <= budget, predicted peak within 10 % of measured.
+"""
+import pytest
+import torch
+from torch import nn
+
+import models_zoo
+from recompute_graph import InfeasibleBudgetError
+from recompute_graph.measure import StorageTracker, default_loss, peak_memory
+from recompute_graph.optimized_module import run_schedule
+from recompute_graph.planner import make_plan
+from recompute_graph.rewrite import ScheduleExecutor
+from recompute_graph.schedule import Backward, Forward, insert_frees
+from recompute_graph.simulate import simulate
+
+from conftest import profiled_tiny
+
+SEED = 1234
+
+
+def run_step(model, forward, inputs):
+    """One seeded training step; returns (measured peak, parameter grads, buffers after)."""
+    grads = {}
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(SEED)
+        default_loss(forward(inputs)).backward()
+
+    peak = peak_memory(step)
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    return peak, grads, buffers
+
+
+def relative_error(actual: dict, expected: dict) -> float:
+    assert actual.keys() == expected.keys()
+    return max(((actual[k] - expected[k]).abs().max() / expected[k].abs().max().clamp_min(1e-12)).item()
+               for k in expected)
+
+
+def assert_same_buffers(actual: dict, expected: dict):
+    assert actual.keys() == expected.keys()
+    for name in expected:
+        assert torch.equal(actual[name], expected[name]), name
+
+
+@pytest.mark.parametrize("solver", ["store_all", "chen_sqrt", "chen_greedy"])
+def test_plans_train_exactly_within_their_budget(zoo_name, solver):
+    model, inputs, traced, graph = profiled_tiny(zoo_name)
+    initial = {name: b.clone() for name, b in model.named_buffers()}
+    _, expected_grads, expected_buffers = run_step(model, lambda x: model(*x), inputs)
+    with pytest.raises(InfeasibleBudgetError) as info:
+        make_plan(graph, 1, solver)
+    budgets = [1.0, 0.5, info.value.min_budget_bytes]
+    checked = 0
+    for budget in budgets:
+        try:
+            plan = make_plan(graph, budget, solver)
+        except InfeasibleBudgetError as error:
+            assert budget == 0.5 and error.min_budget_bytes > error.budget_bytes
+            continue
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                b.copy_(initial[name])
+        executor = ScheduleExecutor(traced.graph_module, graph, plan.schedule)
+        measured, grads, buffers = run_step(model, lambda x: run_schedule(executor, list(x)), inputs)
+        assert relative_error(grads, expected_grads) <= 1e-5
+        assert_same_buffers(buffers, expected_buffers)
+        assert measured <= plan.budget_bytes
+        assert abs(plan.predicted_peak_bytes - measured) <= 0.10 * measured
+        checked += 1
+    assert checked >= 2
+
+
+class Chain(nn.Module):
+    """Linear -> Dropout -> BatchNorm -> Tanh, three times: random and stateful nodes to recompute."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Dropout(0.3), nn.BatchNorm1d(64),
+                                                    nn.Tanh()) for _ in range(3)])
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+def one_slot_schedule(graph):
+    """Revolve with one slot: keep only node 0; before each backward, recompute the chain from node 0
+    (node k is computed n - k times)."""
+    n = len(graph)
+    forward = [Forward(0, tape=False)] + [Forward(i, tape=(i == n - 1)) for i in range(1, n)]
+    backward = [Backward(n - 1)]
+    for j in range(n - 2, 0, -1):
+        backward += [Forward(i, tape=False) for i in range(1, j)] + [Forward(j), Backward(j)]
+    backward += [Forward(0), Backward(0)]
+    return insert_frees(graph, forward, backward)
+
+
+def test_a_schedule_recomputing_values_several_times_is_exact_and_follows_the_simulated_timeline():
+    from recompute_graph.costs import profile_model
+    torch.manual_seed(0)
+    model, x = Chain(), torch.randn(256, 64)
+    initial = {name: b.clone() for name, b in model.named_buffers()}
+    traced, graph = profile_model(model, (x,), timing="flops")
+    schedule = one_slot_schedule(graph)
+    assert max(schedule.computation_counts().values()) == len(graph) - 1
+    _, expected_grads, expected_buffers = run_step(model, lambda inputs: model(*inputs), (x,))
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            b.copy_(initial[name])
+    tracker = StorageTracker()
+    measured = []
+    executor = ScheduleExecutor(traced.graph_module, graph, schedule,
+                                observer=lambda phase, i, op: measured.append(tracker.live_bytes))
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(SEED)
+    with tracker:
+        default_loss(run_schedule(executor, [x])).backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    assert relative_error(grads, expected_grads) <= 1e-5
+    assert_same_buffers(dict(model.named_buffers()), expected_buffers)
+    predicted = [p.live_bytes for p in simulate(graph, schedule).timeline if p.op is not None]
+    assert len(predicted) == len(measured)
+    activation = 256 * 64 * 4
+    assert max(abs(p - m) for p, m in zip(predicted, measured)) <= activation // 8
+
+
+def test_same_seed_gives_the_same_dropout_masks_as_the_original():
+    model, inputs, traced, graph = profiled_tiny("gpt2")
+    plan = make_plan(graph, 0.7, "chen_greedy")
+    assert any(graph.nodes[v].random for v in plan.recomputed_nodes)
+    executor = ScheduleExecutor(traced.graph_module, graph, plan.schedule)
+    torch.manual_seed(7)
+    expected = model(*inputs)
+    torch.manual_seed(7)
+    actual = run_schedule(executor, list(inputs))
+    assert torch.equal(actual, expected)
+    actual.sum().backward()  # the recomputed dropout masks must match, or gradients would differ
+    model.zero_grad(set_to_none=True)

@@ -1,0 +1,111 @@
+"""Schedules, the shared lowering, and the simulator as the judge (valid and invalid programs)."""
+import pytest
+from hypothesis import given, settings
+
+from recompute_graph import CostGraph, CostNode, GraphError
+from recompute_graph.schedule import (Backward, Forward, FreeValue, Schedule, insert_frees, lower_segments,
+                                      prefix_lower_sets, store_all_lower_sets)
+from recompute_graph.simulate import ScheduleError, simulate
+
+from strategies import cost_graphs
+
+
+def chain(n: int = 4, output: int = 100, grad: int = 100, buffer: int = 0, params: int = 0) -> CostGraph:
+    """n nodes in a chain; each saves its input (node 0 saves nothing: it reads the model input)."""
+    return CostGraph("chain", tuple(
+        CostNode(i, f"c{i}", predecessors=(i - 1,) if i else (), output_bytes=output, grad_bytes=grad,
+                 backward_needs=(i - 1,) if i else (), saved_buffer_bytes=buffer, param_grad_bytes=params,
+                 forward_cost=1.0, backward_cost=2.0)
+        for i in range(n)))
+
+
+def test_store_all_of_a_chain_keeps_every_input_and_peaks_at_the_start_of_backward():
+    g = chain(4)
+    schedule = lower_segments(g, store_all_lower_sets(g))
+    # values are dropped after their last reader; the tapes keep what the backward needs
+    assert schedule.forward_ops == (Forward(0), Forward(1), FreeValue(0), Forward(2), FreeValue(1), Forward(3),
+                                    FreeValue(2))
+    assert schedule.backward_ops == (FreeValue(3), Backward(3), Backward(2), Backward(1), Backward(0))
+    result = simulate(g, schedule)
+    # after forward: 4 outputs live (0..2 through tapes, 3 as the model output); then its gradient
+    assert result.forward_peak_bytes == 400
+    assert result.peak_bytes == 400 + 100  # plus the output gradient; node 3's value is dropped next
+    assert result.recompute_cost == 0 and result.compute_cost == 4 * 1.0 + 4 * 2.0
+    assert result.final_bytes == 0
+
+
+def test_two_segments_recompute_the_first_and_keep_the_boundary():
+    g = chain(6)
+    schedule = lower_segments(g, prefix_lower_sets(g, [2]))
+    assert schedule.recomputed_nodes() == (0, 1, 2)
+    result = simulate(g, schedule)
+    assert result.recompute_cost == 3.0
+    assert result.forward_peak_bytes < simulate(g, lower_segments(g, store_all_lower_sets(g))).forward_peak_bytes
+
+
+def test_parameter_gradients_and_buffers_are_charged():
+    g = chain(3, buffer=10, params=1000)
+    result = simulate(g, lower_segments(g, store_all_lower_sets(g)))
+    assert result.final_bytes == 3 * 1000
+    assert result.forward_peak_bytes == 3 * 100 + 3 * 10
+
+
+def test_insert_frees_frees_after_the_last_reader_and_handles_recomputation():
+    g = chain(3)
+    ops = [Forward(0, tape=False), Forward(1, tape=False), Forward(2, tape=False)]
+    back = [Backward(2), Forward(0, tape=False), Forward(1), Backward(1), Forward(0), Backward(0)]
+    schedule = insert_frees(g, ops, back)
+    assert schedule.forward_ops == (Forward(0, tape=False), Forward(1, tape=False), FreeValue(0),
+                                    Forward(2, tape=False), FreeValue(1))
+    with pytest.raises(ScheduleError, match="no tape"):
+        simulate(g, schedule)  # node 2 was computed without tape
+    good = insert_frees(g, ops[:2] + [Forward(2)], back)
+    assert good.computation_counts() == {0: 3, 1: 2, 2: 1}
+    assert simulate(g, good).recompute_cost == 3.0
+
+
+@pytest.mark.parametrize("forward, backward, message", [
+    ((Forward(1),), (), "reads node 0"),
+    ((Forward(0), FreeValue(0), FreeValue(0)), (), "not live"),
+    ((Forward(0), Forward(1), FreeValue(0), Forward(2)), (Backward(1),), "before the backward of node 2"),
+    ((Forward(0), Forward(1), Forward(2)), (Backward(2), Backward(2)), "already ran"),
+    ((Forward(0), Forward(0)), (), "already holds a tape"),
+    ((Forward(0), Forward(1), Forward(2)), (Backward(2),), "never propagated"),
+    ((Forward(0), Forward(1), FreeValue(1)), (), "not live at the end"),
+    ((Forward(7),), (), "not an op over this graph"),
+])
+def test_simulator_rejects_invalid_schedules_with_a_clear_error(forward, backward, message):
+    g = chain(3)
+    with pytest.raises(ScheduleError, match=message):
+        simulate(g, Schedule(forward, backward))
+    assert issubclass(ScheduleError, ValueError)
+
+
+def test_lowering_rejects_sequences_that_are_not_increasing_lower_sets():
+    g = chain(3)
+    with pytest.raises(GraphError, match="end with"):
+        lower_segments(g, [frozenset({0})])
+    with pytest.raises(GraphError, match="not a lower set"):
+        lower_segments(g, [frozenset({1}), frozenset({0, 1, 2})])
+    with pytest.raises(GraphError, match="strictly"):
+        lower_segments(g, [frozenset({0}), frozenset({0}), frozenset({0, 1, 2})])
+
+
+def test_timeline_has_one_point_per_op_and_the_gradient_arrival():
+    g = chain(3)
+    schedule = lower_segments(g, store_all_lower_sets(g))
+    result = simulate(g, schedule)
+    assert len(result.timeline) == len(schedule.ops) + 1
+    assert max(p.peak_bytes for p in result.timeline) == result.peak_bytes
+    assert result.timeline[len(schedule.forward_ops)].op is None
+
+
+@settings(max_examples=150, deadline=None)
+@given(cost_graphs())
+def test_every_prefix_strategy_of_a_random_graph_lowers_to_a_valid_schedule(graph):
+    n = len(graph)
+    full = simulate(graph, lower_segments(graph, store_all_lower_sets(graph)))
+    for cut in range(n - 1):
+        result = simulate(graph, lower_segments(graph, prefix_lower_sets(graph, [cut])))
+        assert result.compute_cost >= full.compute_cost
+        assert result.final_bytes == full.final_bytes == sum(node.param_grad_bytes for node in graph)

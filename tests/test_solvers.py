@@ -1,0 +1,101 @@
+"""Every registered solver on random graphs: valid, judged by the simulator, monotone, deterministic."""
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from recompute_graph.planner import make_plan
+from recompute_graph.schedule import lower_segments, prefix_lower_sets
+from recompute_graph.simulate import simulate
+from recompute_graph.solvers import SOLVERS, get_solver
+from recompute_graph.solvers.chen import greedy_cuts, split_candidates
+from recompute_graph import InfeasibleBudgetError
+
+from strategies import cost_graphs
+from test_schedule import chain
+
+
+@settings(max_examples=100, deadline=None)
+@given(cost_graphs(), st.floats(0.3, 1.0))
+def test_every_solver_returns_a_valid_schedule_whose_claim_is_the_simulation(graph, fraction):
+    store_all = SOLVERS["store_all"](graph, None)
+    budget = int(fraction * store_all.peak_bytes)
+    for name, solver in SOLVERS.items():
+        solution = solver(graph, budget)
+        again = simulate(graph, solution.schedule)
+        assert solution.simulation == again
+        assert solution.solver == name
+        minimal = solver(graph, None)
+        assert minimal.peak_bytes <= solution.peak_bytes or solution.fits(budget)
+        if solution.fits(budget):
+            assert again.peak_bytes <= budget
+
+
+@settings(max_examples=60, deadline=None)
+@given(cost_graphs())
+def test_chen_greedy_overhead_does_not_increase_with_the_budget(graph):
+    peak = SOLVERS["store_all"](graph, None).peak_bytes
+    overheads = []
+    for fraction in (0.4, 0.6, 0.8, 1.0):
+        solution = SOLVERS["chen_greedy"](graph, int(fraction * peak))
+        if solution.fits(int(fraction * peak)):
+            overheads.append(solution.recompute_cost)
+    assert overheads == sorted(overheads, reverse=True)
+
+
+@settings(max_examples=30, deadline=None)
+@given(cost_graphs())
+def test_solvers_are_deterministic(graph):
+    for solver in SOLVERS.values():
+        assert solver(graph, None) == solver(graph, None)
+
+
+def test_split_candidates_of_a_chain_are_all_but_the_last_and_skips_block_them():
+    assert split_candidates(chain(5)) == [0, 1, 2, 3]
+    from recompute_graph import CostGraph, CostNode
+    skip = CostGraph("skip", (CostNode(0, "a"), CostNode(1, "b", predecessors=(0,)),
+                              CostNode(2, "c", predecessors=(1,)), CostNode(3, "d", predecessors=(0, 2))))
+    assert split_candidates(skip) == [0]
+
+
+def test_chen_sqrt_checkpoints_every_sqrt_n_th_node_of_a_chain():
+    g = chain(17)  # 16 candidates -> every 4th
+    solution = SOLVERS["chen_sqrt"](g, None)
+    expected = lower_segments(g, prefix_lower_sets(g, [3, 7, 11, 15]))
+    assert solution.schedule == expected
+
+
+def test_greedy_rule_cuts_when_the_running_sum_exceeds_the_segment_budget():
+    g = chain(6)  # each node keeps 100 B (stored) and outputs 100 B: 200 B per node
+    assert greedy_cuts(g, 350) == [1, 3]
+    assert greedy_cuts(g, 10_000) == []
+
+
+def test_unknown_solver_lists_the_registered_ones():
+    with pytest.raises(ValueError, match="available: chen_greedy, chen_sqrt, store_all"):
+        get_solver("magic")
+
+
+def test_make_plan_reports_the_smallest_feasible_budget_which_then_works():
+    g = chain(9)
+    with pytest.raises(InfeasibleBudgetError) as info:
+        make_plan(g, 10)
+    smallest = info.value.min_budget_bytes
+    assert info.value.budget_bytes == 10 and "smallest feasible budget" in str(info.value)
+    plan = make_plan(g, smallest)
+    assert plan.predicted_peak_bytes <= smallest
+    with pytest.raises(InfeasibleBudgetError):
+        make_plan(g, smallest - 2)
+
+
+@pytest.mark.parametrize("budget", [0, -5, float("nan"), 1.5, 0.0, "lots", True, None, [1]])
+def test_bad_budgets_are_value_errors_listing_the_accepted_forms(budget):
+    with pytest.raises(ValueError, match="size string"):
+        make_plan(chain(3), budget)
+
+
+def test_solvers_do_not_import_torch():
+    code = ("import sys; import recompute_graph.solvers, recompute_graph.planner, recompute_graph.simulate;"
+            "assert 'torch' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
