@@ -70,7 +70,7 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
               "paper": dict(batch=32, image_size=224, width=64, num_classes=1000, hidden=4096)},
     "mlp": {"tiny": dict(batch=64, depth=4, width=32), "small": dict(batch=64, depth=16, width=1024),
             "paper": dict(batch=256, depth=32, width=4096)},
-    "rnn": {"tiny": dict(batch=8, steps=6, input_size=8, hidden_size=16),
+    "rnn": {"tiny": dict(batch=8, steps=8, input_size=32, hidden_size=32),
             "small": dict(batch=16, steps=100, input_size=64, hidden_size=256),
             "paper": dict(batch=64, steps=1000, input_size=128, hidden_size=512)},
 }

@@ -280,6 +280,7 @@ class _NodeCompute:
     backward_seconds: float | None = None
     forward_bytes_moved: int = 0
     backward_workspace_bytes: int = 0
+    backward_aliases_grad: bool = False
 
 
 class _ComputePass(fx.Interpreter):
@@ -362,6 +363,8 @@ class _ComputePass(fx.Interpreter):
             returned = sum(g.untyped_storage().nbytes() for g in _unique_storages(
                 [g for g in input_grads if g is not None]) if storage_key(g) in tracker._live)
             record.backward_workspace_bytes = max(0, tracker.peak_bytes - returned)
+            passed = [g for g in input_grads if g is not None]
+            record.backward_aliases_grad = bool(passed) and all(storage_key(g) not in tracker._live for g in passed)
         del input_grads
         del out, leaves
         if self.timing == "measure":
@@ -431,6 +434,7 @@ def _build_cost_graph(gm: fx.GraphModule, traced: TraceResult, memory: _MemoryPa
             saved_buffer_bytes=mem.saved_buffer_bytes,
             backward_needs=tuple(sorted(index_of[o] for o in mem.backward_needs)),
             workspace_bytes=mem.workspace_bytes, backward_workspace_bytes=comp.backward_workspace_bytes,
+            backward_aliases_grad=comp.backward_aliases_grad,
             param_grad_bytes=param_grad_bytes[i],
             forward_cost=forward_cost, backward_cost=backward_cost,
             forward_flops=comp.forward_flops, backward_flops=comp.backward_flops,

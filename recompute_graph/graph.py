@@ -72,6 +72,9 @@ class CostNode:
     backward_workspace_bytes
         Peak transient storage of the backward beyond the input gradients it returns: internal
         temporaries and the fresh gradients of the parameters it uses (which are then accumulated).
+    backward_aliases_grad
+        The backward passes the output gradient on as its input gradients without allocating (views,
+        ``getitem``, ``add``): the gradient buffer changes hands instead of being copied.
     param_grad_bytes
         Bytes of parameter gradients this node's backward allocates. A parameter shared by several
         nodes is charged to the one whose backward runs first (the last user in forward order).
@@ -102,6 +105,7 @@ class CostNode:
     backward_needs: tuple[int, ...] = ()
     workspace_bytes: int = 0
     backward_workspace_bytes: int = 0
+    backward_aliases_grad: bool = False
     param_grad_bytes: int = 0
     forward_cost: float = 0.0
     backward_cost: float = 0.0

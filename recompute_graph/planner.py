@@ -20,10 +20,11 @@ from .units import format_bytes, parse_bytes
 __all__ = ["Budget", "parse_budget", "RecomputePlan", "make_plan", "AUTO_SOLVERS"]
 
 Budget = Union[int, float, str]
-#: A plan fits a budget when its predicted peak times (1 + PLANNING_MARGIN) does: the margin covers what
-#: the cost model leaves out (the loss function's own tensors, allocator rounding). Measured peaks of the
-#: zoo models lie within 0.1 % above the prediction (tests/test_executor.py).
-PLANNING_MARGIN = 0.01
+#: A plan fits a budget when its predicted peak times (1 + PLANNING_MARGIN) does. The margin covers what
+#: the cost model leaves out: the loss function's own tensors, allocator rounding, and backward
+#: temporaries that depend on the strides of the incoming gradient (measured peaks of the tiny zoo models
+#: lie up to 2.5 % above the prediction, tests/test_executor.py).
+PLANNING_MARGIN = 0.05
 #: What ``solver="auto"`` runs (the best feasible answer wins).
 AUTO_SOLVERS = ("store_all", "chen_greedy", "chen_sqrt")
 

@@ -8,14 +8,17 @@ Memory model (bytes of tensor storage above what was live before the step; see d
 
 * A ``Forward(v)`` creates a storage of ``output_bytes(v)``; a view or alias node (``alias_of``) creates
   none and refers to the storage of the predecessor it views. During the op, ``workspace_bytes(v)`` is
-  live on top.
+  live on top, and so are its ``saved_buffer_bytes`` when it runs without tape (they die at once).
 * With a tape, the node's internal saved buffers (``saved_buffer_bytes``) are allocated and the tape
   holds references to the storages its backward reads (``backward_needs``: its inputs' and its own).
 * A storage lives while a value or a tape refers to it (reference counting, as in PyTorch).
-* At the start of backward the gradients of the model outputs arrive (``grad_bytes``). A ``Backward(v)``
+* At the start of backward the gradients of the model outputs arrive (``grad_bytes``); autograd holds
+  them until the model's whole backward has run. While the loss computes them, two output-sized tensors
+  are live on top of the outputs (``LOSS_BACKWARD_OUTPUT_COPIES``: what cross-entropy and MSE hold). A ``Backward(v)``
   allocates a gradient buffer (``grad_bytes``) for each predecessor needing one that has none yet, has
   ``backward_workspace_bytes`` live on top while it runs, keeps its parameter gradients
-  (``param_grad_bytes``, to the end of the step), then frees the node's tape and its output gradient.
+  (``param_grad_bytes``, to the end of the step), then frees the node's tape and its output gradient
+  (first, when ``backward_aliases_grad`` says the buffer is handed on to the inputs).
 
 Time: ``forward_cost`` for every ``Forward`` and ``backward_cost`` for every ``Backward`` that ran;
 computations beyond the first of a node count as ``recompute_cost``.
@@ -28,6 +31,11 @@ from .graph import CostGraph
 from .schedule import Backward, Forward, FreeValue, Op, Schedule
 
 __all__ = ["ScheduleError", "SimulationResult", "TimelinePoint", "simulate"]
+
+
+#: While the loss runs its backward, it holds a tensor as large as the model outputs besides the
+#: gradient it produces (cross-entropy its softmax, MSE its difference): two output-sized tensors.
+LOSS_BACKWARD_OUTPUT_COPIES = 2
 
 
 class ScheduleError(RecomputeError, ValueError):
@@ -120,7 +128,9 @@ class _Simulation:
             sid = self._new_storage(node.output_bytes)
         else:
             sid = self._ref(self._viewed_storage(op.node, where))
-        self.op_peak = max(self.op_peak, self.live + node.workspace_bytes)
+        # without a tape, what the node would save (dropout masks, internal copies) is transient
+        transient = node.workspace_bytes + (0 if op.tape else node.saved_buffer_bytes)
+        self.op_peak = max(self.op_peak, self.live + transient)
         self.peak = max(self.peak, self.op_peak)
         if op.tape and node.requires_grad and self.graph.implicit_backward:
             refs = [self._new_storage(node.saved_buffer_bytes)]
@@ -166,10 +176,14 @@ class _Simulation:
                                     "end of the forward ops")
         if not self.graph.implicit_backward:
             return
-        for o in self.graph.outputs:
-            if self.graph.nodes[o].requires_grad and o not in self.grad:
-                self.grad.add(o)
-                self._add(self.graph.nodes[o].grad_bytes)
+        arriving = [o for o in self.graph.outputs if self.graph.nodes[o].requires_grad and o not in self.grad]
+        gradient_bytes = sum(self.graph.nodes[o].grad_bytes for o in arriving)
+        # the loss's backward: a tensor the size of the outputs it kept or made, plus the gradient
+        self.op_peak = max(self.op_peak, self.live + LOSS_BACKWARD_OUTPUT_COPIES * gradient_bytes)
+        self.peak = max(self.peak, self.op_peak)
+        for o in arriving:
+            self.grad.add(o)
+            self._add(self.graph.nodes[o].grad_bytes)
 
     def backward(self, op: Backward, where: str) -> None:
         if not self.graph.implicit_backward:
@@ -185,6 +199,12 @@ class _Simulation:
                 raise ScheduleError(f"{where}: runs before the backward of node {s} "
                                     f"({self.graph.nodes[s].name!r}), whose gradient it needs")
         if op.node in self.grad:
+            # the output gradient is released when the backward ends, except a model output's, which
+            # autograd holds until the whole model's backward returns; a pass-through backward hands its
+            # buffer on (no copy), so it is released before the inputs' buffers appear
+            releases = op.node not in self.graph.outputs
+            if releases and node.backward_aliases_grad:
+                self.live -= node.grad_bytes
             for p in node.predecessors:
                 if self.graph.nodes[p].requires_grad and p not in self.grad:
                     self.grad.add(p)
@@ -194,7 +214,8 @@ class _Simulation:
             self._add(node.param_grad_bytes)
             self.compute_cost += node.backward_cost
             self.grad.discard(op.node)
-            self.live -= node.grad_bytes
+            if releases and not node.backward_aliases_grad:
+                self.live -= node.grad_bytes
         for sid in self.tape.pop(op.node):
             self._unref(sid)
         self.backward_done.add(op.node)

@@ -31,9 +31,9 @@ def test_every_node_of_every_tiny_zoo_model_is_priced(zoo_name):
 
 
 def test_saved_bytes_are_split_into_inputs_output_and_internal_buffers():
-    _, _, _, graph = profiled_tiny("resnet18")
+    model, _, _, graph = profiled_tiny("resnet18")
     bn = graph["bn1"]
-    channels = 8
+    channels = model.bn1.num_features
     assert bn.stateful and not bn.random
     assert bn.saved_buffer_bytes == 2 * channels * 4  # batch mean and inverse std
     assert bn.saved_input_bytes == graph["conv1"].output_bytes and bn.backward_needs == (graph["conv1"].index,)
@@ -71,7 +71,8 @@ def test_measured_timing_is_positive_and_flop_timing_is_deterministic():
     _, second = profile_model(model, inputs, timing="flops")
     assert first == second and first.fingerprint() == second.fingerprint()
     linear = first["layers_0"]
-    assert linear.forward_flops == 2 * 4 * 32 * 32 and linear.backward_flops == 2 * linear.forward_flops
+    batch, width = inputs[0].shape
+    assert linear.forward_flops == 2 * batch * width * width and linear.backward_flops == 2 * linear.forward_flops
 
 
 @pytest.mark.parametrize("name", ["resnet50", "gpt2", "unet", "rnn"])

@@ -3,6 +3,7 @@
 MLPChain(D, W): D x (Linear(W, W) -> ReLU) then Linear(W, O); batch B, float32; one activation is
 ``act = B * W * 4`` bytes. ReLU saves its output and the next Linear saves that same tensor as its input,
 so a store-all forward keeps exactly one activation per layer (the model input is not counted).
+The loss is a plain sum, whose gradient is a broadcast scalar owning no memory.
 """
 import pytest
 import torch
@@ -11,7 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 import models_zoo
 from recompute_graph.measure import (StorageTracker, default_loss, make_training_step, peak_memory,
-                                     saved_tensor_bytes, time_step)
+                                     saved_tensor_bytes, sum_loss, time_step)
 
 D, W, B, O, K = 8, 64, 2048, 4, 2
 ACT = B * W * 4
@@ -40,7 +41,7 @@ def test_store_all_training_step_peaks_at_activations_plus_two_gradients(mlp):
     model, x = mlp
     # first ReLU backward: D saved activations, the gradient of the last ReLU output and of its input,
     # the head's parameter gradients and the loss scalar
-    assert peak_memory(make_training_step(model, (x,))) == (D + 2) * ACT + HEAD_GRADS + LOSS
+    assert peak_memory(make_training_step(model, (x,), sum_loss)) == (D + 2) * ACT + HEAD_GRADS + LOSS
 
 
 def test_checkpointing_every_k_layers_lowers_the_peak_as_expected(mlp):
@@ -65,7 +66,7 @@ def test_checkpointing_every_k_layers_lowers_the_peak_as_expected(mlp):
     # backward of one segment: boundaries, the K recomputed activations and one gradient
     checkpointed = peak_memory(step)
     assert checkpointed == (D // K + K + 1) * ACT + HEAD_GRADS + LOSS
-    assert checkpointed < peak_memory(make_training_step(model, (x,)))
+    assert checkpointed < peak_memory(make_training_step(model, (x,), sum_loss))
 
 
 def test_storages_live_before_the_step_are_not_counted():
@@ -91,11 +92,20 @@ def test_time_step_runs_warmup_then_repeats():
         time_step(lambda: None, repeats=0)
 
 
-def test_default_loss_sums_floating_tensors_of_nested_outputs():
+def test_losses_cover_every_floating_tensor_of_nested_outputs():
     out = {"a": torch.ones(2, 3), "b": (torch.full((2,), 2.0), torch.arange(3))}
-    assert default_loss(out).item() == 10.0
+    assert sum_loss(out).item() == 10.0
+    assert default_loss(out).item() == 6 + 8
     with pytest.raises(ValueError, match="no floating-point"):
         default_loss((torch.arange(3),))
+
+
+def test_default_loss_sends_back_a_gradient_as_large_as_the_output():
+    out = torch.randn(64, 32, requires_grad=True)
+    def step():
+        default_loss(out).backward()
+    assert peak_memory(step) >= 64 * 32 * 4
+    assert torch.equal(out.grad, out.detach())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -27,11 +27,12 @@ def test_store_all_of_a_chain_keeps_every_input_and_peaks_at_the_start_of_backwa
                                     FreeValue(2))
     assert schedule.backward_ops == (FreeValue(3), Backward(3), Backward(2), Backward(1), Backward(0))
     result = simulate(g, schedule)
-    # after forward: 4 outputs live (0..2 through tapes, 3 as the model output); then its gradient
+    # after forward: 4 outputs live (0..2 through tapes, 3 as the model output); then the loss's
+    # backward holds two output-sized tensors (its saved copy and the gradient it makes)
     assert result.forward_peak_bytes == 400
-    assert result.peak_bytes == 400 + 100  # plus the output gradient; node 3's value is dropped next
+    assert result.peak_bytes == 400 + 2 * 100
     assert result.recompute_cost == 0 and result.compute_cost == 4 * 1.0 + 4 * 2.0
-    assert result.final_bytes == 0
+    assert result.final_bytes == 100  # the output gradient, held by autograd to the end
 
 
 def test_two_segments_recompute_the_first_and_keep_the_boundary():
@@ -46,7 +47,7 @@ def test_two_segments_recompute_the_first_and_keep_the_boundary():
 def test_parameter_gradients_and_buffers_are_charged():
     g = chain(3, buffer=10, params=1000)
     result = simulate(g, lower_segments(g, store_all_lower_sets(g)))
-    assert result.final_bytes == 3 * 1000
+    assert result.final_bytes == 3 * 1000 + 100  # parameter gradients and the output gradient
     assert result.forward_peak_bytes == 3 * 100 + 3 * 10
 
 
@@ -108,4 +109,5 @@ def test_every_prefix_strategy_of_a_random_graph_lowers_to_a_valid_schedule(grap
     for cut in range(n - 1):
         result = simulate(graph, lower_segments(graph, prefix_lower_sets(graph, [cut])))
         assert result.compute_cost >= full.compute_cost
-        assert result.final_bytes == full.final_bytes == sum(node.param_grad_bytes for node in graph)
+        held = sum(graph.nodes[o].grad_bytes for o in graph.outputs if graph.nodes[o].requires_grad)
+        assert result.final_bytes == full.final_bytes == sum(node.param_grad_bytes for node in graph) + held

@@ -15,7 +15,7 @@ def test_every_zoo_model_runs_forward_and_backward_at_tiny_size(zoo_name):
 def test_get_model_is_reproducible_and_sizes_override_the_preset():
     a, xa = models_zoo.get_model("mlp", "tiny", width=48)
     b, xb = models_zoo.get_model("mlp", "tiny", width=48)
-    assert torch.equal(xa[0], xb[0]) and xa[0].shape == (4, 48)
+    assert torch.equal(xa[0], xb[0]) and xa[0].shape == (models_zoo.PRESETS["mlp"]["tiny"]["batch"], 48)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
 
 
