@@ -1,0 +1,157 @@
+"""optimize(model, budget): the public entry point, end to end on small models."""
+import pytest
+import torch
+from torch import nn
+
+import models_zoo
+import recompute_graph as rg
+from recompute_graph.measure import default_loss, make_training_step, peak_memory
+
+from test_trace import UntraceableRoot, snapshot, assert_unchanged
+
+
+def train_steps(model, inputs, steps=3, seed=0):
+    torch.manual_seed(seed)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        loss = default_loss(model(*inputs))
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_optimized_model_trains_like_the_original_for_several_steps():
+    original, inputs = models_zoo.get_model("resnet18", "tiny")
+    twin, _ = models_zoo.get_model("resnet18", "tiny")
+    optimized = rg.optimize(twin, 0.95, example_inputs=inputs, timing="flops")
+    assert optimized.recompute_plan.recomputed_nodes
+    assert train_steps(optimized, inputs) == pytest.approx(train_steps(original, inputs), rel=1e-5)
+    for (name, a), b in zip(original.state_dict().items(), optimized.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_plan_fields_and_summary():
+    model, inputs = models_zoo.get_model("gpt2", "tiny")
+    optimized = rg.optimize(model, "400KiB", example_inputs=inputs, timing="flops")
+    plan = optimized.recompute_plan
+    assert plan.budget_bytes == 400 * 1024
+    assert plan.predicted_peak_bytes * 1.05 <= plan.budget_bytes < plan.store_all_peak_bytes
+    assert 0 < plan.predicted_compute_overhead < 1
+    text = str(plan)
+    for field in ("solver", "budget", "predicted peak", "store-all peak", "compute overhead"):
+        assert field in text
+    assert plan.solver in repr(optimized) and "400 KiB" in repr(optimized)
+    assert peak_memory(make_training_step(optimized, inputs)) <= plan.budget_bytes
+
+
+def test_state_dict_keys_and_parameters_are_the_originals():
+    model, inputs = models_zoo.get_model("gpt2", "tiny")
+    optimized = rg.optimize(model, 1.0, example_inputs=inputs, timing="flops")
+    assert list(optimized.state_dict()) == list(model.state_dict())
+    assert all(a is b for a, b in zip(optimized.parameters(), model.parameters()))
+    optimized.load_state_dict(model.state_dict())
+
+
+def test_plans_lazily_on_the_first_call_and_again_when_shapes_change():
+    model, (x,) = models_zoo.get_model("mlp", "tiny")
+    optimized = rg.optimize(model, 0.9, timing="flops")
+    assert optimized.recompute_plan is None and "on first call" in repr(optimized)
+    default_loss(optimized(x)).backward()
+    first = optimized.recompute_plan
+    assert first is not None
+    default_loss(optimized(x[:48])).backward()
+    assert optimized.recompute_plan is not first and len(optimized._plans) == 2
+    default_loss(optimized(x)).backward()
+    assert optimized.recompute_plan is first
+
+
+def test_eval_and_no_grad_run_the_plain_forward():
+    model, inputs = models_zoo.get_model("resnet18", "tiny")
+    optimized = rg.optimize(model, 0.95, example_inputs=inputs, timing="flops")
+    calls = []
+    executor = next(iter(optimized._plans.values()))[0]
+    executor.observer = lambda *a: calls.append(a)
+    model.eval()
+    with torch.no_grad():
+        expected = model(*inputs)
+    optimized.eval()
+    torch.testing.assert_close(optimized(*inputs), expected)
+    optimized.train()
+    with torch.no_grad():
+        optimized(*inputs)
+    assert calls == []
+    optimized(*inputs).sum().backward()
+    assert calls
+
+
+def test_inputs_that_require_grad_get_the_original_gradient():
+    model, (x,) = models_zoo.get_model("mlp", "tiny")
+    x = x.clone().requires_grad_(True)
+    default_loss(model(x)).backward()
+    expected = x.grad.clone()
+    x.grad = None
+    optimized = rg.optimize(model, 0.9, example_inputs=(x,), timing="flops")
+    default_loss(optimized(x)).backward()
+    torch.testing.assert_close(x.grad, expected)
+
+
+def test_keyword_arguments_and_defaults_are_bound_like_the_original():
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x, scale: float = 2.0):
+            return self.b(torch.relu(self.a(x))) * scale
+
+    model, x = Scaled(), torch.randn(16, 8)
+    optimized = rg.optimize(model, 1.0, timing="flops")
+    torch.testing.assert_close(optimized(x=x), model(x))
+    with pytest.raises(TypeError, match="Scaled.forward"):
+        optimized(x, 1.0, 3)
+
+
+def test_infeasible_budget_names_the_smallest_feasible_one_and_changes_nothing():
+    model, inputs = models_zoo.get_model("vgg19", "tiny")
+    before = snapshot(model)
+    with pytest.raises(rg.InfeasibleBudgetError) as info:
+        rg.optimize(model, 1000, example_inputs=inputs, timing="flops")
+    error = info.value
+    assert error.budget_bytes == 1000 and error.min_budget_bytes > 1000
+    assert str(error.min_budget_bytes) in str(error)
+    assert_unchanged(model, before)
+    optimized = rg.optimize(model, error.min_budget_bytes, example_inputs=inputs, timing="flops")
+    assert peak_memory(make_training_step(optimized, inputs)) <= error.min_budget_bytes
+
+
+@pytest.mark.parametrize("budget", [0, -1, float("nan"), 1.5, "plenty", None])
+def test_bad_budgets_raise_value_error_before_any_work(budget):
+    model, inputs = models_zoo.get_model("mlp", "tiny")
+    with pytest.raises(ValueError, match="1.5GiB"):
+        rg.optimize(model, budget, example_inputs=inputs)
+
+
+def test_unknown_solver_and_option_are_rejected():
+    model, inputs = models_zoo.get_model("mlp", "tiny")
+    with pytest.raises(ValueError, match="available: chen_greedy"):
+        rg.optimize(model, 0.5, solver="magic")
+    with pytest.raises(TypeError, match="unknown options \\['colour'\\]"):
+        rg.optimize(model, 0.5, colour="red")
+
+
+def test_untraceable_model_raises_trace_error_and_stays_intact():
+    model = UntraceableRoot()
+    before = snapshot(model)
+    with pytest.raises(rg.TraceError, match="UntraceableRoot"):
+        rg.optimize(model, 0.5)
+    assert_unchanged(model, before)
+
+
+@pytest.mark.parametrize("solver", ["store_all", "chen_sqrt", "chen_greedy"])
+def test_each_solver_can_be_chosen_by_name(solver):
+    model, inputs = models_zoo.get_model("unet", "tiny")
+    optimized = rg.optimize(model, 1.0, example_inputs=inputs, solver=solver, timing="flops")
+    assert optimized.recompute_plan.solver == solver
