@@ -13,10 +13,12 @@ Memory model (bytes of tensor storage above what was live before the step; see d
   holds references to the storages its backward reads (``backward_needs``: its inputs' and its own).
 * A storage lives while a value or a tape refers to it (reference counting, as in PyTorch).
 * At the start of backward the gradients of the model outputs arrive (``grad_bytes``); autograd holds
-  them until the model's whole backward has run. While the loss computes them, two output-sized tensors
-  are live on top of the outputs (``LOSS_BACKWARD_OUTPUT_COPIES``: what cross-entropy and MSE hold). A ``Backward(v)``
+  them until the model's whole backward has run. The loss itself is modelled as lean: it keeps the
+  outputs until its backward and makes one output-sized gradient (what ``measure.default_loss`` does);
+  a loss holding more (cross-entropy keeps its log-softmax) needs that much more budget. A ``Backward(v)``
   allocates a gradient buffer (``grad_bytes``) for each predecessor needing one that has none yet, has
-  ``backward_workspace_bytes`` live on top while it runs, keeps its parameter gradients
+  ``backward_workspace_bytes`` live on top while it runs (plus, for predecessors that already have a
+  buffer, the incoming gradient and, the first time, the new sum), keeps its parameter gradients
   (``param_grad_bytes``, to the end of the step), then frees the node's tape and its output gradient
   (first, when ``backward_aliases_grad`` says the buffer is handed on to the inputs).
 
@@ -31,11 +33,6 @@ from .graph import CostGraph
 from .schedule import Backward, Forward, FreeValue, Op, Schedule
 
 __all__ = ["ScheduleError", "SimulationResult", "TimelinePoint", "simulate"]
-
-
-#: While the loss runs its backward, it holds a tensor as large as the model outputs besides the
-#: gradient it produces (cross-entropy its softmax, MSE its difference): two output-sized tensors.
-LOSS_BACKWARD_OUTPUT_COPIES = 2
 
 
 class ScheduleError(RecomputeError, ValueError):
@@ -78,6 +75,7 @@ class _Simulation:
         self.value: dict[int, int] = {}            # node -> storage id of its current value
         self.tape: dict[int, list[int]] = {}       # node -> storages its tape refers to
         self.grad: set[int] = set()                # nodes holding a gradient buffer
+        self.accumulated: set[int] = set()         # buffers already summed into once (owned since)
         self.backward_done: set[int] = set()
         self.computed: set[int] = set()
         self.live = 0
@@ -177,10 +175,6 @@ class _Simulation:
         if not self.graph.implicit_backward:
             return
         arriving = [o for o in self.graph.outputs if self.graph.nodes[o].requires_grad and o not in self.grad]
-        gradient_bytes = sum(self.graph.nodes[o].grad_bytes for o in arriving)
-        # the loss's backward: a tensor the size of the outputs it kept or made, plus the gradient
-        self.op_peak = max(self.op_peak, self.live + LOSS_BACKWARD_OUTPUT_COPIES * gradient_bytes)
-        self.peak = max(self.peak, self.op_peak)
         for o in arriving:
             self.grad.add(o)
             self._add(self.graph.nodes[o].grad_bytes)
@@ -205,11 +199,21 @@ class _Simulation:
             releases = op.node not in self.graph.outputs
             if releases and node.backward_aliases_grad:
                 self.live -= node.grad_bytes
+            accumulation = 0
             for p in node.predecessors:
-                if self.graph.nodes[p].requires_grad and p not in self.grad:
+                if not self.graph.nodes[p].requires_grad:
+                    continue
+                if p not in self.grad:
                     self.grad.add(p)
                     self._add(self.graph.nodes[p].grad_bytes)
-            self.op_peak = max(self.op_peak, self.live + node.backward_workspace_bytes)
+                    continue
+                # adding into an existing buffer: the incoming gradient (unless handed on) and, the
+                # first time, a new sum (the first buffer may alias another; later sums are in place)
+                incoming = 0 if node.backward_aliases_grad else self.graph.nodes[p].grad_bytes
+                first_sum = self.graph.nodes[p].grad_bytes if p not in self.accumulated else 0
+                accumulation += incoming + first_sum
+                self.accumulated.add(p)
+            self.op_peak = max(self.op_peak, self.live + node.backward_workspace_bytes + accumulation)
             self.peak = max(self.peak, self.op_peak)
             self._add(node.param_grad_bytes)
             self.compute_cost += node.backward_cost

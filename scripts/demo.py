@@ -1,55 +1,75 @@
-"""Quick demo of the foundation: trace and price a zoo model, check the prices against measurement.
+"""The main job: plan a zoo model at a memory budget, train a few steps with it, and show what it buys.
 
-    python scripts/demo.py [--model resnet18] [--preset tiny|small|paper]
+    python scripts/demo.py [--model unet] [--preset tiny|small|paper] [--budget 0.5] [--steps 3]
 
-Prints the model's cost graph, the activation memory autograd keeps (predicted from the per-node costs
-vs measured with saved_tensors_hooks), the measured peak of one training step, and the sizes of one
-published benchmark graph.
+Prints the plan, the losses of the original and the optimized model over the same steps (they match),
+the store-all and planned peaks (predicted by the simulator and measured by the storage meter) and the
+ratio of step times.
 """
 from __future__ import annotations
 
 import argparse
-import time
+import copy
 
 import torch
 
 import models_zoo
-from recompute_graph import format_bytes
-from recompute_graph.benchmark_graphs import benchmark_dir, load_graph
-from recompute_graph.costs import profile_model
-from recompute_graph.measure import make_training_step, peak_memory, saved_tensor_bytes, time_step
+from recompute_graph import format_bytes, optimize
+from recompute_graph.measure import default_loss, make_training_step, peak_memory, time_step
+
+
+def train(model: torch.nn.Module, inputs: tuple, steps: int) -> list[float]:
+    torch.manual_seed(0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        loss = default_loss(model(*inputs))
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="resnet18", choices=models_zoo.MODEL_NAMES)
+    parser.add_argument("--model", default="unet", choices=models_zoo.MODEL_NAMES)
     parser.add_argument("--preset", default="small", choices=("tiny", "small", "paper"))
+    parser.add_argument("--budget", default="0.5", help="bytes, a size like 1.5GiB, or a fraction in (0, 1]")
+    parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
+    budget = float(args.budget) if args.budget.replace(".", "", 1).isdigit() and "." in args.budget else (
+        int(args.budget) if args.budget.isdigit() else args.budget)
 
     model, inputs = models_zoo.get_model(args.model, args.preset)
-    start = time.perf_counter()
-    traced, graph = profile_model(model, inputs, repeats=3, warmup=1)
-    print(f"traced and profiled {args.model} ({args.preset}) in {time.perf_counter() - start:.1f} s")
-    print(graph.summary(max_rows=25))
-    if traced.opaque_modules:
-        print("opaque submodules:", ", ".join(traced.opaque_modules))
+    twin = copy.deepcopy(model)
+    print(f"{args.model} ({args.preset}): {sum(p.numel() for p in model.parameters()):,} parameters, "
+          f"input {tuple(inputs[0].shape)}, budget {args.budget}\n")
+    optimized = optimize(twin, budget, example_inputs=inputs, repeats=3, warmup=1)
+    plan = optimized.recompute_plan
+    print(plan, "\n")
 
-    predicted = graph.store_all_saved_bytes()
-    measured = saved_tensor_bytes(lambda: model(*inputs))
-    step = make_training_step(model, inputs)
-    peak = peak_memory(step)
-    timing = time_step(step, repeats=3)
-    print(f"\nactivations kept for backward: predicted {format_bytes(predicted)}, "
-          f"measured {format_bytes(measured)} (ratio {predicted / measured:.4f})")
-    print(f"training step: peak {format_bytes(peak)} above parameters and inputs "
-          f"(parameter gradients {format_bytes(graph.parameter_bytes)} included), "
-          f"{timing.median_seconds * 1e3:.1f} ms median; node-wise compute sum "
-          f"{(graph.total_forward_cost + graph.total_backward_cost) * 1e3:.1f} ms")
+    original_losses = train(model, inputs, args.steps)
+    optimized_losses = train(optimized, inputs, args.steps)
+    print("step  original loss  optimized loss")
+    for i, (a, b) in enumerate(zip(original_losses, optimized_losses)):
+        print(f"{i:>4}  {a:>13.6g}  {b:>14.6g}")
 
-    vgg = load_graph(benchmark_dir() / "kusumoto2019" / "cg_vgg19.txt")
-    print(f"\nbenchmark graph: {vgg!r}")
+    original_step = make_training_step(model, inputs)
+    optimized_step = make_training_step(optimized, inputs)
+    original_peak, optimized_peak = peak_memory(original_step), peak_memory(optimized_step)
+    original_time = time_step(original_step, repeats=3).median_seconds
+    optimized_time = time_step(optimized_step, repeats=3).median_seconds
+    print(f"\n{'':<12}{'predicted peak':>16}{'measured peak':>16}{'step time':>12}")
+    print(f"{'store-all':<12}{format_bytes(plan.store_all_peak_bytes):>16}{format_bytes(original_peak):>16}"
+          f"{original_time * 1e3:>10.1f}ms")
+    print(f"{plan.solver:<12}{format_bytes(plan.predicted_peak_bytes):>16}{format_bytes(optimized_peak):>16}"
+          f"{optimized_time * 1e3:>10.1f}ms")
+    print(f"\nmeasured peak {optimized_peak / original_peak:.1%} of store-all "
+          f"(budget {format_bytes(plan.budget_bytes)}: {'within' if optimized_peak <= plan.budget_bytes else 'OVER'}), "
+          f"step time x{optimized_time / original_time:.2f} "
+          f"(predicted compute overhead +{plan.predicted_compute_overhead:.1%})")
 
 
 if __name__ == "__main__":
-    torch.manual_seed(0)
     main()
