@@ -155,3 +155,17 @@ def test_each_solver_can_be_chosen_by_name(solver):
     model, inputs = models_zoo.get_model("unet", "tiny")
     optimized = rg.optimize(model, 1.0, example_inputs=inputs, solver=solver, timing="flops")
     assert optimized.recompute_plan.solver == solver
+
+
+def test_a_module_called_several_times_trains_exactly_when_its_calls_are_recomputed():
+    from test_trace import SharedModule
+    torch.manual_seed(0)
+    model, x = SharedModule(), torch.randn(64, 5)
+    default_loss(model(x)).backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    optimized = rg.optimize(model, 1.0, example_inputs=(x,), solver="chen_sqrt", timing="flops")
+    assert optimized.recompute_plan.recomputed_nodes
+    default_loss(optimized(x)).backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name], rtol=1e-5, atol=1e-7)

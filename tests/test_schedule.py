@@ -111,3 +111,18 @@ def test_every_prefix_strategy_of_a_random_graph_lowers_to_a_valid_schedule(grap
         assert result.compute_cost >= full.compute_cost
         held = sum(graph.nodes[o].grad_bytes for o in graph.outputs if graph.nodes[o].requires_grad)
         assert result.final_bytes == full.final_bytes == sum(node.param_grad_bytes for node in graph) + held
+
+
+def test_a_second_gradient_into_an_existing_buffer_is_charged_while_it_is_summed():
+    # 0 feeds 1 and 2, both feed 3: node 0's buffer gets a second gradient from node 1's backward
+    g = CostGraph("diamond", (
+        CostNode(0, "a", output_bytes=100, grad_bytes=100, forward_cost=1.0),
+        CostNode(1, "b", predecessors=(0,), output_bytes=100, grad_bytes=100, backward_needs=(0,)),
+        CostNode(2, "c", predecessors=(0,), output_bytes=100, grad_bytes=100, backward_needs=(0,)),
+        CostNode(3, "d", predecessors=(1, 2), output_bytes=100, grad_bytes=100, backward_needs=(1, 2)),
+    ))
+    result = simulate(g, lower_segments(g, store_all_lower_sets(g)))
+    backward_1 = next(p for p in result.timeline if p.op == Backward(1))
+    before = result.timeline[result.timeline.index(backward_1) - 1].live_bytes
+    # incoming gradient and the new sum on top of what was live
+    assert backward_1.peak_bytes == before + 100 + 100
