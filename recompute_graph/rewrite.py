@@ -265,10 +265,7 @@ class ScheduleExecutor:
 
     def _evaluate_static(self, state: _StepState, a: fx.Node) -> None:
         if a.op == "get_attr":
-            target: Any = self.gm
-            for part in a.target.split("."):
-                target = getattr(target, part)
-            state.static[a.name] = target
+            state.static[a.name] = self._get_attr(a)
             return
         if a.op == "placeholder":
             raise RewriteError(f"model input {a.name!r} was not given")
@@ -322,9 +319,8 @@ class ScheduleExecutor:
         """Buffers a stateful node may write (restored after each recomputation)."""
         if node.op == "call_module":
             return list(self.gm.get_submodule(node.target).buffers())
-        return [self._get_attr(a) for a in node.all_input_nodes
-                if a.op == "get_attr" and isinstance(self._get_attr(a), torch.Tensor)
-                and not isinstance(self._get_attr(a), nn.Parameter)]
+        attributes = [self._get_attr(a) for a in node.all_input_nodes if a.op == "get_attr"]
+        return [t for t in attributes if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter)]
 
 
 def _unique(parameters: list[nn.Parameter]) -> list[nn.Parameter]:

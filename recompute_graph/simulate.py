@@ -125,7 +125,7 @@ class _Simulation:
         if node.alias_of is None:
             sid = self._new_storage(node.output_bytes)
         else:
-            sid = self._ref(self._viewed_storage(op.node, where))
+            sid = self._ref(self._storage_of_owner(op.node, node.alias_of, where, "the node views"))
         # without a tape, what the node would save (dropout masks, internal copies) is transient
         transient = node.workspace_bytes + (0 if op.tape else node.saved_buffer_bytes)
         self.op_peak = max(self.op_peak, self.live + transient)
@@ -134,7 +134,7 @@ class _Simulation:
             refs = [self._new_storage(node.saved_buffer_bytes)]
             for q in node.backward_needs:
                 refs.append(self._ref(sid if q == self.graph.storage_owner(op.node)
-                                      else self._needed_storage(op.node, q, where)))
+                                      else self._storage_of_owner(op.node, q, where, "its backward needs")))
             self.tape[op.node] = refs
         if op.node in self.value:
             self._unref(self.value[op.node])
@@ -144,22 +144,15 @@ class _Simulation:
             self.recompute_cost += node.forward_cost
         self.computed.add(op.node)
 
-    def _viewed_storage(self, index: int, where: str) -> int:
-        owner = self.graph.nodes[index].alias_of
+    def _storage_of_owner(self, index: int, owner: int, where: str, why: str) -> int:
+        """The live storage of ``owner`` that node ``index`` reaches: through the input it read, else the
+        owner's own current value."""
         for p in self.graph.nodes[index].predecessors:
             if self.graph.storage_owner(p) == owner:
                 return self.value[p]
         if owner in self.value:
             return self.value[owner]
-        raise ScheduleError(f"{where}: the node views node {owner}'s storage, which is not live")
-
-    def _needed_storage(self, index: int, needed: int, where: str) -> int:
-        for p in self.graph.nodes[index].predecessors:
-            if self.graph.storage_owner(p) == needed:
-                return self.value[p]
-        if needed in self.value:
-            return self.value[needed]
-        raise ScheduleError(f"{where}: its backward needs node {needed}'s storage, which is not live")
+        raise ScheduleError(f"{where}: {why} node {owner}'s storage, which is not live")
 
     def free(self, op: FreeValue, where: str) -> None:
         if op.node not in self.value:
