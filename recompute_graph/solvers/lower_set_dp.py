@@ -1,0 +1,394 @@
+"""The lower-set dynamic program of Kusumoto et al. 2019, exact (``dp_exact``) and approximate
+(``dp_approx``).
+
+Strategy space: increasing sequences of lower sets ``∅ = L_0 ⊊ L_1 ⊊ ... ⊊ L_k = V`` (a lower set is
+closed under predecessors). Segment ``V_i = L_i \\ L_{i-1}``; what it keeps for later segments is
+``K_i = ∂(L_i) \\ L_{i-1}``, where ``∂(L)`` are the nodes of ``L`` with a consumer outside ``L``.
+
+Notation of the paper, as used here: ``M(S)`` bytes of the nodes in ``S``, ``T(S)`` their forward cost,
+``δ⁺(L)`` the consumers just outside ``L``, ``δ⁻(X)`` the producers of ``X``. A strategy costs
+``Σ_i overhead(L_{i-1}, L_i)`` and fits budget ``B`` when for every ``i``:
+``Σ_{j<i} M(K_j) + peak(L_{i-1}, L_i) <= B``. Two cost models give ``overhead``, ``peak`` and ``M(K)``:
+
+* :class:`PaperModel` (the paper's graphs, ``cost_unit`` of ``kusumoto2019``), exactly as the official
+  code: ``peak = 2·M(V_i) + M(δ⁺(L_i)) + M(δ⁻(δ⁺(L_i)) \\ L_i)``, ``overhead = T(V_i \\ ∂(L_i))`` (the
+  last segment is charged in full), ``M(v)`` = output bytes.
+* :class:`ExecutionModel` (traced models): how :func:`~recompute_graph.schedule.lower_segments` runs a
+  strategy. Every segment but the last is recomputed in full (``overhead = T(V_i)``, last: 0); while a
+  segment runs its backward, its recomputed outputs, saved buffers and gradients are live, with the
+  parameter gradients of everything after ``L_{i-1}``, the held output gradients, and the largest
+  backward workspace. It is an upper-bound model; the solver checks its answer with the simulator and
+  tightens the DP budget until the simulated peak fits.
+
+The DP keeps, per lower set, the Pareto front of (overhead so far, checkpoint bytes so far) and iterates
+lower sets by cardinality (a linear extension of inclusion: the official code's discovery order skips
+transitions). Time-centric: least overhead; memory-centric: least checkpoint memory on the final front
+(coarse partitions, the lowest measured peak after liveness, at more compute). Exact in the strategy
+space for the model used. Time ``O(#lowersets² · front)``; ``dp_approx`` uses only the principal lower
+sets ``↓v`` (plus ``∅`` and ``V``), ``O(n² · front)``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ..errors import SolverError
+from ..graph import CostGraph
+from ..schedule import lower_segments
+from . import Solution, register
+
+__all__ = ["DEFAULT_MAX_LOWER_SETS", "PaperModel", "ExecutionModel", "LowerSetFamily", "enumerate_lower_sets",
+           "principal_lower_sets", "run_dp", "strategy_cost", "minimal_model_budget", "dp_exact", "dp_approx",
+           "model_for"]
+
+DEFAULT_MAX_LOWER_SETS = 3000
+COUNT_CAP = 200_000
+PAPER_UNIT_PREFIX = "kusumoto2019"
+
+
+def _bits(mask: int) -> list[int]:
+    out = []
+    while mask:
+        low = mask & -mask
+        out.append(low.bit_length() - 1)
+        mask ^= low
+    return out
+
+
+@dataclass
+class LowerSetFamily:
+    """Lower sets as bitmasks, sorted by cardinality, with the per-set sums the models need."""
+
+    graph: CostGraph
+    sets: list[int]
+
+    def __post_init__(self) -> None:
+        g = self.graph
+        self.n = len(g)
+        self.succ = [sum(1 << s for s in node.successors) for node in g.nodes]
+        self.pred = [sum(1 << p for p in node.predecessors) for node in g.nodes]
+        self.sets.sort(key=lambda s: (bin(s).count("1"), s))
+        self.size = [bin(s).count("1") for s in self.sets]
+        self.boundary = [self._boundary(s) for s in self.sets]
+
+    def _boundary(self, lower: int) -> int:
+        return sum(1 << v for v in _bits(lower) if self.succ[v] & ~lower)
+
+    def out_neighbours(self, lower: int) -> int:
+        mask = 0
+        for v in _bits(lower):
+            mask |= self.succ[v]
+        return mask & ~lower
+
+    def in_neighbours(self, nodes: int) -> int:
+        mask = 0
+        for v in _bits(nodes):
+            mask |= self.pred[v]
+        return mask
+
+    def total(self, weights: Sequence[float], mask: int) -> float:
+        return sum(weights[v] for v in _bits(mask))
+
+
+def enumerate_lower_sets(graph: CostGraph, limit: int = DEFAULT_MAX_LOWER_SETS) -> LowerSetFamily:
+    """All lower sets (including ∅ and V), without duplicates. SolverError when there are more than
+    ``limit``; the message says how many there are (counted up to a cap)."""
+    pred = [sum(1 << p for p in node.predecessors) for node in graph.nodes]
+    seen = {0}
+    frontier = [0]
+    cap = max(limit, COUNT_CAP)
+    while frontier:
+        grown = []
+        for lower in frontier:
+            for v in range(len(graph)):
+                bit = 1 << v
+                if not lower & bit and pred[v] & ~lower == 0:
+                    bigger = lower | bit
+                    if bigger not in seen:
+                        seen.add(bigger)
+                        grown.append(bigger)
+            if len(seen) > cap:
+                break
+        if len(seen) > cap:
+            break
+        frontier = grown
+    if len(seen) > limit:
+        count = f"more than {cap:,}" if len(seen) > cap else f"{len(seen):,}"
+        raise SolverError(f"graph {graph.name!r} has {count} lower sets, over the limit of {limit:,} for "
+                          "dp_exact: use dp_approx (principal lower sets only) or raise max_lower_sets")
+    return LowerSetFamily(graph, list(seen))
+
+
+def principal_lower_sets(graph: CostGraph) -> LowerSetFamily:
+    """``∅``, ``V`` and ``↓v = {v} ∪ ancestors(v)`` for every node (the approximate DP's family)."""
+    down = []
+    for node in graph.nodes:
+        mask = 1 << node.index
+        for p in node.predecessors:
+            mask |= down[p]
+        down.append(mask)
+    return LowerSetFamily(graph, sorted({0, (1 << len(graph)) - 1, *down}))
+
+
+class PaperModel:
+    """Kusumoto et al. 2019's cost model (module docstring); ``M`` = output bytes, ``T`` = forward cost."""
+
+    name = "paper"
+
+    def __init__(self, family: LowerSetFamily) -> None:
+        g = family.graph
+        self.family = family
+        self.memory = [node.output_bytes for node in g.nodes]
+        self.time = [node.forward_cost for node in g.nodes]
+        self.set_memory = [family.total(self.memory, s) for s in family.sets]
+        self.set_time = [family.total(self.time, s) for s in family.sets]
+        self.outside = []
+        for s in family.sets:
+            consumers = family.out_neighbours(s)
+            needed = family.in_neighbours(consumers) & ~s
+            self.outside.append(family.total(self.memory, consumers) + family.total(self.memory, needed))
+
+    def transition(self, a: int, b: int) -> tuple[float, float, float]:
+        """(overhead, peak, kept bytes) of the step from lower set ``a`` to ``b`` (family indices)."""
+        f = self.family
+        lower, upper = f.sets[a], f.sets[b]
+        kept_mask = f.boundary[b] & ~lower
+        segment_memory = self.set_memory[b] - self.set_memory[a]
+        peak = 2 * segment_memory + self.outside[b]
+        kept_time = sum(self.time[v] for v in _bits(kept_mask))
+        overhead = self.set_time[b] - self.set_time[a] - kept_time
+        kept = sum(self.memory[v] for v in _bits(kept_mask))
+        return overhead, peak, kept
+
+
+class ExecutionModel:
+    """How the executor runs a lowered strategy (module docstring); an upper bound checked by the
+    simulator."""
+
+    name = "execution"
+
+    def __init__(self, family: LowerSetFamily) -> None:
+        g = family.graph
+        self.family = family
+        self.last = len(family.sets) - 1 if family.sets[-1] == (1 << len(g)) - 1 else None
+        self.kept_weight = [node.output_bytes for node in g.nodes]
+        working = [node.output_bytes + node.saved_buffer_bytes + node.grad_bytes for node in g.nodes]
+        self.time = [node.forward_cost for node in g.nodes]
+        self.set_working = [family.total(working, s) for s in family.sets]
+        self.set_time = [family.total(self.time, s) for s in family.sets]
+        params = [node.param_grad_bytes for node in g.nodes]
+        total_params = sum(params)
+        self.params_after = [total_params - family.total(params, s) for s in family.sets]
+        held = sum(g.nodes[o].grad_bytes for o in g.outputs if g.nodes[o].requires_grad)
+        workspace = max((max(n.workspace_bytes, n.backward_workspace_bytes) for n in g.nodes), default=0)
+        self.constant = held + workspace
+
+    def transition(self, a: int, b: int) -> tuple[float, float, float]:
+        f = self.family
+        lower = f.sets[a]
+        is_last = f.sets[b] == (1 << f.n) - 1
+        overhead = 0.0 if is_last else self.set_time[b] - self.set_time[a]
+        peak = self.set_working[b] - self.set_working[a] + self.params_after[a] + self.constant
+        kept = sum(self.kept_weight[v] for v in _bits(f.boundary[b] & ~lower))
+        return overhead, peak, kept
+
+
+def model_for(graph: CostGraph) -> Callable[[LowerSetFamily], PaperModel | ExecutionModel]:
+    """The paper's model for the paper's graphs, the execution model otherwise."""
+    return PaperModel if graph.cost_unit.startswith(PAPER_UNIT_PREFIX) else ExecutionModel
+
+
+@dataclass(frozen=True)
+class DPResult:
+    """A DP answer in its own model: the lower sets, total overhead and model peak."""
+
+    lower_sets: tuple[frozenset[int], ...]
+    overhead: float
+    peak: float
+
+
+def transitions(model: PaperModel | ExecutionModel) -> list[list[tuple[float, int, float, float]]]:
+    """Per lower set ``a``: ``(peak, b, overhead, kept)`` for every strict superset ``b`` in the family,
+    sorted by peak (computed once per model and reused for every budget)."""
+    cached = getattr(model, "_transitions", None)
+    if cached is not None:
+        return cached
+    f = model.family
+    table = []
+    for a, lower in enumerate(f.sets):
+        row = []
+        for b in range(a + 1, len(f.sets)):
+            if f.size[b] > f.size[a] and not lower & ~f.sets[b]:
+                overhead, peak, kept = model.transition(a, b)
+                row.append((peak, b, overhead, kept))
+        row.sort(key=lambda item: item[0])
+        table.append(row)
+    model._transitions = table
+    return table
+
+
+def run_dp(model: PaperModel | ExecutionModel, budget: float, variant: str = "time") -> DPResult | None:
+    """The DP over ``model.family``; None when no strategy fits ``budget`` in the model.
+
+    Each lower set's Pareto front is held as numpy arrays sorted by checkpoint bytes (ascending; overhead
+    then strictly descending). A transition with model peak ``p`` applies to the prefix of states with
+    ``checkpoints + p <= budget``, found by binary search.
+    """
+    if variant not in ("time", "memory"):
+        raise ValueError(f"variant must be 'time' or 'memory', got {variant!r}")
+    f = model.family
+    count = len(f.sets)
+    if f.sets[0] != 0 or f.sets[-1] != (1 << f.n) - 1:
+        raise SolverError("the lower-set family must contain ∅ and V")
+    table = transitions(model)
+    incoming: list[list[tuple]] = [[] for _ in range(count)]
+    fronts: list[tuple | None] = [None] * count
+    start = (np.zeros(1), np.zeros(1), np.zeros(1), np.full(1, -1), np.full(1, -1))
+    incoming[0].append(start)
+    for a in range(count):
+        front = _pareto(incoming[a])
+        incoming[a] = []
+        fronts[a] = front
+        if front is None or a == count - 1:
+            continue
+        overheads, kept_bytes, peaks, _, _ = front
+        least = kept_bytes[0]
+        state_ids = np.arange(len(kept_bytes))
+        for peak, b, overhead, kept in table[a]:
+            if least + peak > budget:
+                break
+            k = int(np.searchsorted(kept_bytes, budget - peak, side="right"))
+            incoming[b].append((overheads[:k] + overhead, kept_bytes[:k] + kept,
+                                np.maximum(peaks[:k], kept_bytes[:k] + peak), np.full(k, a), state_ids[:k]))
+    final = fronts[count - 1]
+    if final is None:
+        return None
+    overheads, kept_bytes, peaks, parent_set, parent_state = final
+    best = int(np.argmin(overheads)) if variant == "time" else 0  # front sorted by kept bytes ascending
+    chain = []
+    a, i = count - 1, best
+    while a > 0:
+        chain.append(frozenset(_bits(f.sets[a])))
+        _, _, _, parents, states = fronts[a]
+        a, i = int(parents[i]), int(states[i])
+    return DPResult(tuple(reversed(chain)), float(overheads[best]), float(peaks[best]))
+
+
+def _pareto(parts: list[tuple]) -> tuple | None:
+    """Merge candidate states and keep those not dominated in (overhead, checkpoint bytes), sorted by
+    checkpoint bytes ascending; among equal points the lower peak wins."""
+    if not parts:
+        return None
+    columns = [np.concatenate([part[c] for part in parts]) for c in range(5)]
+    overheads, kept_bytes, peaks = columns[0], columns[1], columns[2]
+    order = np.lexsort((peaks, overheads, kept_bytes))  # by kept bytes, then overhead, then peak
+    overheads = overheads[order]
+    # keep a state when its overhead is below every overhead with less (or equal) checkpoint memory
+    running = np.minimum.accumulate(np.concatenate(([np.inf], overheads[:-1])))
+    keep = order[overheads < running]
+    return tuple(column[keep] for column in columns)
+
+
+def strategy_cost(model: PaperModel | ExecutionModel, lower_sets: Sequence[frozenset[int]]) -> tuple[float, float]:
+    """(overhead, peak) of any lower-set sequence ending in V under ``model`` (sets must be in its family)."""
+    f = model.family
+    index = {s: i for i, s in enumerate(f.sets)}
+    a, checkpoints, overhead, peak = 0, 0.0, 0.0, 0.0
+    for lower in lower_sets:
+        b = index[sum(1 << v for v in lower)]
+        step_overhead, step_peak, kept = model.transition(a, b)
+        overhead += step_overhead
+        peak = max(peak, checkpoints + step_peak)
+        checkpoints += kept
+        a = b
+    return overhead, peak
+
+
+def feasible(model: PaperModel | ExecutionModel, budget: float) -> bool:
+    """Whether any strategy fits ``budget`` in the model. Only the least checkpoint memory per lower set
+    matters for that (the budget test reads nothing else), so this is one pass over the transitions."""
+    table = transitions(model)
+    count = len(model.family.sets)
+    least = [float("inf")] * count
+    least[0] = 0.0
+    for a in range(count - 1):
+        if least[a] == float("inf"):
+            continue
+        for peak, b, _, kept in table[a]:
+            if least[a] + peak > budget:
+                break
+            least[b] = min(least[b], least[a] + kept)
+    return least[-1] < float("inf")
+
+
+def minimal_model_budget(model: PaperModel | ExecutionModel, variant: str = "time") -> float:
+    """Smallest budget the DP finds feasible in its own model (bisection: feasibility is monotone). The
+    same for both variants, which differ only in which feasible strategy they return."""
+    high_budget = max(peak for row in transitions(model) for peak, *_ in row) + sum(
+        kept for row in transitions(model) for *_, kept in row[:1])
+    high_budget = max(high_budget, 1.0)
+    while not feasible(model, high_budget):
+        high_budget *= 2
+    low_budget = 0.0
+    while high_budget - low_budget > max(1.0, high_budget * 1e-6):
+        middle = (low_budget + high_budget) / 2
+        if feasible(model, middle):
+            high_budget = middle
+        else:
+            low_budget = middle
+    return high_budget
+
+
+def solve_lower_sets(name: str, graph: CostGraph, budget_bytes: int | None, family: LowerSetFamily,
+                     variant: str = "time") -> Solution:
+    """Run the DP on ``family`` and return the simulated plan.
+
+    The DP works in its model; the simulator has the last word. With a budget, the DP first plans at the
+    budget itself; if the simulated peak exceeds it, the model budget is bisected down to the largest one
+    whose simulated plan fits. Without a budget (or when nothing fits) the plan at the smallest feasible
+    model budget is returned.
+    """
+    if not graph.implicit_backward:
+        raise SolverError(f"{name} needs a graph with implicit backward; {graph.name!r} has explicit "
+                          "backward nodes (a Checkmate joint graph)")
+    model = model_for(graph)(family)
+
+    def plan(model_budget: float) -> Solution | None:
+        result = run_dp(model, model_budget, variant)
+        if result is None:
+            return None
+        return Solution.of(name, graph, lower_segments(graph, result.lower_sets),
+                           f"{len(result.lower_sets)} segments, {model.name} model, {variant}-centric")
+
+    minimal = minimal_model_budget(model, variant)
+    smallest = plan(minimal)
+    assert smallest is not None
+    if budget_bytes is None or not smallest.fits(budget_bytes):
+        return smallest
+    candidate = plan(float(budget_bytes))
+    if candidate is not None and candidate.fits(budget_bytes):
+        return candidate
+    best, low, high = smallest, minimal, float(budget_bytes)
+    while high - low > max(1.0, high * 1e-3):
+        middle = (low + high) / 2
+        candidate = plan(middle)
+        if candidate is not None and candidate.fits(budget_bytes):
+            best, low = candidate, middle
+        else:
+            high = middle
+    return best
+
+
+@register("dp_exact")
+def dp_exact(graph: CostGraph, budget_bytes: int | None = None, *, variant: str = "time",
+             max_lower_sets: int = DEFAULT_MAX_LOWER_SETS) -> Solution:
+    """Exact lower-set DP over all lower sets (SolverError above ``max_lower_sets`` of them)."""
+    return solve_lower_sets("dp_exact", graph, budget_bytes, enumerate_lower_sets(graph, max_lower_sets), variant)
+
+
+@register("dp_approx")
+def dp_approx(graph: CostGraph, budget_bytes: int | None = None, *, variant: str = "time") -> Solution:
+    """Approximate lower-set DP over the principal lower sets (one per node, plus ∅ and V)."""
+    return solve_lower_sets("dp_approx", graph, budget_bytes, principal_lower_sets(graph), variant)
