@@ -15,9 +15,11 @@ from .graph import CostGraph
 from .schedule import Schedule
 from .simulate import SimulationResult
 from .solvers import SOLVERS, Solution, best_of, get_solver
+from .solvers.lower_set_dp import dp_for
 from .units import format_bytes, parse_bytes
 
-__all__ = ["Budget", "parse_budget", "RecomputePlan", "make_plan", "AUTO_SOLVERS"]
+__all__ = ["Budget", "parse_budget", "RecomputePlan", "make_plan", "AUTO_SOLVERS", "auto_solvers",
+           "min_feasible_budget"]
 
 Budget = Union[int, float, str]
 #: A plan fits a budget when its predicted peak times (1 + PLANNING_MARGIN) does. The margin covers what
@@ -25,8 +27,16 @@ Budget = Union[int, float, str]
 #: temporaries that depend on the strides of the incoming gradient (measured peaks of the tiny zoo models
 #: lie up to 2.5 % above the prediction, tests/test_executor.py).
 PLANNING_MARGIN = 0.05
-#: What ``solver="auto"`` runs (the best feasible answer wins).
+#: The baselines ``solver="auto"`` always runs besides a lower-set DP (the best feasible answer wins).
 AUTO_SOLVERS = ("store_all", "chen_greedy", "chen_sqrt")
+
+
+def auto_solvers(graph: CostGraph) -> tuple[str, ...]:
+    """``solver="auto"``: the baselines plus dp_exact when the graph has at most
+    ``lower_set_dp.AUTO_EXACT_LIMIT`` lower sets, else dp_approx. The baselines stay because the DP's
+    cost model for traced graphs is an estimate: the simulator picks the best plan."""
+    dp = dp_for(graph)
+    return AUTO_SOLVERS + ((dp,) if dp else ())
 
 _BUDGET_FORMS = ("a positive int of bytes, a size string such as '1.5GiB' or '800MB', or a float in "
                  "(0, 1] meaning that fraction of the store-all peak")
@@ -96,7 +106,7 @@ def make_plan(graph: CostGraph, budget: Budget, solver: str = "auto") -> Recompu
     """The best schedule for ``graph`` within ``budget``; InfeasibleBudgetError (with the smallest
     feasible budget) when none fits."""
     kind, value = parse_budget(budget)
-    names = AUTO_SOLVERS if solver == "auto" else (solver,)
+    names = auto_solvers(graph) if solver == "auto" else (solver,)
     for name in names:
         get_solver(name)  # unknown names fail before any work
     store_all = SOLVERS["store_all"](graph, None)
@@ -107,9 +117,7 @@ def make_plan(graph: CostGraph, budget: Budget, solver: str = "auto") -> Recompu
     solutions = [store_all if name == "store_all" else SOLVERS[name](graph, usable_bytes) for name in names]
     chosen = best_of(solutions, usable_bytes)
     if not chosen.fits(usable_bytes):
-        lowest_peak = min(SOLVERS[name](graph, None).peak_bytes if name != "store_all" else store_all.peak_bytes
-                          for name in names)
-        smallest = min_budget_for_peak(lowest_peak)
+        smallest = min_feasible_budget(graph, solver)
         raise InfeasibleBudgetError(
             f"no plan of {'any solver' if solver == 'auto' else repr(solver)} fits a budget of "
             f"{format_bytes(budget_bytes)} ({budget_bytes} bytes) for {graph.name!r}; the smallest feasible "
@@ -134,3 +142,10 @@ def _plan(chosen: Solution, graph: CostGraph, budget_bytes: int, store_all: Solu
         store_all_peak_bytes=store_all.peak_bytes,
         predicted_compute_overhead=chosen.simulation.overhead(store_all_cost),
         schedule=chosen.schedule, simulation=chosen.simulation, graph=graph, description=chosen.description)
+
+
+def min_feasible_budget(graph: CostGraph, solver: str = "auto") -> int:
+    """The smallest budget ``make_plan(graph, budget, solver)`` accepts: the lowest peak the solver(s)
+    find, plus the planning margin."""
+    names = auto_solvers(graph) if solver == "auto" else (solver,)
+    return min_budget_for_peak(min(get_solver(name)(graph, None).peak_bytes for name in names))

@@ -14,11 +14,11 @@ Notation of the paper, as used here: ``M(S)`` bytes of the nodes in ``S``, ``T(S
   code: ``peak = 2·M(V_i) + M(δ⁺(L_i)) + M(δ⁻(δ⁺(L_i)) \\ L_i)``, ``overhead = T(V_i \\ ∂(L_i))`` (the
   last segment is charged in full), ``M(v)`` = output bytes.
 * :class:`ExecutionModel` (traced models): how :func:`~recompute_graph.schedule.lower_segments` runs a
-  strategy. Every segment but the last is recomputed in full (``overhead = T(V_i)``, last: 0); while a
-  segment runs its backward, its recomputed outputs, saved buffers and gradients are live, with the
-  parameter gradients of everything after ``L_{i-1}``, the held output gradients, and the largest
-  backward workspace. It is an upper-bound model; the solver checks its answer with the simulator and
-  tightens the DP budget until the simulated peak fits.
+  strategy. Every segment but the last is recomputed in full (``overhead = T(V_i)``, last: 0); the peak
+  of a segment's backward is estimated from what its tapes keep, the gradients in flight and the
+  parameter gradients accumulated so far (see the class). The model ranks strategies; the simulator
+  decides: the solver simulates the DP's answer and tightens the DP budget until the simulated peak
+  fits.
 
 The DP keeps, per lower set, the Pareto front of (overhead so far, checkpoint bytes so far) and iterates
 lower sets by cardinality (a linear extension of inclusion: the official code's discovery order skips
@@ -29,6 +29,8 @@ sets ``↓v`` (plus ``∅`` and ``V``), ``O(n² · front)``.
 """
 from __future__ import annotations
 
+import bisect
+import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -39,11 +41,15 @@ from ..graph import CostGraph
 from ..schedule import lower_segments
 from . import Solution, register
 
-__all__ = ["DEFAULT_MAX_LOWER_SETS", "PaperModel", "ExecutionModel", "LowerSetFamily", "enumerate_lower_sets",
+__all__ = ["DEFAULT_MAX_LOWER_SETS", "free_sources", "PaperModel", "ExecutionModel", "LowerSetFamily", "enumerate_lower_sets",
            "principal_lower_sets", "run_dp", "strategy_cost", "minimal_model_budget", "dp_exact", "dp_approx",
-           "model_for"]
+           "model_for", "dp_for", "AUTO_EXACT_LIMIT"]
 
 DEFAULT_MAX_LOWER_SETS = 3000
+#: ``solver="auto"`` runs dp_exact up to this many lower sets, dp_approx above.
+AUTO_EXACT_LIMIT = 1500
+#: Model budgets (multiples of the model's minimum) whose plans are simulated to find the least peak.
+MIN_PEAK_SEARCH = (1.0, 1.15, 1.35)
 COUNT_CAP = 200_000
 PAPER_UNIT_PREFIX = "kusumoto2019"
 
@@ -92,27 +98,36 @@ class LowerSetFamily:
         return sum(weights[v] for v in _bits(mask))
 
 
+def free_sources(graph: CostGraph) -> int:
+    """Nodes with no predecessor whose output needs no gradient (``torch.ones(...)`` masks, slices of a
+    model input): computing one before its first consumer's segment only costs memory, so lower sets
+    take such a node together with its first consumer (and V takes the unused ones)."""
+    return sum(1 << n.index for n in graph.nodes if not n.predecessors and not n.requires_grad)
+
+
 def enumerate_lower_sets(graph: CostGraph, limit: int = DEFAULT_MAX_LOWER_SETS) -> LowerSetFamily:
-    """All lower sets (including ∅ and V), without duplicates. SolverError when there are more than
-    ``limit``; the message says how many there are (counted up to a cap)."""
+    """All lower sets (with ∅ and V) without duplicates, free sources joined to their consumers (see
+    :func:`free_sources`). SolverError when there are more than ``limit``; the message says how many
+    there are (counted up to a cap)."""
+    free = free_sources(graph)
     pred = [sum(1 << p for p in node.predecessors) for node in graph.nodes]
-    seen = {0}
+    full = (1 << len(graph)) - 1
+    candidates = [v for v in range(len(graph)) if not free >> v & 1]
+    seen = {0, full}
     frontier = [0]
     cap = max(limit, COUNT_CAP)
-    while frontier:
+    while frontier and len(seen) <= cap:
         grown = []
         for lower in frontier:
-            for v in range(len(graph)):
+            for v in candidates:
                 bit = 1 << v
-                if not lower & bit and pred[v] & ~lower == 0:
-                    bigger = lower | bit
+                if not lower & bit and pred[v] & ~(lower | free) == 0:
+                    bigger = lower | bit | (pred[v] & free)
                     if bigger not in seen:
                         seen.add(bigger)
                         grown.append(bigger)
             if len(seen) > cap:
                 break
-        if len(seen) > cap:
-            break
         frontier = grown
     if len(seen) > limit:
         count = f"more than {cap:,}" if len(seen) > cap else f"{len(seen):,}"
@@ -122,14 +137,17 @@ def enumerate_lower_sets(graph: CostGraph, limit: int = DEFAULT_MAX_LOWER_SETS) 
 
 
 def principal_lower_sets(graph: CostGraph) -> LowerSetFamily:
-    """``∅``, ``V`` and ``↓v = {v} ∪ ancestors(v)`` for every node (the approximate DP's family)."""
+    """``∅``, ``V`` and ``↓v = {v} ∪ ancestors(v)`` for every node that is not a free source (the
+    approximate DP's family)."""
+    free = free_sources(graph)
     down = []
     for node in graph.nodes:
         mask = 1 << node.index
         for p in node.predecessors:
             mask |= down[p]
         down.append(mask)
-    return LowerSetFamily(graph, sorted({0, (1 << len(graph)) - 1, *down}))
+    principal = [mask for v, mask in enumerate(down) if not free >> v & 1]
+    return LowerSetFamily(graph, sorted({0, (1 << len(graph)) - 1, *principal}))
 
 
 class PaperModel:
@@ -163,35 +181,56 @@ class PaperModel:
         return overhead, peak, kept
 
 
+def quantized_times(graph: CostGraph, steps_per_node: int = 4) -> list[float]:
+    """Forward costs rounded up to a grid ``w`` with ``sum(T) / w = steps_per_node * n`` (as in Kusumoto's
+    chainer-compiler policy): measured times are all distinct, and distinct overheads would make the
+    Pareto fronts as long as the number of strategies. The simulator prices the final plan exactly."""
+    total = sum(node.forward_cost for node in graph.nodes)
+    if total <= 0:
+        return [0.0] * len(graph)
+    width = total / (steps_per_node * len(graph))
+    return [float(math.ceil(node.forward_cost / width - 1e-9)) if node.forward_cost > 0 else 0.0
+            for node in graph.nodes]
+
+
 class ExecutionModel:
-    """How the executor runs a lowered strategy (module docstring); an upper bound checked by the
-    simulator."""
+    r"""How the executor runs a lowered strategy (module docstring); checked by the simulator.
+
+    While segment ``D = L' \ L`` runs its backward, live are: the tapes of ``D`` (what each node keeps
+    for its backward, ``CostGraph.stored_bytes_per_node``), the gradients that arrived from later
+    segments into the nodes of ``D`` read outside ``L'``, two gradients in flight (the largest of the
+    graph), the parameter gradients of every node outside ``L``, the held output gradients and the largest
+    workspace. All terms but the first two are bounds; all are additive over nodes, so a transition
+    costs O(|∂(L')|).
+    """
 
     name = "execution"
 
     def __init__(self, family: LowerSetFamily) -> None:
         g = family.graph
         self.family = family
-        self.last = len(family.sets) - 1 if family.sets[-1] == (1 << len(g)) - 1 else None
         self.kept_weight = [node.output_bytes for node in g.nodes]
-        working = [node.output_bytes + node.saved_buffer_bytes + node.grad_bytes for node in g.nodes]
-        self.time = [node.forward_cost for node in g.nodes]
-        self.set_working = [family.total(working, s) for s in family.sets]
+        self.grad = [node.grad_bytes if node.requires_grad else 0 for node in g.nodes]
+        stored = g.stored_bytes_per_node()
+        self.time = quantized_times(g)
+        self.set_stored = [family.total(stored, s) for s in family.sets]
         self.set_time = [family.total(self.time, s) for s in family.sets]
         params = [node.param_grad_bytes for node in g.nodes]
         total_params = sum(params)
         self.params_after = [total_params - family.total(params, s) for s in family.sets]
         held = sum(g.nodes[o].grad_bytes for o in g.outputs if g.nodes[o].requires_grad)
         workspace = max((max(n.workspace_bytes, n.backward_workspace_bytes) for n in g.nodes), default=0)
-        self.constant = held + workspace
+        self.constant = held + workspace + 2 * max(self.grad, default=0)
 
     def transition(self, a: int, b: int) -> tuple[float, float, float]:
         f = self.family
         lower = f.sets[a]
         is_last = f.sets[b] == (1 << f.n) - 1
         overhead = 0.0 if is_last else self.set_time[b] - self.set_time[a]
-        peak = self.set_working[b] - self.set_working[a] + self.params_after[a] + self.constant
-        kept = sum(self.kept_weight[v] for v in _bits(f.boundary[b] & ~lower))
+        boundary = _bits(f.boundary[b] & ~lower)
+        arrived = sum(self.grad[v] for v in boundary)
+        peak = self.set_stored[b] - self.set_stored[a] + arrived + self.params_after[a] + self.constant
+        kept = sum(self.kept_weight[v] for v in boundary)
         return overhead, peak, kept
 
 
@@ -245,23 +284,20 @@ def run_dp(model: PaperModel | ExecutionModel, budget: float, variant: str = "ti
     table = transitions(model)
     incoming: list[list[tuple]] = [[] for _ in range(count)]
     fronts: list[tuple | None] = [None] * count
-    start = (np.zeros(1), np.zeros(1), np.zeros(1), np.full(1, -1), np.full(1, -1))
-    incoming[0].append(start)
+    fronts[0] = (np.zeros(1), np.zeros(1), np.zeros(1), np.full(1, -1), np.full(1, -1))
     for a in range(count):
-        front = _pareto(incoming[a])
+        front = fronts[0] if a == 0 else _pareto(incoming[a], fronts)
         incoming[a] = []
         fronts[a] = front
         if front is None or a == count - 1:
             continue
         overheads, kept_bytes, peaks, _, _ = front
-        least = kept_bytes[0]
-        state_ids = np.arange(len(kept_bytes))
+        kept_list = kept_bytes.tolist()
+        least = kept_list[0]
         for peak, b, overhead, kept in table[a]:
             if least + peak > budget:
                 break
-            k = int(np.searchsorted(kept_bytes, budget - peak, side="right"))
-            incoming[b].append((overheads[:k] + overhead, kept_bytes[:k] + kept,
-                                np.maximum(peaks[:k], kept_bytes[:k] + peak), np.full(k, a), state_ids[:k]))
+            incoming[b].append((a, bisect.bisect_right(kept_list, budget - peak), overhead, kept, peak))
     final = fronts[count - 1]
     if final is None:
         return None
@@ -276,12 +312,22 @@ def run_dp(model: PaperModel | ExecutionModel, budget: float, variant: str = "ti
     return DPResult(tuple(reversed(chain)), float(overheads[best]), float(peaks[best]))
 
 
-def _pareto(parts: list[tuple]) -> tuple | None:
-    """Merge candidate states and keep those not dominated in (overhead, checkpoint bytes), sorted by
+def _pareto(records: list[tuple], fronts: list) -> tuple | None:
+    """States reached by ``records`` (``(a, k, overhead, kept, peak)``: the first ``k`` states of lower set
+    ``a`` through one transition), keeping those not dominated in (overhead, checkpoint bytes), sorted by
     checkpoint bytes ascending; among equal points the lower peak wins."""
-    if not parts:
+    records = [r for r in records if r[1] > 0]
+    if not records:
         return None
-    columns = [np.concatenate([part[c] for part in parts]) for c in range(5)]
+    parts = [[], [], [], [], []]
+    for a, k, overhead, kept, peak in records:
+        source_overheads, source_kept, source_peaks, _, _ = fronts[a]
+        parts[0].append(source_overheads[:k] + overhead)
+        parts[1].append(source_kept[:k] + kept)
+        parts[2].append(np.maximum(source_peaks[:k], source_kept[:k] + peak))
+        parts[3].append(np.full(k, a))
+        parts[4].append(np.arange(k))
+    columns = [np.concatenate(part) for part in parts]
     overheads, kept_bytes, peaks = columns[0], columns[1], columns[2]
     order = np.lexsort((peaks, overheads, kept_bytes))  # by kept bytes, then overhead, then peak
     overheads = overheads[order]
@@ -363,8 +409,10 @@ def solve_lower_sets(name: str, graph: CostGraph, budget_bytes: int | None, fami
                            f"{len(result.lower_sets)} segments, {model.name} model, {variant}-centric")
 
     minimal = minimal_model_budget(model, variant)
-    smallest = plan(minimal)
-    assert smallest is not None
+    # the model ranks plans; the simulator decides: the smallest simulated peak may come from a plan
+    # at a model budget somewhat above the model's minimum
+    tried = [plan(minimal * factor) for factor in MIN_PEAK_SEARCH]
+    smallest = min((t for t in tried if t is not None), key=lambda t: (t.peak_bytes, t.recompute_cost))
     if budget_bytes is None or not smallest.fits(budget_bytes):
         return smallest
     candidate = plan(float(budget_bytes))
@@ -392,3 +440,15 @@ def dp_exact(graph: CostGraph, budget_bytes: int | None = None, *, variant: str 
 def dp_approx(graph: CostGraph, budget_bytes: int | None = None, *, variant: str = "time") -> Solution:
     """Approximate lower-set DP over the principal lower sets (one per node, plus ∅ and V)."""
     return solve_lower_sets("dp_approx", graph, budget_bytes, principal_lower_sets(graph), variant)
+
+
+def dp_for(graph: CostGraph) -> str | None:
+    """Which lower-set DP ``solver="auto"`` runs: dp_exact when the graph has at most
+    ``AUTO_EXACT_LIMIT`` lower sets, else dp_approx; None for graphs with explicit backward nodes."""
+    if not graph.implicit_backward:
+        return None
+    try:
+        enumerate_lower_sets(graph, AUTO_EXACT_LIMIT)
+    except SolverError:
+        return "dp_approx"
+    return "dp_exact"
