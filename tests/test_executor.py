@@ -1,6 +1,6 @@
 """The executor trains exactly like the original model, within the planned memory.
 
-Acceptance matrix: every tiny zoo model x {store_all, chen_sqrt, chen_greedy} x budgets {1.0, 0.5, the
+Acceptance matrix: every tiny zoo model x every solver x budgets {1.0, 0.5, the
 smallest feasible}: gradients equal the original's (max relative error <= 1e-5), buffers equal (BatchNorm
 running statistics updated exactly once), measured peak <= budget, predicted peak within 10 % of measured.
 """
@@ -49,7 +49,7 @@ def assert_same_buffers(actual: dict, expected: dict):
         assert torch.equal(actual[name], expected[name]), name
 
 
-@pytest.mark.parametrize("solver", ["store_all", "chen_sqrt", "chen_greedy"])
+@pytest.mark.parametrize("solver", ["store_all", "chen_sqrt", "chen_greedy", "dp_exact", "dp_approx"])
 def test_plans_train_exactly_within_their_budget(zoo_name, solver):
     model, inputs, traced, graph = profiled_tiny(zoo_name)
     initial = {name: b.clone() for name, b in model.named_buffers()}

@@ -1,0 +1,116 @@
+"""The lower-set DP (Kusumoto et al. 2019): exact against exhaustive search, and on the paper's graphs."""
+import pytest
+from hypothesis import assume, given, settings, strategies as st
+
+from recompute_graph import SolverError
+from recompute_graph.benchmark_graphs import benchmark_dir, load_graph
+from recompute_graph.solvers import SOLVERS
+from recompute_graph.solvers.lower_set_dp import (ExecutionModel, PaperModel, enumerate_lower_sets,
+                                                  minimal_model_budget, principal_lower_sets, run_dp,
+                                                  strategy_cost)
+
+from strategies import cost_graphs
+
+
+def all_strategies(family):
+    """Every increasing sequence of lower sets of the family from ∅ to V (exhaustive)."""
+    full = family.sets[-1]
+
+    def extend(a):
+        if family.sets[a] == full:
+            yield []
+            return
+        for b in range(len(family.sets)):
+            if family.size[b] > family.size[a] and not family.sets[a] & ~family.sets[b]:
+                for rest in extend(b):
+                    yield [b] + rest
+    for chain in extend(0):
+        yield [frozenset(v for v in range(family.n) if family.sets[b] >> v & 1) for b in chain]
+
+
+def brute_force(model, budget):
+    best = None
+    for strategy in all_strategies(model.family):
+        overhead, peak = strategy_cost(model, strategy)
+        if peak <= budget and (best is None or overhead < best):
+            best = overhead
+    return best
+
+
+@settings(max_examples=300, deadline=None)
+@given(cost_graphs(max_nodes=10), st.sampled_from([PaperModel, ExecutionModel]), st.floats(0.0, 1.0))
+def test_dp_exact_equals_exhaustive_search(graph, model_class, fraction):
+    family = enumerate_lower_sets(graph)
+    assume(len(family.sets) <= 24)
+    model = model_class(family)
+    low = minimal_model_budget(model)
+    high = run_dp(model, float("inf")).peak
+    budget = low + fraction * (high - low)
+    result = run_dp(model, budget)
+    expected = brute_force(model, budget)
+    assert result is not None and expected is not None
+    assert result.overhead == pytest.approx(expected)
+    overhead, peak = strategy_cost(model, result.lower_sets)
+    assert overhead == pytest.approx(result.overhead) and peak == pytest.approx(result.peak) and peak <= budget
+    assert run_dp(model, low * (1 - 1e-3) - 1) is None
+
+
+@settings(max_examples=100, deadline=None)
+@given(cost_graphs(max_nodes=12), st.floats(0.0, 1.0))
+def test_approximate_dp_is_feasible_and_never_better_than_the_exact_one(graph, fraction):
+    exact, approx = PaperModel(enumerate_lower_sets(graph)), PaperModel(principal_lower_sets(graph))
+    low_exact, low_approx = minimal_model_budget(exact), minimal_model_budget(approx)
+    assert low_exact <= low_approx * (1 + 1e-6) + 1
+    budget = low_approx + fraction * low_approx
+    approx_result, exact_result = run_dp(approx, budget), run_dp(exact, budget)
+    assert approx_result is not None and exact_result is not None
+    assert exact_result.overhead <= approx_result.overhead + 1e-9
+
+
+@settings(max_examples=60, deadline=None)
+@given(cost_graphs(max_nodes=10))
+def test_overhead_does_not_increase_with_the_budget(graph):
+    for model in (PaperModel(enumerate_lower_sets(graph)), ExecutionModel(principal_lower_sets(graph))):
+        low = minimal_model_budget(model)
+        overheads = [run_dp(model, low * factor).overhead for factor in (1.0, 1.2, 1.5, 2.0, 4.0)]
+        assert overheads == sorted(overheads, reverse=True)
+
+
+def test_memory_centric_keeps_less_checkpoint_memory_for_more_compute():
+    graph = load_graph(benchmark_dir() / "kusumoto2019" / "cg_resnet50.txt")
+    model = PaperModel(enumerate_lower_sets(graph))
+    budget = 1.5 * minimal_model_budget(model)
+    time_centric, memory_centric = run_dp(model, budget, "time"), run_dp(model, budget, "memory")
+    assert memory_centric.overhead > time_centric.overhead
+    with pytest.raises(ValueError, match="variant"):
+        run_dp(model, budget, "space")
+
+
+# lower-set counts of algorithms.md §1.4, and where the exact DP beats the approximate one
+PAPER_GRAPHS = {"vgg19": (47, False), "unet": (331, True), "resnet50": (241, True), "resnet152": (581, False),
+                "densenet": (569, False)}
+
+
+@pytest.mark.parametrize("name", sorted(PAPER_GRAPHS))
+def test_paper_graphs_lower_set_counts_and_exact_vs_approximate_minimal_budgets(name):
+    graph = load_graph(benchmark_dir() / "kusumoto2019" / f"cg_{name}.txt")
+    count, exact_is_better = PAPER_GRAPHS[name]
+    family = enumerate_lower_sets(graph)
+    assert len(family.sets) == count
+    exact = minimal_model_budget(PaperModel(family))
+    approx = minimal_model_budget(PaperModel(principal_lower_sets(graph)))
+    assert (exact < approx * (1 - 1e-4)) == exact_is_better
+    assert exact <= approx * (1 + 1e-6)
+
+
+@pytest.mark.parametrize("name, count", [("googlenet", "27,358"), ("pspnet", "12,533")])
+def test_too_many_lower_sets_is_a_solver_error_saying_how_many(name, count):
+    graph = load_graph(benchmark_dir() / "kusumoto2019" / f"cg_{name}.txt")
+    with pytest.raises(SolverError, match=f"{count} lower sets.*dp_approx"):
+        SOLVERS["dp_exact"](graph, None)
+
+
+def test_dp_refuses_joint_graphs():
+    graph = load_graph(benchmark_dir() / "checkmate2020" / "VGG16_256_224x224_train.json")
+    with pytest.raises(SolverError, match="explicit backward"):
+        SOLVERS["dp_approx"](graph, None)
