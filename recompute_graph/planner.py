@@ -6,11 +6,12 @@ predicted peak plus the planning margin), so that ``1.0`` always fits.
 """
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass, field
 from typing import Union
 
-from .errors import InfeasibleBudgetError
+from .errors import InfeasibleBudgetError, SolverError
 from .graph import CostGraph
 from .schedule import Schedule
 from .simulate import SimulationResult
@@ -102,10 +103,21 @@ class RecomputePlan:
         return "RecomputePlan\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 
 
-def make_plan(graph: CostGraph, budget: Budget, solver: str = "auto") -> RecomputePlan:
+def run_solver(name: str, graph: CostGraph, budget_bytes: int | None, variant: str = "time") -> Solution:
+    """Call solver ``name``; ``variant`` ("time" or "memory") reaches the solvers that have one."""
+    function = get_solver(name)
+    if variant != "time" and "variant" in inspect.signature(function).parameters:
+        return function(graph, budget_bytes, variant=variant)
+    return function(graph, budget_bytes)
+
+
+def make_plan(graph: CostGraph, budget: Budget, solver: str = "auto", *, variant: str = "time") -> RecomputePlan:
     """The best schedule for ``graph`` within ``budget``; InfeasibleBudgetError (with the smallest
-    feasible budget) when none fits."""
+    feasible budget) when none fits. ``variant`` is passed to the lower-set DPs."""
     kind, value = parse_budget(budget)
+    if not graph.implicit_backward:
+        raise SolverError(f"graph {graph.name!r} has explicit backward nodes (a Checkmate joint graph); the "
+                          "planner's solvers need a forward graph whose backward is implicit")
     names = auto_solvers(graph) if solver == "auto" else (solver,)
     for name in names:
         get_solver(name)  # unknown names fail before any work
@@ -114,10 +126,11 @@ def make_plan(graph: CostGraph, budget: Budget, solver: str = "auto") -> Recompu
     budget_bytes = (int(value * min_budget_for_peak(store_all.peak_bytes)) if kind == "fraction"
                     else int(value))
     usable_bytes = int(budget_bytes / (1 + PLANNING_MARGIN))
-    solutions = [store_all if name == "store_all" else SOLVERS[name](graph, usable_bytes) for name in names]
+    solutions = [store_all if name == "store_all" else run_solver(name, graph, usable_bytes, variant)
+                 for name in names]
     chosen = best_of(solutions, usable_bytes)
     if not chosen.fits(usable_bytes):
-        smallest = min_feasible_budget(graph, solver)
+        smallest = min_feasible_budget(graph, solver, variant=variant)
         raise InfeasibleBudgetError(
             f"no plan of {'any solver' if solver == 'auto' else repr(solver)} fits a budget of "
             f"{format_bytes(budget_bytes)} ({budget_bytes} bytes) for {graph.name!r}; the smallest feasible "
@@ -144,8 +157,8 @@ def _plan(chosen: Solution, graph: CostGraph, budget_bytes: int, store_all: Solu
         schedule=chosen.schedule, simulation=chosen.simulation, graph=graph, description=chosen.description)
 
 
-def min_feasible_budget(graph: CostGraph, solver: str = "auto") -> int:
+def min_feasible_budget(graph: CostGraph, solver: str = "auto", *, variant: str = "time") -> int:
     """The smallest budget ``make_plan(graph, budget, solver)`` accepts: the lowest peak the solver(s)
     find, plus the planning margin."""
     names = auto_solvers(graph) if solver == "auto" else (solver,)
-    return min_budget_for_peak(min(get_solver(name)(graph, None).peak_bytes for name in names))
+    return min_budget_for_peak(min(run_solver(name, graph, None, variant).peak_bytes for name in names))

@@ -1,0 +1,117 @@
+"""Command line: ``recompute-graph`` (also ``python -m recompute_graph``).
+
+    recompute-graph solve GRAPH_FILE --solver NAME (--budget B | --min-budget) [--variant time|memory] [--json]
+
+``GRAPH_FILE``: a Kusumoto 2019 ``cg_*.txt``, a Checkmate 2020 / random layered ``.json`` or a saved
+``CostGraph``. ``B``: bytes, a size string (``1.5GiB``) or a fraction in (0, 1] of the store-all budget,
+as in ``optimize()``. Peaks and overheads are the simulator's (the same judge for every solver).
+Exit status: 0 when a plan fits, 1 when the budget is infeasible, 2 on errors (one line, no traceback).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any, Sequence
+
+from .benchmark_graphs import load_graph
+from .errors import InfeasibleBudgetError, RecomputeError
+from .planner import make_plan, min_feasible_budget
+from .solvers import SOLVERS
+from .units import format_bytes
+
+__all__ = ["main"]
+
+
+def _budget(text: str) -> Any:
+    if text.isdigit():
+        return int(text)
+    try:
+        value = float(text)
+    except ValueError:
+        return text
+    if 0 < value <= 1:
+        return value
+    raise argparse.ArgumentTypeError(f"budget {text!r}: a float must be a fraction in (0, 1]; give bytes as "
+                                     "an integer or a size such as 1.5GiB")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="recompute-graph", description="Plan activation recomputation.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    solve = commands.add_parser("solve", help="solve a graph file at a budget or find its minimum budget",
+                                description=__doc__.split("\n\n")[2])
+    solve.add_argument("graph_file", metavar="GRAPH_FILE")
+    solve.add_argument("--solver", default="auto", help=f"one of: auto, {', '.join(sorted(SOLVERS))}")
+    budget = solve.add_mutually_exclusive_group(required=True)
+    budget.add_argument("--budget", type=_budget, metavar="B", help="bytes, a size like 1.5GiB, or a fraction")
+    budget.add_argument("--min-budget", action="store_true", help="find the smallest feasible budget")
+    solve.add_argument("--variant", choices=("time", "memory"), default="time",
+                       help="lower-set DPs: least overhead (time) or least checkpoint memory (memory)")
+    solve.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    return parser
+
+
+class _Exit(Exception):
+    pass
+
+
+def _solve(args: argparse.Namespace) -> dict[str, Any]:
+    if args.solver != "auto" and args.solver not in SOLVERS:
+        raise ValueError(f"unknown solver {args.solver!r}; available: auto, {', '.join(sorted(SOLVERS))}")
+    graph = load_graph(args.graph_file)
+    start = time.perf_counter()
+    result: dict[str, Any] = {"graph": graph.name, "solver": args.solver, "variant": args.variant}
+    if args.min_budget:
+        smallest = min_feasible_budget(graph, args.solver, variant=args.variant)
+        plan = make_plan(graph, smallest, args.solver, variant=args.variant)
+        result.update(status="FEASIBLE", feasible=True, min_budget_bytes=smallest)
+    else:
+        try:
+            plan = make_plan(graph, args.budget, args.solver, variant=args.variant)
+        except InfeasibleBudgetError as error:
+            result.update(status="INFEASIBLE", feasible=False, budget_bytes=error.budget_bytes,
+                          min_budget_bytes=error.min_budget_bytes, peak_bytes=None, overhead=None,
+                          solve_seconds=time.perf_counter() - start)
+            return result
+        result.update(status="FEASIBLE", feasible=True)
+    result.update(solver=plan.solver, budget_bytes=plan.budget_bytes, peak_bytes=plan.predicted_peak_bytes,
+                  overhead=plan.predicted_compute_overhead, store_all_peak_bytes=plan.store_all_peak_bytes,
+                  recomputed_nodes=len(plan.recomputed_nodes), description=plan.description,
+                  solve_seconds=time.perf_counter() - start)
+    return result
+
+
+def _print_human(result: dict[str, Any]) -> None:
+    if not result["feasible"]:
+        print(f"{result['graph']}: INFEASIBLE at {format_bytes(result['budget_bytes'])}; smallest feasible "
+              f"budget {format_bytes(result['min_budget_bytes'])} ({result['min_budget_bytes']} bytes)")
+        return
+    if "min_budget_bytes" in result:
+        print(f"{result['graph']}: smallest feasible budget {format_bytes(result['min_budget_bytes'])} "
+              f"({result['min_budget_bytes']} bytes)")
+    print(f"{result['graph']}: {result['solver']} ({result['description']}), peak "
+          f"{format_bytes(result['peak_bytes'])} of budget {format_bytes(result['budget_bytes'])} (store-all "
+          f"{format_bytes(result['store_all_peak_bytes'])}), overhead +{result['overhead']:.1%}, "
+          f"{result['recomputed_nodes']} nodes recomputed, {result['solve_seconds']:.2f} s")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        result = _solve(args)
+    except (RecomputeError, ValueError, OSError) as error:
+        message = str(error).splitlines()[0] if str(error) else type(error).__name__
+        print(f"recompute-graph: error: {message}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result))
+    else:
+        _print_human(result)
+    return 0 if result["feasible"] else 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
