@@ -18,7 +18,7 @@ def kusumoto(name):
 
 
 def test_solve_with_a_budget_prints_one_json_object_on_the_last_line():
-    done = run("solve", kusumoto("vgg19"), "--solver", "dp_exact", "--budget", "0.95", "--json")
+    done = run("solve", kusumoto("vgg19"), "--solver", "dp_exact", "--budget", "1.0", "--json")
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
     for key in ("solver", "status", "budget_bytes", "feasible", "peak_bytes", "overhead", "solve_seconds"):
