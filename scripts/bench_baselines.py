@@ -1,6 +1,6 @@
-"""Store-all vs Chen et al. 2016 baselines, measured end to end on CPU.
+"""Store-all vs Chen et al. 2016 baselines vs the lower-set DPs, measured end to end on CPU.
 
-    python scripts/bench_baselines.py [--models resnet50 unet gpt2] [--repeats 2]
+    python scripts/bench_baselines.py [--models resnet50 unet gpt2] [--solvers ...] [--repeats 2]
 
 For each model: trace and profile once (measured times), then for each solver its minimum-peak plan,
 executed by the schedule executor: predicted peak, measured peak (storage meter), measured median step
@@ -16,7 +16,7 @@ import time
 import torch
 
 import models_zoo
-from recompute_graph import format_bytes
+from recompute_graph import SolverError, format_bytes
 from recompute_graph.costs import profile_model
 from recompute_graph.measure import default_loss, make_training_step, peak_memory, time_step
 from recompute_graph.optimized_module import run_schedule
@@ -28,12 +28,13 @@ CONFIGS = {
     "unet": dict(name="unet", preset="small", batch=2, image_size=256, width=32),
     "gpt2": dict(name="gpt2", preset="paper", batch=2, seq_len=512, dropout=0.1),
 }
-SOLVER_NAMES = ("store_all", "chen_sqrt", "chen_greedy")
+SOLVER_NAMES = ("store_all", "chen_sqrt", "chen_greedy", "dp_approx", "dp_exact")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--solvers", nargs="+", default=list(SOLVER_NAMES), choices=list(SOLVER_NAMES))
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
     print("| model | plan | predicted peak | measured peak | peak / store-all | step time | time / store-all |")
@@ -49,8 +50,14 @@ def main() -> None:
         base_time = time_step(original, repeats=args.repeats, warmup=1).median_seconds
         print(f"| {key} | original model (store-all autograd) | | {format_bytes(base_peak)} | 1.00 | "
               f"{base_time:.2f} s | 1.00 |")
-        for solver in SOLVER_NAMES:
-            solution = SOLVERS[solver](graph, None)
+        for solver in args.solvers:
+            start = time.perf_counter()
+            try:
+                solution = SOLVERS[solver](graph, None)
+            except SolverError as error:
+                print(f"| {key} | {solver}: {str(error).splitlines()[0]} | | | | | |", flush=True)
+                continue
+            solve_seconds = time.perf_counter() - start
             executor = ScheduleExecutor(traced.graph_module, graph, solution.schedule)
 
             def step() -> None:
@@ -59,7 +66,8 @@ def main() -> None:
 
             peak = peak_memory(step)
             seconds = time_step(step, repeats=args.repeats, warmup=1).median_seconds
-            print(f"| {key} | {solver} ({solution.description}) | {format_bytes(solution.peak_bytes)} | "
+            print(f"| {key} | {solver} ({solution.description}; solved in {solve_seconds:.1f} s) | "
+                  f"{format_bytes(solution.peak_bytes)} | "
                   f"{format_bytes(peak)} | {peak / base_peak:.2f} | {seconds:.2f} s | {seconds / base_time:.2f} |",
                   flush=True)
         print(f"<!-- {key}: {len(graph)} nodes, profiled in {profile_seconds:.0f} s -->", flush=True)

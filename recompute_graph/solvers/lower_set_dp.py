@@ -105,17 +105,18 @@ def free_sources(graph: CostGraph) -> int:
     return sum(1 << n.index for n in graph.nodes if not n.predecessors and not n.requires_grad)
 
 
-def enumerate_lower_sets(graph: CostGraph, limit: int = DEFAULT_MAX_LOWER_SETS) -> LowerSetFamily:
+def enumerate_lower_sets(graph: CostGraph, limit: int = DEFAULT_MAX_LOWER_SETS,
+                         count_up_to: int = COUNT_CAP) -> LowerSetFamily:
     """All lower sets (with ∅ and V) without duplicates, free sources joined to their consumers (see
     :func:`free_sources`). SolverError when there are more than ``limit``; the message says how many
-    there are (counted up to a cap)."""
+    there are, counted up to ``count_up_to`` (pass ``limit`` to stop at once)."""
     free = free_sources(graph)
     pred = [sum(1 << p for p in node.predecessors) for node in graph.nodes]
     full = (1 << len(graph)) - 1
     candidates = [v for v in range(len(graph)) if not free >> v & 1]
     seen = {0, full}
     frontier = [0]
-    cap = max(limit, COUNT_CAP)
+    cap = max(limit, count_up_to)
     while frontier and len(seen) <= cap:
         grown = []
         for lower in frontier:
@@ -284,15 +285,14 @@ def run_dp(model: PaperModel | ExecutionModel, budget: float, variant: str = "ti
     table = transitions(model)
     incoming: list[list[tuple]] = [[] for _ in range(count)]
     fronts: list[tuple | None] = [None] * count
-    fronts[0] = (np.zeros(1), np.zeros(1), np.zeros(1), np.full(1, -1), np.full(1, -1))
+    fronts[0] = (np.zeros(1), np.zeros(1), np.zeros(1), np.full(1, -1), np.full(1, -1), [[0.0], [0.0], [0.0]])
     for a in range(count):
         front = fronts[0] if a == 0 else _pareto(incoming[a], fronts)
         incoming[a] = []
         fronts[a] = front
         if front is None or a == count - 1:
             continue
-        overheads, kept_bytes, peaks, _, _ = front
-        kept_list = kept_bytes.tolist()
+        kept_list = front[5][1]
         least = kept_list[0]
         for peak, b, overhead, kept in table[a]:
             if least + peak > budget:
@@ -301,13 +301,13 @@ def run_dp(model: PaperModel | ExecutionModel, budget: float, variant: str = "ti
     final = fronts[count - 1]
     if final is None:
         return None
-    overheads, kept_bytes, peaks, parent_set, parent_state = final
+    overheads, kept_bytes, peaks = final[0], final[1], final[2]
     best = int(np.argmin(overheads)) if variant == "time" else 0  # front sorted by kept bytes ascending
     chain = []
     a, i = count - 1, best
     while a > 0:
         chain.append(frozenset(_bits(f.sets[a])))
-        _, _, _, parents, states = fronts[a]
+        parents, states = fronts[a][3], fronts[a][4]
         a, i = int(parents[i]), int(states[i])
     return DPResult(tuple(reversed(chain)), float(overheads[best]), float(peaks[best]))
 
@@ -315,26 +315,41 @@ def run_dp(model: PaperModel | ExecutionModel, budget: float, variant: str = "ti
 def _pareto(records: list[tuple], fronts: list) -> tuple | None:
     """States reached by ``records`` (``(a, k, overhead, kept, peak)``: the first ``k`` states of lower set
     ``a`` through one transition), keeping those not dominated in (overhead, checkpoint bytes), sorted by
-    checkpoint bytes ascending; among equal points the lower peak wins."""
-    records = [r for r in records if r[1] > 0]
-    if not records:
-        return None
-    parts = [[], [], [], [], []]
+    checkpoint bytes ascending; among equal points the lower peak wins. Short prefixes (the common case)
+    are gathered in plain lists, long ones as array slices."""
+    small: list[list] = [[], [], [], [], []]
+    large: list[list] = [[], [], [], [], []]
     for a, k, overhead, kept, peak in records:
-        source_overheads, source_kept, source_peaks, _, _ = fronts[a]
-        parts[0].append(source_overheads[:k] + overhead)
-        parts[1].append(source_kept[:k] + kept)
-        parts[2].append(np.maximum(source_peaks[:k], source_kept[:k] + peak))
-        parts[3].append(np.full(k, a))
-        parts[4].append(np.arange(k))
-    columns = [np.concatenate(part) for part in parts]
+        if k == 0:
+            continue
+        front = fronts[a]
+        if k <= 8:
+            lists = front[5]
+            for i in range(k):
+                small[0].append(lists[0][i] + overhead)
+                small[1].append(lists[1][i] + kept)
+                small[2].append(max(lists[2][i], lists[1][i] + peak))
+                small[3].append(a)
+                small[4].append(i)
+        else:
+            source_overheads, source_kept, source_peaks = front[0], front[1], front[2]
+            large[0].append(source_overheads[:k] + overhead)
+            large[1].append(source_kept[:k] + kept)
+            large[2].append(np.maximum(source_peaks[:k], source_kept[:k] + peak))
+            large[3].append(np.full(k, a))
+            large[4].append(np.arange(k))
+    if not small[0] and not large[0]:
+        return None
+    columns = [np.concatenate([np.asarray(small[c], dtype=float if c < 3 else np.int64)] + large[c])
+               for c in range(5)]
     overheads, kept_bytes, peaks = columns[0], columns[1], columns[2]
     order = np.lexsort((peaks, overheads, kept_bytes))  # by kept bytes, then overhead, then peak
     overheads = overheads[order]
     # keep a state when its overhead is below every overhead with less (or equal) checkpoint memory
     running = np.minimum.accumulate(np.concatenate(([np.inf], overheads[:-1])))
     keep = order[overheads < running]
-    return tuple(column[keep] for column in columns)
+    kept_columns = [column[keep] for column in columns]
+    return (*kept_columns, [kept_columns[0].tolist(), kept_columns[1].tolist(), kept_columns[2].tolist()])
 
 
 def strategy_cost(model: PaperModel | ExecutionModel, lower_sets: Sequence[frozenset[int]]) -> tuple[float, float]:
@@ -408,6 +423,10 @@ def solve_lower_sets(name: str, graph: CostGraph, budget_bytes: int | None, fami
         return Solution.of(name, graph, lower_segments(graph, result.lower_sets),
                            f"{len(result.lower_sets)} segments, {model.name} model, {variant}-centric")
 
+    if budget_bytes is not None:
+        candidate = plan(float(budget_bytes))
+        if candidate is not None and candidate.fits(budget_bytes):
+            return candidate
     minimal = minimal_model_budget(model, variant)
     # the model ranks plans; the simulator decides: the smallest simulated peak may come from a plan
     # at a model budget somewhat above the model's minimum
@@ -415,9 +434,6 @@ def solve_lower_sets(name: str, graph: CostGraph, budget_bytes: int | None, fami
     smallest = min((t for t in tried if t is not None), key=lambda t: (t.peak_bytes, t.recompute_cost))
     if budget_bytes is None or not smallest.fits(budget_bytes):
         return smallest
-    candidate = plan(float(budget_bytes))
-    if candidate is not None and candidate.fits(budget_bytes):
-        return candidate
     best, low, high = smallest, minimal, float(budget_bytes)
     while high - low > max(1.0, high * 1e-3):
         middle = (low + high) / 2
@@ -448,7 +464,7 @@ def dp_for(graph: CostGraph) -> str | None:
     if not graph.implicit_backward:
         return None
     try:
-        enumerate_lower_sets(graph, AUTO_EXACT_LIMIT)
+        enumerate_lower_sets(graph, AUTO_EXACT_LIMIT, count_up_to=AUTO_EXACT_LIMIT)
     except SolverError:
         return "dp_approx"
     return "dp_exact"
