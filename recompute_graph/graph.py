@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator
 
 from .errors import GraphError
+from .units import format_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     import networkx
@@ -334,10 +335,10 @@ class CostGraph:
 
     # ----------------------------------------------------------------- display
     def __repr__(self) -> str:
-        saved = (f", store-all saved {_format_bytes(self.store_all_saved_bytes())}" if self.implicit_backward
+        saved = (f", store-all saved {format_bytes(self.store_all_saved_bytes())}" if self.implicit_backward
                  else f", {sum(n.phase == 'backward' for n in self.nodes)} backward nodes")
         return (f"CostGraph({self.name!r}: {len(self.nodes)} nodes, {len(self.edges)} edges, "
-                f"outputs {_format_bytes(self.total_output_bytes)}{saved}, compute "
+                f"outputs {format_bytes(self.total_output_bytes)}{saved}, compute "
                 f"{self.total_forward_cost + self.total_backward_cost:.4g} {self.cost_unit} [{self.cost_source}])")
 
     def summary(self, max_rows: int = 40) -> str:
@@ -346,14 +347,9 @@ class CostGraph:
         lines = [repr(self), header]
         rows = self.nodes if len(self.nodes) <= max_rows else self.nodes[: max_rows - 1]
         for n in rows:
-            lines.append(f"{n.index:>4} {n.name[:28]:<28} {n.kind:<8} {_format_bytes(n.output_bytes):>10} "
-                         f"{_format_bytes(n.saved_bytes):>10} {n.forward_cost:>10.3g} {n.backward_cost:>10.3g}")
+            lines.append(f"{n.index:>4} {n.name[:28]:<28} {n.kind:<8} {format_bytes(n.output_bytes):>10} "
+                         f"{format_bytes(n.saved_bytes):>10} {n.forward_cost:>10.3g} {n.backward_cost:>10.3g}")
         if len(rows) < len(self.nodes):
             lines.append(f"  ... {len(self.nodes) - len(rows)} more nodes")
         return "\n".join(lines)
 
-
-def _format_bytes(n: int) -> str:
-    from .units import format_bytes
-
-    return format_bytes(n)
