@@ -169,3 +169,20 @@ def test_a_module_called_several_times_trains_exactly_when_its_calls_are_recompu
     default_loss(optimized(x)).backward()
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, expected[name], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("factory", ["WithOpaquePart", "TupleAndDict", "InPlace", "ShapeConstructors", "TiedWeights"])
+def test_tracing_patterns_train_exactly_through_optimize(factory):
+    import test_trace
+    torch.manual_seed(0)
+    model = getattr(test_trace, factory)()
+    x = torch.randint(0, 11, (4, 7)) if factory == "TiedWeights" else torch.randn(8, 6 if factory == "ShapeConstructors" else 4)
+    default_loss(model(x)).backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    optimized = rg.optimize(model, "1GiB", example_inputs=(x,), solver="chen_sqrt", timing="flops")
+    out = optimized(x)
+    torch.testing.assert_close(out, model(x))
+    default_loss(out).backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name], rtol=1e-5, atol=1e-7)
