@@ -16,6 +16,7 @@ from .graph import CostGraph
 from .schedule import Schedule
 from .simulate import SimulationResult
 from .solvers import SOLVERS, Solution, best_of, get_solver
+from .solvers.chen import split_candidates
 from .solvers.lower_set_dp import dp_for
 from .units import format_bytes, parse_bytes
 
@@ -33,11 +34,13 @@ AUTO_SOLVERS = ("store_all", "chen_greedy", "chen_sqrt")
 
 
 def auto_solvers(graph: CostGraph) -> tuple[str, ...]:
-    """``solver="auto"``: the baselines plus dp_exact when the graph has at most
-    ``lower_set_dp.AUTO_EXACT_LIMIT`` lower sets, else dp_approx. The baselines stay because the DP's
-    cost model for traced graphs is an estimate: the simulator picks the best plan."""
+    """``solver="auto"``: the baselines, plus dp_exact when the graph has at most
+    ``lower_set_dp.AUTO_EXACT_LIMIT`` lower sets (else dp_approx), plus chain_dp when the graph
+    linearizes into at least three stages. The baselines stay because the DPs' cost models for traced
+    graphs are estimates: the simulator picks the best plan."""
     dp = dp_for(graph)
-    return AUTO_SOLVERS + ((dp,) if dp else ())
+    chain = ("chain_dp",) if dp and len(split_candidates(graph)) >= 2 else ()
+    return AUTO_SOLVERS + ((dp,) if dp else ()) + chain
 
 _BUDGET_FORMS = ("a positive int of bytes, a size string such as '1.5GiB' or '800MB', or a float in "
                  "(0, 1] meaning that fraction of the store-all peak")

@@ -1,0 +1,218 @@
+"""``chain_dp``: optimal checkpointing of a heterogeneous chain (Beaumont et al., "rotor", 2019), with
+schedules that recompute a stage several times (Revolve and Gruslys' BPTT-HSM are its homogeneous
+special cases).
+
+Chain: the graph is cut at Chen's split candidates (nodes through which everything flows, see
+:func:`~recompute_graph.solvers.chen.split_candidates`) into stages ``0..L-1``; when there are more than
+``max_stages`` candidates, every k-th is used. Stage ``s`` has forward/backward time ``fw[s]``/``bw[s]``,
+input activation ``x_s`` of ``cw[s]`` bytes (``cw[0] = 0``: the model input is not charged), and
+``cbw[s+1]`` bytes kept when it runs with tape (what its nodes keep for backward plus its output).
+
+Operations: ``Fn(s)`` runs stage ``s`` without tape; ``Fe(s)`` runs it with tape; ``B(s)`` runs its
+backward. The DP over memory ``m`` (``slots`` discrete steps) and sub-chain ``[i, l]`` (``x_i`` live,
+the gradient of ``x_{l+1}`` live) is rotor's (algorithms.md §5)::
+
+    Opt[i][i](m) = fw[i] + bw[i]  if m >= max(cw[i+1] + cbw[i+1], cw[i] + cw[i+1] + cbw[i+1]) else ∞
+    Opt[i][l](m) = min( Opt[i][i](m) + Opt[i+1][l](m - cbw[i+1]),                         (tape i)
+                        min_j Σ_{k=i}^{j-1} fw[k] + Opt[j][l](m - cw[j]) + Opt[i][j-1](m) ) (keep x_j)
+
+Parameter gradients and the held output gradient are charged up front. Like the lower-set DP this
+ranks plans in its own model; the simulator decides and the DP budget is tightened until the simulated
+plan fits. Exact for its model in the space of stage-level multi-recompute schedules; time
+``O(L³ · slots)`` with numpy over the memory axis.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import SolverError
+from ..graph import CostGraph
+from ..schedule import Backward, Forward, Op, Schedule, insert_frees
+from . import Solution, register
+from .chen import split_candidates
+
+__all__ = ["Chain", "chain_of", "discretize", "solve_chain", "optimal_time", "lower_chain_ops", "chain_dp",
+           "DEFAULT_MAX_STAGES", "DEFAULT_SLOTS"]
+
+DEFAULT_MAX_STAGES = 40
+DEFAULT_SLOTS = 400
+
+
+@dataclass(frozen=True)
+class Chain:
+    """Stages of a graph (node index lists) and rotor's per-stage costs (bytes, graph cost units)."""
+
+    stages: tuple[tuple[int, ...], ...]
+    fw: tuple[float, ...]
+    bw: tuple[float, ...]
+    cw: tuple[int, ...]     # cw[s]: bytes of x_s; cw[L]: bytes of the output (its gradient)
+    cbw: tuple[int, ...]    # cbw[s + 1]: bytes stage s keeps when run with tape; cbw[0] unused
+    fixed_bytes: int        # parameter gradients and held output gradients, charged up front
+
+
+def chain_of(graph: CostGraph, max_stages: int = DEFAULT_MAX_STAGES) -> Chain:
+    """Cut ``graph`` into stages at its split candidates (see the module docstring)."""
+    cuts = split_candidates(graph)
+    if len(cuts) + 1 > max_stages:
+        step = math.ceil((len(cuts) + 1) / max_stages)
+        cuts = cuts[step - 1::step]
+    bounds = [-1] + cuts + [len(graph) - 1]
+    stages = tuple(tuple(range(bounds[s] + 1, bounds[s + 1] + 1)) for s in range(len(bounds) - 1))
+    stored = graph.stored_bytes_per_node()
+    nodes = graph.nodes
+    cw = [0] + [nodes[stage[-1]].output_bytes for stage in stages]
+    cw[-1] = sum(nodes[o].grad_bytes for o in graph.outputs if nodes[o].requires_grad)
+    cbw = [0] + [sum(stored[v] for v in stage) + nodes[stage[-1]].output_bytes
+                 + max((nodes[v].workspace_bytes for v in stage), default=0) for stage in stages]
+    fixed = sum(n.param_grad_bytes for n in nodes) + max(
+        (n.backward_workspace_bytes for n in nodes), default=0)
+    return Chain(stages, tuple(sum(nodes[v].forward_cost for v in st) for st in stages),
+                 tuple(sum(nodes[v].backward_cost for v in st) for st in stages), tuple(cw), tuple(cbw), fixed)
+
+
+def discretize(chain: Chain, budget: float, slots: int) -> tuple[list[int], list[int]] | None:
+    """Sizes in memory slots (rounded up) when ``budget`` bytes are split into ``slots`` slots."""
+    available = budget - chain.fixed_bytes
+    if available <= 0:
+        return None
+    unit = available / slots
+    return ([math.ceil(c / unit - 1e-9) for c in chain.cw], [math.ceil(c / unit - 1e-9) for c in chain.cbw])
+
+
+def solve_chain(chain: Chain, budget: float, slots: int = DEFAULT_SLOTS) -> list[tuple[str, int]] | None:
+    """Rotor's DP for ``budget`` bytes; the stage-level operation sequence, or None when nothing fits."""
+    table = _tables(chain, budget, slots)
+    if table is None:
+        return None
+    opt, what, cw, cbw = table
+    length = len(chain.stages)
+    if not np.isfinite(opt[0, length - 1][slots]):
+        return None
+    ops: list[tuple[str, int]] = []
+    _rebuild(0, length - 1, slots, what, cw, cbw, ops)
+    return ops
+
+
+def optimal_time(chain: Chain, budget: float, slots: int = DEFAULT_SLOTS) -> float:
+    """The DP's optimal total time (forward, recomputation and backward) for ``budget``; ∞ if infeasible."""
+    table = _tables(chain, budget, slots)
+    return float(table[0][0, len(chain.stages) - 1][slots]) if table is not None else math.inf
+
+
+def _tables(chain: Chain, budget: float, slots: int):
+    sizes = discretize(chain, budget, slots)
+    if sizes is None:
+        return None
+    cw, cbw = sizes
+    length = len(chain.stages)
+    size = slots + 1
+    m = np.arange(size)
+    inf = np.inf
+    opt: dict[tuple[int, int], np.ndarray] = {}
+    what: dict[tuple[int, int], np.ndarray] = {}
+    for i in range(length):
+        need = max(cw[i + 1] + cbw[i + 1], cw[i] + cw[i + 1] + cbw[i + 1])
+        opt[i, i] = np.where(m >= need, chain.fw[i] + chain.bw[i], inf)
+        what[i, i] = np.full(size, -1)
+    prefix = np.concatenate(([0.0], np.cumsum(chain.fw)))
+    for span in range(1, length):
+        for i in range(length - span):
+            l = i + span
+            best = _shift(opt[i + 1, l], cbw[i + 1]) + opt[i, i]
+            choice = np.full(size, -1)
+            for j in range(i + 1, l + 1):
+                leaf = (prefix[j] - prefix[i]) + _shift(opt[j, l], cw[j]) + opt[i, j - 1]
+                better = leaf < best
+                best = np.where(better, leaf, best)
+                choice = np.where(better, j, choice)
+            opt[i, l], what[i, l] = best, choice
+    return opt, what, cw, cbw
+
+
+def _shift(values: np.ndarray, by: int) -> np.ndarray:
+    """``result[m] = values[m - by]`` (∞ where ``m < by``)."""
+    if by <= 0:
+        return values
+    if by >= len(values):
+        return np.full(len(values), np.inf)
+    return np.concatenate((np.full(by, np.inf), values[:-by]))
+
+
+def _rebuild(i: int, l: int, m: int, what: dict, cw: list[int], cbw: list[int], ops: list) -> None:
+    if i == l:
+        ops += [("Fe", i), ("B", i)]
+        return
+    j = int(what[i, l][m])
+    if j < 0:
+        ops.append(("Fe", i))
+        _rebuild(i + 1, l, m - cbw[i + 1], what, cw, cbw, ops)
+        ops.append(("B", i))
+    else:
+        ops += [("Fn", k) for k in range(i, j)]
+        _rebuild(j, l, m - cw[j], what, cw, cbw, ops)
+        _rebuild(i, j - 1, m, what, cw, cbw, ops)
+
+
+def lower_chain_ops(graph: CostGraph, chain: Chain, stage_ops: list[tuple[str, int]]) -> Schedule:
+    """Stage operations -> a schedule: forward ops up to the first backward, frees by liveness."""
+    node_ops: list[Op] = []
+    first_backward = None
+    for kind, s in stage_ops:
+        stage = chain.stages[s]
+        if kind == "B":
+            if first_backward is None:
+                first_backward = len(node_ops)
+            node_ops += [Backward(v) for v in reversed(stage) if graph.nodes[v].requires_grad]
+        else:
+            node_ops += [Forward(v, tape=kind == "Fe" and graph.nodes[v].requires_grad) for v in stage]
+    split = first_backward if first_backward is not None else len(node_ops)
+    return insert_frees(graph, node_ops[:split], node_ops[split:])
+
+
+@register("chain_dp")
+def chain_dp(graph: CostGraph, budget_bytes: int | None = None, *, max_stages: int = DEFAULT_MAX_STAGES,
+             slots: int = DEFAULT_SLOTS) -> Solution:
+    """Rotor's DP on the graph's chain of stages; the simulated plan (see the module docstring)."""
+    if not graph.implicit_backward:
+        raise SolverError(f"chain_dp needs a graph with implicit backward; {graph.name!r} has explicit "
+                          "backward nodes (a Checkmate joint graph)")
+    chain = chain_of(graph, max_stages)
+
+    def plan(model_budget: float) -> Solution | None:
+        stage_ops = solve_chain(chain, model_budget, slots)
+        if stage_ops is None:
+            return None
+        recomputed = sum(1 for kind, _ in stage_ops if kind != "B") - len(chain.stages)
+        return Solution.of("chain_dp", graph, lower_chain_ops(graph, chain, stage_ops),
+                           f"{len(chain.stages)} stages, {recomputed} stage recomputations")
+
+    if budget_bytes is not None:
+        candidate = plan(float(budget_bytes))
+        if candidate is not None and candidate.fits(budget_bytes):
+            return candidate
+    high = float(chain.fixed_bytes + sum(chain.cw) + sum(chain.cbw)) * 2 + 1
+    while solve_chain(chain, high, slots) is None:
+        high *= 2
+    low = float(chain.fixed_bytes)
+    while high - low > max(1.0, high * 1e-3):
+        middle = (low + high) / 2
+        if solve_chain(chain, middle, slots) is None:
+            low = middle
+        else:
+            high = middle
+    tried = [p for p in (plan(high * f) for f in (1.0, 1.15, 1.35)) if p is not None]
+    smallest = min(tried, key=lambda s: (s.peak_bytes, s.recompute_cost))
+    if budget_bytes is None or not smallest.fits(budget_bytes):
+        return smallest
+    best, low_budget, high_budget = smallest, high, float(budget_bytes)
+    while high_budget - low_budget > max(1.0, high_budget * 1e-3):
+        middle = (low_budget + high_budget) / 2
+        candidate = plan(middle)
+        if candidate is not None and candidate.fits(budget_bytes):
+            best, low_budget = candidate, middle
+        else:
+            high_budget = middle
+    return best

@@ -1,0 +1,80 @@
+"""chain_dp (rotor): optimal in its model against brute force; valid multi-recompute schedules."""
+import math
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from recompute_graph.schedule import Forward
+from recompute_graph.simulate import simulate
+from recompute_graph.solvers import SOLVERS
+from recompute_graph.solvers.chain_dp import Chain, discretize, lower_chain_ops, optimal_time, solve_chain
+
+from test_schedule import chain as chain_graph
+
+
+@st.composite
+def chains(draw):
+    length = draw(st.integers(1, 5))
+    sizes = st.integers(1, 60)
+    return Chain(stages=tuple((s,) for s in range(length)),
+                 fw=tuple(float(draw(st.integers(1, 9))) for _ in range(length)),
+                 bw=tuple(float(draw(st.integers(1, 9))) for _ in range(length)),
+                 cw=(0,) + tuple(draw(sizes) for _ in range(length)),
+                 cbw=(0,) + tuple(draw(sizes) for _ in range(length)), fixed_bytes=0)
+
+
+def brute_force(chain, cw, cbw, slots):
+    """Minimum time over every recursive strategy (tape stage i, or keep x_j for i < j <= l), by
+    exhaustive recursion without tables."""
+    def best(i, l, m):
+        single = (chain.fw[i] + chain.bw[i]
+                  if m >= max(cw[i + 1] + cbw[i + 1], cw[i] + cw[i + 1] + cbw[i + 1]) else math.inf)
+        if i == l:
+            return single
+        options = [single + best(i + 1, l, m - cbw[i + 1]) if m >= cbw[i + 1] else math.inf]
+        for j in range(i + 1, l + 1):
+            if m >= cw[j]:
+                options.append(sum(chain.fw[i:j]) + best(j, l, m - cw[j]) + best(i, j - 1, m))
+        return min(options)
+    return best(0, len(chain.stages) - 1, slots)
+
+
+@settings(max_examples=150, deadline=None)
+@given(chains(), st.integers(20, 200))
+def test_chain_dp_equals_brute_force_on_random_chains(chain, budget):
+    slots = 40
+    cw, cbw = discretize(chain, budget, slots)
+    assert optimal_time(chain, budget, slots) == pytest.approx(brute_force(chain, cw, cbw, slots))
+
+
+@settings(max_examples=60, deadline=None)
+@given(chains(), st.integers(20, 200))
+def test_the_rebuilt_sequence_costs_what_the_dp_says(chain, budget):
+    ops = solve_chain(chain, budget, 40)
+    if ops is None:
+        assert optimal_time(chain, budget, 40) == math.inf
+        return
+    time = sum(chain.fw[s] for kind, s in ops if kind != "B") + sum(chain.bw[s] for kind, s in ops if kind == "B")
+    assert time == pytest.approx(optimal_time(chain, budget, 40))
+    assert [s for kind, s in ops if kind == "B"] == list(reversed(range(len(chain.stages))))
+
+
+def test_tight_budgets_recompute_stages_several_times_and_the_schedule_is_valid():
+    graph = chain_graph(12)
+    loose = SOLVERS["chain_dp"](graph, None)
+    counts = loose.schedule.computation_counts()
+    assert max(counts.values()) >= 3  # the smallest peak needs multi-level recomputation
+    assert simulate(graph, loose.schedule) == loose.simulation
+    store_all = SOLVERS["store_all"](graph, None)
+    assert loose.peak_bytes < store_all.peak_bytes
+    generous = SOLVERS["chain_dp"](graph, store_all.peak_bytes)
+    assert generous.recompute_cost <= loose.recompute_cost
+
+
+def test_stage_operations_lower_to_node_operations():
+    graph = chain_graph(3)
+    chain = Chain(((0,), (1,), (2,)), (1.0,) * 3, (1.0,) * 3, (0, 100, 100, 100), (0, 200, 200, 200), 0)
+    ops = [("Fn", 0), ("Fe", 1), ("Fe", 2), ("B", 2), ("B", 1), ("Fe", 0), ("B", 0)]
+    schedule = lower_chain_ops(graph, chain, ops)
+    assert Forward(0, tape=False) in schedule.forward_ops and Forward(0) in schedule.backward_ops
+    simulate(graph, schedule)
