@@ -1,0 +1,56 @@
+"""The BPTT setting of Gruslys et al. 2016: an LSTM unrolled over T steps, one cell reused at every step.
+
+    python scripts/bptt_gruslys.py [--steps 1000] [--batch 64] [--hidden 512] [--input 128] [--memory 0.05]
+
+Plans the unrolled model with chain_dp (rotor) for an activation budget of ``--memory`` times the
+store-all activation memory, then measures one training step of the original model and of the plan:
+activation memory = measured peak minus parameter gradients (as in the paper), step time = median of 3.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import models_zoo
+from recompute_graph import format_bytes, optimize
+from recompute_graph.measure import make_training_step, peak_memory, time_step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--input", type=int, default=128)
+    parser.add_argument("--memory", type=float, default=0.05)
+    parser.add_argument("--solver", default="chain_dp")
+    args = parser.parse_args()
+    model, inputs = models_zoo.get_model("rnn", "paper", steps=args.steps, batch=args.batch,
+                                         hidden_size=args.hidden, input_size=args.input)
+    parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    original = make_training_step(model, inputs)
+    original_peak = peak_memory(original)
+    original_time = time_step(original, repeats=3, warmup=1).median_seconds
+    original_activations = original_peak - parameter_bytes
+    budget = parameter_bytes + int(args.memory * original_activations)
+    start = time.perf_counter()
+    optimized = optimize(model, budget, example_inputs=inputs, solver=args.solver, timing="flops")
+    plan_seconds = time.perf_counter() - start
+    plan = optimized.recompute_plan
+    step = make_training_step(optimized, inputs)
+    peak = peak_memory(step)
+    seconds = time_step(step, repeats=3, warmup=1).median_seconds
+    activations = peak - parameter_bytes
+    print(f"LSTM T={args.steps} batch {args.batch} hidden {args.hidden}: {plan.solver} ({plan.description}), "
+          f"planned in {plan_seconds:.0f} s")
+    print(f"activations: store-all {format_bytes(original_activations)}, plan {format_bytes(activations)} "
+          f"(predicted {format_bytes(plan.predicted_peak_bytes - parameter_bytes)}): "
+          f"{1 - activations / original_activations:.1%} saved")
+    print(f"step time: store-all {original_time:.2f} s, plan {seconds:.2f} s: x{seconds / original_time:.2f}")
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    main()
