@@ -10,8 +10,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .errors import (GraphError, InfeasibleBudgetError, ProfileError, RecomputeError, SolverError,
-                     TraceError)
+from .errors import (GraphError, InfeasibleBudgetError, ProfileError, RecomputeError, RewriteError,
+                     ScheduleError, SolverError, TraceError)
 from .graph import CostGraph, CostNode
 from .units import format_bytes, parse_bytes
 
@@ -23,7 +23,6 @@ _LAZY = {
     "RecomputePlan": ("planner", "RecomputePlan"),
     "make_plan": ("planner", "make_plan"),
     "simulate": ("simulate", "simulate"),
-    "ScheduleError": ("simulate", "ScheduleError"),
     "trace": ("trace", "trace"),
     "TraceResult": ("trace", "TraceResult"),
     "profile_model": ("costs", "profile_model"),
@@ -35,7 +34,7 @@ _LAZY = {
 }
 
 __all__ = ["CostGraph", "CostNode", "RecomputeError", "TraceError", "ProfileError", "GraphError",
-           "SolverError", "InfeasibleBudgetError", "parse_bytes", "format_bytes", *_LAZY]
+           "SolverError", "InfeasibleBudgetError", "ScheduleError", "RewriteError", "parse_bytes", "format_bytes", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

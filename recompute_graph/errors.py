@@ -43,3 +43,11 @@ class InfeasibleBudgetError(RecomputeError, ValueError):
         super().__init__(message)
         self.budget_bytes = budget_bytes
         self.min_budget_bytes = min_budget_bytes
+
+
+class ScheduleError(RecomputeError, ValueError):
+    """A schedule cannot run: a value used before it exists, a backward before its inputs, ..."""
+
+
+class RewriteError(RecomputeError):
+    """The traced model cannot be executed under a schedule (the message says which node and why)."""

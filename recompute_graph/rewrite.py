@@ -27,16 +27,12 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .errors import RecomputeError
+from .errors import RewriteError
 from .graph import CostGraph
 from .measure import storage_key
 from .schedule import Backward, Forward, FreeValue, Op, Schedule
 
 __all__ = ["RewriteError", "ScheduleExecutor"]
-
-
-class RewriteError(RecomputeError):
-    """The traced model cannot be executed under a schedule (the message says which node and why)."""
 
 
 @dataclass

@@ -28,15 +28,11 @@ computations beyond the first of a node count as ``recompute_cost``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from .errors import RecomputeError
+from .errors import ScheduleError
 from .graph import CostGraph
 from .schedule import Backward, Forward, FreeValue, Op, Schedule
 
 __all__ = ["ScheduleError", "SimulationResult", "TimelinePoint", "simulate"]
-
-
-class ScheduleError(RecomputeError, ValueError):
-    """A schedule cannot run: a value used before it exists, a backward before its inputs, ..."""
 
 
 @dataclass(frozen=True)
