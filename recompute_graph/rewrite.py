@@ -157,7 +157,7 @@ class ScheduleExecutor:
         state.computed.add(index)
         state.values[index] = out
         if tape:
-            flat = tree_flatten(out)[0]
+            flat = _leaves(out)
             positions = [k for k, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
             if positions:
                 state.tapes[index] = _Tape([flat[k] for k in positions], positions, leaves,
@@ -173,7 +173,7 @@ class ScheduleExecutor:
         value = state.values.pop(index)
         tape = state.tapes.get(index)
         if tape is not None and tape.freed_shapes is None:
-            flat = tree_flatten(value)[0]
+            flat = _leaves(value)
             if all(any(t is f for f in flat) for t in tape.outputs):
                 tape.freed_shapes = [t.shape for t in tape.outputs]
                 leaves = [leaf for _, _, leaf in tape.leaves]
@@ -234,7 +234,10 @@ class ScheduleExecutor:
         source = self.cost_index.get(a.name, ("input", a.name))
         # values computed without tape do not require grad at run time: ask the cost graph instead
         node_needs_grad = a.name in self.cost_index and self.graph.nodes[self.cost_index[a.name]].requires_grad
-        flat, spec = tree_flatten(value)
+        if isinstance(value, torch.Tensor):  # fast path for the common case
+            flat, spec = [value], None
+        else:
+            flat, spec = tree_flatten(value)
         detached = []
         for position, item in enumerate(flat):
             if isinstance(item, torch.Tensor) and (item.requires_grad or (
@@ -246,7 +249,7 @@ class ScheduleExecutor:
                 detached.append(item.detach())
             else:
                 detached.append(item)
-        return tree_unflatten(detached, spec)
+        return detached[0] if spec is None else tree_unflatten(detached, spec)
 
     def _lookup(self, state: _StepState, a: fx.Node) -> Any:
         if a.name in self.cost_index:
@@ -319,6 +322,15 @@ class ScheduleExecutor:
         return [t for t in attributes if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter)]
 
 
+def _leaves(value: Any) -> list[Any]:
+    """``tree_flatten(value)[0]``, with fast paths for a tensor and a flat tuple of tensors (hot path)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if type(value) is tuple and all(isinstance(item, torch.Tensor) for item in value):
+        return list(value)
+    return tree_flatten(value)[0]
+
+
 def _unique(parameters: list[nn.Parameter]) -> list[nn.Parameter]:
     seen: set[int] = set()
     unique = []
@@ -371,8 +383,8 @@ class _replayed_rng:
     def __init__(self, state: _StepState, index: int, random: bool, recompute: bool, args: Any) -> None:
         self.state, self.index, self.active = state, index, random
         self.recompute = recompute
-        self.devices = sorted({t.device.index or 0 for t in tree_flatten(args)[0]
-                               if isinstance(t, torch.Tensor) and t.device.type == "cuda"})
+        self.devices = (sorted({t.device.index or 0 for t in tree_flatten(args)[0]
+                                if isinstance(t, torch.Tensor) and t.device.type == "cuda"}) if random else [])
         self.saved: tuple[torch.Tensor, list[tuple[int, torch.Tensor]]] | None = None
 
     def __enter__(self) -> None:
