@@ -78,3 +78,36 @@ def test_stage_operations_lower_to_node_operations():
     schedule = lower_chain_ops(graph, chain, ops)
     assert Forward(0, tape=False) in schedule.forward_ops and Forward(0) in schedule.backward_ops
     simulate(graph, schedule)
+
+
+def test_revolve_recurrence_equals_griewanks_closed_form():
+    from math import comb
+    from recompute_graph.solvers.revolve import extra_forward_steps
+    p, _ = extra_forward_steps(120, 8)
+
+    def closed(length, slots):
+        r = 0
+        while comb(slots + r, slots) < length:
+            r += 1
+        return r * length - comb(slots + r, slots + 1)
+    assert all(p[l, s] == closed(l, s) for l in range(1, 121) for s in range(1, 9))
+
+
+@pytest.mark.parametrize("length, slots", [(1, 1), (5, 1), (10, 3), (37, 4), (64, 6)])
+def test_revolve_schedule_reverses_every_stage_once_with_the_optimal_number_of_forwards(length, slots):
+    from recompute_graph.solvers.revolve import extra_forward_steps, revolve_schedule
+    ops = revolve_schedule(length, slots)
+    assert [s for kind, s in ops if kind == "B"] == list(reversed(range(length)))
+    extra = sum(1 for kind, _ in ops if kind != "B") - length
+    assert extra == extra_forward_steps(length, slots)[0][length, slots]
+
+
+def test_revolve_on_a_chain_graph_is_valid_and_fits_its_budget():
+    graph = chain_graph(30)
+    store_all = SOLVERS["store_all"](graph, None)
+    smallest = SOLVERS["revolve"](graph, None)
+    assert smallest.peak_bytes < store_all.peak_bytes
+    assert max(smallest.schedule.computation_counts().values()) >= 3
+    budget = (smallest.peak_bytes + store_all.peak_bytes) // 2
+    planned = SOLVERS["revolve"](graph, budget)
+    assert planned.fits(budget) and planned.recompute_cost <= smallest.recompute_cost

@@ -49,7 +49,8 @@ def assert_same_buffers(actual: dict, expected: dict):
         assert torch.equal(actual[name], expected[name]), name
 
 
-@pytest.mark.parametrize("solver", ["store_all", "chen_sqrt", "chen_greedy", "dp_exact", "dp_approx", "chain_dp"])
+@pytest.mark.parametrize("solver", ["store_all", "chen_sqrt", "chen_greedy", "dp_exact", "dp_approx", "chain_dp",
+                                    "revolve"])
 def test_plans_train_exactly_within_their_budget(zoo_name, solver):
     model, inputs, traced, graph = profiled_tiny(zoo_name)
     initial = {name: b.clone() for name, b in model.named_buffers()}

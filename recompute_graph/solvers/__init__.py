@@ -73,4 +73,4 @@ def best_of(solutions: list[Solution], budget_bytes: int | None) -> Solution:
     return min(solutions, key=lambda s: (s.peak_bytes, s.recompute_cost))
 
 
-from . import chain_dp, chen, lower_set_dp, store_all  # noqa: E402,F401  (registers the solvers)
+from . import chain_dp, chen, lower_set_dp, revolve, store_all  # noqa: E402,F401  (registers the solvers)
