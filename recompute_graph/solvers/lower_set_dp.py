@@ -269,12 +269,32 @@ def transitions(model: PaperModel | ExecutionModel) -> list[list[tuple[float, in
     return table
 
 
+class _States:
+    """Every finalized Pareto state, in growable arrays: overhead, checkpoint bytes, peak so far, the
+    index of the state it came from (-1 for the start) and the family index of its lower set."""
+
+    def __init__(self) -> None:
+        self.size = 0
+        self.columns = [np.empty(1024), np.empty(1024), np.empty(1024), np.empty(1024, dtype=np.int64),
+                        np.empty(1024, dtype=np.int64)]
+
+    def add(self, values: list[np.ndarray]) -> int:
+        count = len(values[0])
+        while self.size + count > len(self.columns[0]):
+            self.columns = [np.concatenate((c, np.empty_like(c))) for c in self.columns]
+        for column, value in zip(self.columns, values):
+            column[self.size:self.size + count] = value
+        start, self.size = self.size, self.size + count
+        return start
+
+
 def run_dp(model: PaperModel | ExecutionModel, budget: float, variant: str = "time") -> DPResult | None:
     """The DP over ``model.family``; None when no strategy fits ``budget`` in the model.
 
-    Each lower set's Pareto front is held as numpy arrays sorted by checkpoint bytes (ascending; overhead
-    then strictly descending). A transition with model peak ``p`` applies to the prefix of states with
-    ``checkpoints + p <= budget``, found by binary search.
+    Each lower set's Pareto front is sorted by checkpoint bytes (ascending; overhead then strictly
+    descending). A transition with model peak ``p`` applies to the prefix of states with
+    ``checkpoints + p <= budget`` (binary search); all the prefixes reaching one lower set are gathered
+    and pruned in a few vectorized steps.
     """
     if variant not in ("time", "memory"):
         raise ValueError(f"variant must be 'time' or 'memory', got {variant!r}")
@@ -283,73 +303,68 @@ def run_dp(model: PaperModel | ExecutionModel, budget: float, variant: str = "ti
     if f.sets[0] != 0 or f.sets[-1] != (1 << f.n) - 1:
         raise SolverError("the lower-set family must contain ∅ and V")
     table = transitions(model)
+    states = _States()
     incoming: list[list[tuple]] = [[] for _ in range(count)]
-    fronts: list[tuple | None] = [None] * count
-    fronts[0] = (np.zeros(1), np.zeros(1), np.zeros(1), np.full(1, -1), np.full(1, -1), [[0.0], [0.0], [0.0]])
+    front_start = np.zeros(count, dtype=np.int64)
+    front_size = np.zeros(count, dtype=np.int64)
+    front_start[0] = states.add([np.zeros(1), np.zeros(1), np.zeros(1), np.full(1, -1), np.zeros(1)])
+    front_size[0] = 1
     for a in range(count):
-        front = fronts[0] if a == 0 else _pareto(incoming[a], fronts)
-        incoming[a] = []
-        fronts[a] = front
-        if front is None or a == count - 1:
+        if a > 0:
+            _merge(incoming[a], a, states, front_start, front_size)
+            incoming[a] = []
+        if front_size[a] == 0 or a == count - 1:
             continue
-        kept_list = front[5][1]
+        first = front_start[a]
+        kept_list = states.columns[1][first:first + front_size[a]].tolist()
         least = kept_list[0]
         for peak, b, overhead, kept in table[a]:
             if least + peak > budget:
                 break
-            incoming[b].append((a, bisect.bisect_right(kept_list, budget - peak), overhead, kept, peak))
-    final = fronts[count - 1]
-    if final is None:
+            # a state arriving at b with more checkpoint memory than b's cheapest next step allows is dead
+            room = budget - kept - (table[b][0][0] if b < count - 1 and table[b] else 0.0)
+            k = min(bisect.bisect_right(kept_list, budget - peak), bisect.bisect_right(kept_list, room))
+            if k:
+                incoming[b].append((a, k, overhead, kept, peak))
+    last = count - 1
+    if front_size[last] == 0:
         return None
-    overheads, kept_bytes, peaks = final[0], final[1], final[2]
-    best = int(np.argmin(overheads)) if variant == "time" else 0  # front sorted by kept bytes ascending
+    first = front_start[last]
+    overheads = states.columns[0][first:first + front_size[last]]
+    best = first + (int(np.argmin(overheads)) if variant == "time" else 0)  # sorted by checkpoint bytes
     chain = []
-    a, i = count - 1, best
-    while a > 0:
-        chain.append(frozenset(_bits(f.sets[a])))
-        parents, states = fronts[a][3], fronts[a][4]
-        a, i = int(parents[i]), int(states[i])
-    return DPResult(tuple(reversed(chain)), float(overheads[best]), float(peaks[best]))
+    state = best
+    while states.columns[4][state] != 0:
+        chain.append(frozenset(_bits(f.sets[int(states.columns[4][state])])))
+        state = int(states.columns[3][state])
+    return DPResult(tuple(reversed(chain)), float(states.columns[0][best]), float(states.columns[2][best]))
 
 
-def _pareto(records: list[tuple], fronts: list) -> tuple | None:
-    """States reached by ``records`` (``(a, k, overhead, kept, peak)``: the first ``k`` states of lower set
-    ``a`` through one transition), keeping those not dominated in (overhead, checkpoint bytes), sorted by
-    checkpoint bytes ascending; among equal points the lower peak wins. Short prefixes (the common case)
-    are gathered in plain lists, long ones as array slices."""
-    small: list[list] = [[], [], [], [], []]
-    large: list[list] = [[], [], [], [], []]
-    for a, k, overhead, kept, peak in records:
-        if k == 0:
-            continue
-        front = fronts[a]
-        if k <= 8:
-            lists = front[5]
-            for i in range(k):
-                small[0].append(lists[0][i] + overhead)
-                small[1].append(lists[1][i] + kept)
-                small[2].append(max(lists[2][i], lists[1][i] + peak))
-                small[3].append(a)
-                small[4].append(i)
-        else:
-            source_overheads, source_kept, source_peaks = front[0], front[1], front[2]
-            large[0].append(source_overheads[:k] + overhead)
-            large[1].append(source_kept[:k] + kept)
-            large[2].append(np.maximum(source_peaks[:k], source_kept[:k] + peak))
-            large[3].append(np.full(k, a))
-            large[4].append(np.arange(k))
-    if not small[0] and not large[0]:
-        return None
-    columns = [np.concatenate([np.asarray(small[c], dtype=float if c < 3 else np.int64)] + large[c])
-               for c in range(5)]
-    overheads, kept_bytes, peaks = columns[0], columns[1], columns[2]
+def _merge(records: list[tuple], target: int, states: _States, front_start: np.ndarray,
+           front_size: np.ndarray) -> None:
+    """Gather the states reached by ``records`` (``(a, k, overhead, kept, peak)``: the first ``k``
+    states of lower set ``a`` through one transition) and store the ones not dominated in (overhead,
+    checkpoint bytes) as ``target``'s front, sorted by checkpoint bytes; equal points keep the lower peak."""
+    if not records:
+        return
+    table = np.array(records, dtype=float)
+    sources, lengths = table[:, 0].astype(np.int64), table[:, 1].astype(np.int64)
+    total = int(lengths.sum())
+    offsets = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+    index = np.repeat(front_start[sources] - offsets, lengths) + np.arange(total)
+    overhead, kept, peak = (np.repeat(table[:, c], lengths) for c in (2, 3, 4))
+    source_kept = states.columns[1][index]
+    overheads = states.columns[0][index] + overhead
+    kept_bytes = source_kept + kept
+    peaks = np.maximum(states.columns[2][index], source_kept + peak)
     order = np.lexsort((peaks, overheads, kept_bytes))  # by kept bytes, then overhead, then peak
-    overheads = overheads[order]
+    ordered = overheads[order]
     # keep a state when its overhead is below every overhead with less (or equal) checkpoint memory
-    running = np.minimum.accumulate(np.concatenate(([np.inf], overheads[:-1])))
-    keep = order[overheads < running]
-    kept_columns = [column[keep] for column in columns]
-    return (*kept_columns, [kept_columns[0].tolist(), kept_columns[1].tolist(), kept_columns[2].tolist()])
+    running = np.minimum.accumulate(np.concatenate(([np.inf], ordered[:-1])))
+    keep = order[ordered < running]
+    front_start[target] = states.add([overheads[keep], kept_bytes[keep], peaks[keep], index[keep],
+                                      np.full(len(keep), target)])
+    front_size[target] = len(keep)
 
 
 def strategy_cost(model: PaperModel | ExecutionModel, lower_sets: Sequence[frozenset[int]]) -> tuple[float, float]:
