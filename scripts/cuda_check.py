@@ -1,0 +1,63 @@
+"""End-to-end check on a GPU: exact gradients, allocator peak vs prediction, step-time ratios.
+
+    python scripts/cuda_check.py [--device cuda] [--models resnet50 unet gpt2] [--budget 0.5]
+
+For each model (small presets, moved to the device): the original model's gradients and its step, then
+``optimize(..., budget)`` with costs measured on the device: largest relative gradient difference,
+``torch.cuda.max_memory_allocated`` peak above what was live before the step (``measure.peak_memory``
+with ``device=``) against the plan's predicted peak, and median step times. Runs on CPU too
+(``--device cpu``, storage meter) to check the script itself.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+
+import torch
+
+import models_zoo
+from recompute_graph import format_bytes, optimize
+from recompute_graph.measure import default_loss, make_training_step, peak_memory, time_step
+
+
+def gradients(model: torch.nn.Module, inputs: tuple) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(0)
+    default_loss(model(*inputs)).backward()
+    return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--models", nargs="+", default=["resnet50", "unet", "gpt2"])
+    parser.add_argument("--budget", type=float, default=0.5)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    meter_device = device if device.type == "cuda" else None
+    print("| model | solver | predicted peak | measured peak | measured / predicted | max grad rel. error | "
+          "time / original |")
+    print("|---|---|---|---|---|---|---|")
+    for name in args.models:
+        model, inputs = models_zoo.get_model(name, "small")
+        model, inputs = model.to(device), tuple(t.to(device) for t in inputs)
+        twin = copy.deepcopy(model)
+        expected = gradients(model, inputs)
+        original = make_training_step(model, inputs)
+        original_peak = peak_memory(original, device=meter_device)
+        original_time = time_step(original, repeats=5, warmup=2, device=meter_device).median_seconds
+        optimized = optimize(twin, args.budget, example_inputs=inputs)
+        plan = optimized.recompute_plan
+        actual = gradients(optimized, inputs)
+        error = max(((actual[k] - expected[k]).abs().max() / expected[k].abs().max().clamp_min(1e-12)).item()
+                    for k in expected)
+        step = make_training_step(optimized, inputs)
+        peak = peak_memory(step, device=meter_device)
+        seconds = time_step(step, repeats=5, warmup=2, device=meter_device).median_seconds
+        print(f"| {name} | {plan.solver} | {format_bytes(plan.predicted_peak_bytes)} | {format_bytes(peak)} "
+              f"(original {format_bytes(original_peak)}) | {peak / plan.predicted_peak_bytes:.3f} | {error:.1e} | "
+              f"{seconds / original_time:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
