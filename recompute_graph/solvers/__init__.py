@@ -73,4 +73,38 @@ def best_of(solutions: list[Solution], budget_bytes: int | None) -> Solution:
     return min(solutions, key=lambda s: (s.peak_bytes, s.recompute_cost))
 
 
+#: Multiples of a model's minimal budget whose plans are simulated to find the least simulated peak.
+MIN_PEAK_SEARCH = (1.0, 1.15, 1.35)
+
+
+def simulator_checked(plan: Callable[[float], "Solution | None"], budget_bytes: int | None,
+                      minimal_model_budget: Callable[[], float]) -> Solution:
+    """The bridge from a solver's own cost model to the simulator, for the model-based DPs.
+
+    ``plan(model_budget)`` solves in the model and returns the simulated plan (None if the model finds
+    nothing). With a budget, the plan at the budget itself is tried first; if its simulated peak does not
+    fit, the model budget is bisected down to the largest one whose simulated plan fits. Without a budget
+    (or when nothing fits) the lowest simulated peak among the plans at ``MIN_PEAK_SEARCH`` multiples of
+    the model's minimal budget is returned.
+    """
+    if budget_bytes is not None:
+        candidate = plan(float(budget_bytes))
+        if candidate is not None and candidate.fits(budget_bytes):
+            return candidate
+    minimal = minimal_model_budget()
+    tried = [p for p in (plan(minimal * factor) for factor in MIN_PEAK_SEARCH) if p is not None]
+    smallest = min(tried, key=lambda s: (s.peak_bytes, s.recompute_cost))
+    if budget_bytes is None or not smallest.fits(budget_bytes):
+        return smallest
+    best, low, high = smallest, minimal, float(budget_bytes)
+    while high - low > max(1.0, high * 1e-3):
+        middle = (low + high) / 2
+        candidate = plan(middle)
+        if candidate is not None and candidate.fits(budget_bytes):
+            best, low = candidate, middle
+        else:
+            high = middle
+    return best
+
+
 from . import chain_dp, chen, lower_set_dp, revolve, store_all  # noqa: E402,F401  (registers the solvers)

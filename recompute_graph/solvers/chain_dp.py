@@ -31,7 +31,7 @@ import numpy as np
 from ..errors import SolverError
 from ..graph import CostGraph
 from ..schedule import Backward, Forward, Op, Schedule, insert_frees
-from . import Solution, register
+from . import Solution, register, simulator_checked
 from .chen import split_candidates
 
 __all__ = ["Chain", "chain_of", "discretize", "solve_chain", "optimal_time", "lower_chain_ops", "chain_dp",
@@ -189,30 +189,17 @@ def chain_dp(graph: CostGraph, budget_bytes: int | None = None, *, max_stages: i
         return Solution.of("chain_dp", graph, lower_chain_ops(graph, chain, stage_ops),
                            f"{len(chain.stages)} stages, {recomputed} stage recomputations")
 
-    if budget_bytes is not None:
-        candidate = plan(float(budget_bytes))
-        if candidate is not None and candidate.fits(budget_bytes):
-            return candidate
-    high = float(chain.fixed_bytes + sum(chain.cw) + sum(chain.cbw)) * 2 + 1
-    while solve_chain(chain, high, slots) is None:
-        high *= 2
-    low = float(chain.fixed_bytes)
-    while high - low > max(1.0, high * 1e-3):
-        middle = (low + high) / 2
-        if solve_chain(chain, middle, slots) is None:
-            low = middle
-        else:
-            high = middle
-    tried = [p for p in (plan(high * f) for f in (1.0, 1.15, 1.35)) if p is not None]
-    smallest = min(tried, key=lambda s: (s.peak_bytes, s.recompute_cost))
-    if budget_bytes is None or not smallest.fits(budget_bytes):
-        return smallest
-    best, low_budget, high_budget = smallest, high, float(budget_bytes)
-    while high_budget - low_budget > max(1.0, high_budget * 1e-3):
-        middle = (low_budget + high_budget) / 2
-        candidate = plan(middle)
-        if candidate is not None and candidate.fits(budget_bytes):
-            best, low_budget = candidate, middle
-        else:
-            high_budget = middle
-    return best
+    def minimal_model_budget() -> float:
+        high = float(chain.fixed_bytes + sum(chain.cw) + sum(chain.cbw)) * 2 + 1
+        while solve_chain(chain, high, slots) is None:
+            high *= 2
+        low = float(chain.fixed_bytes)
+        while high - low > max(1.0, high * 1e-3):
+            middle = (low + high) / 2
+            if solve_chain(chain, middle, slots) is None:
+                low = middle
+            else:
+                high = middle
+        return high
+
+    return simulator_checked(plan, budget_bytes, minimal_model_budget)

@@ -39,7 +39,7 @@ import numpy as np
 from ..errors import SolverError
 from ..graph import CostGraph
 from ..schedule import lower_segments
-from . import Solution, register
+from . import Solution, register, simulator_checked
 
 __all__ = ["DEFAULT_MAX_LOWER_SETS", "free_sources", "PaperModel", "ExecutionModel", "LowerSetFamily", "enumerate_lower_sets",
            "principal_lower_sets", "run_dp", "strategy_cost", "minimal_model_budget", "dp_exact", "dp_approx",
@@ -48,8 +48,6 @@ __all__ = ["DEFAULT_MAX_LOWER_SETS", "free_sources", "PaperModel", "ExecutionMod
 DEFAULT_MAX_LOWER_SETS = 3000
 #: ``solver="auto"`` runs dp_exact up to this many lower sets, dp_approx above.
 AUTO_EXACT_LIMIT = 1500
-#: Model budgets (multiples of the model's minimum) whose plans are simulated to find the least peak.
-MIN_PEAK_SEARCH = (1.0, 1.15, 1.35)
 COUNT_CAP = 200_000
 PAPER_UNIT_PREFIX = "kusumoto2019"
 
@@ -419,13 +417,8 @@ def minimal_model_budget(model: PaperModel | ExecutionModel, variant: str = "tim
 
 def solve_lower_sets(name: str, graph: CostGraph, budget_bytes: int | None, family: LowerSetFamily,
                      variant: str = "time") -> Solution:
-    """Run the DP on ``family`` and return the simulated plan.
-
-    The DP works in its model; the simulator has the last word. With a budget, the DP first plans at the
-    budget itself; if the simulated peak exceeds it, the model budget is bisected down to the largest one
-    whose simulated plan fits. Without a budget (or when nothing fits) the plan at the smallest feasible
-    model budget is returned.
-    """
+    """Run the DP on ``family`` and return the simulated plan (the DP works in its model; the simulator
+    has the last word, see :func:`~recompute_graph.solvers.simulator_checked`)."""
     if not graph.implicit_backward:
         raise SolverError(f"{name} needs a graph with implicit backward; {graph.name!r} has explicit "
                           "backward nodes (a Checkmate joint graph)")
@@ -438,26 +431,7 @@ def solve_lower_sets(name: str, graph: CostGraph, budget_bytes: int | None, fami
         return Solution.of(name, graph, lower_segments(graph, result.lower_sets),
                            f"{len(result.lower_sets)} segments, {model.name} model, {variant}-centric")
 
-    if budget_bytes is not None:
-        candidate = plan(float(budget_bytes))
-        if candidate is not None and candidate.fits(budget_bytes):
-            return candidate
-    minimal = minimal_model_budget(model, variant)
-    # the model ranks plans; the simulator decides: the smallest simulated peak may come from a plan
-    # at a model budget somewhat above the model's minimum
-    tried = [plan(minimal * factor) for factor in MIN_PEAK_SEARCH]
-    smallest = min((t for t in tried if t is not None), key=lambda t: (t.peak_bytes, t.recompute_cost))
-    if budget_bytes is None or not smallest.fits(budget_bytes):
-        return smallest
-    best, low, high = smallest, minimal, float(budget_bytes)
-    while high - low > max(1.0, high * 1e-3):
-        middle = (low + high) / 2
-        candidate = plan(middle)
-        if candidate is not None and candidate.fits(budget_bytes):
-            best, low = candidate, middle
-        else:
-            high = middle
-    return best
+    return simulator_checked(plan, budget_bytes, lambda: minimal_model_budget(model, variant))
 
 
 @register("dp_exact")
