@@ -53,10 +53,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-class _Exit(Exception):
-    pass
-
-
 def _solve(args: argparse.Namespace) -> dict[str, Any]:
     if args.solver != "auto" and args.solver not in SOLVERS:
         raise ValueError(f"unknown solver {args.solver!r}; available: auto, {', '.join(sorted(SOLVERS))}")

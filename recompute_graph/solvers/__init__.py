@@ -14,7 +14,7 @@ from ..graph import CostGraph
 from ..schedule import Schedule
 from ..simulate import SimulationResult, simulate
 
-__all__ = ["Solution", "SOLVERS", "get_solver", "register", "solve"]
+__all__ = ["Solution", "SOLVERS", "get_solver", "register", "best_of", "simulator_checked"]
 
 
 @dataclass(frozen=True)
@@ -58,10 +58,6 @@ def get_solver(name: str) -> SolverFunction:
     if name not in SOLVERS:
         raise ValueError(f"unknown solver {name!r}; available: {', '.join(sorted(SOLVERS))}")
     return SOLVERS[name]
-
-
-def solve(graph: CostGraph, budget_bytes: int | None, solver: str) -> Solution:
-    return get_solver(solver)(graph, budget_bytes)
 
 
 def best_of(solutions: list[Solution], budget_bytes: int | None) -> Solution:
