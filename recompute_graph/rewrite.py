@@ -98,6 +98,8 @@ class ScheduleExecutor:
         self._node_parameters = [self._parameters_of(n) for n in self.fx_of]
         self._state_tensors = [self._mutable_state(n) if graph.nodes[i].stateful else []
                                for i, n in enumerate(self.fx_of)]
+        self._random = [node.random for node in graph]
+        self._modules: dict[str, nn.Module] = {}
         self._cost_inputs = [[self.cost_index[a.name] for a in n.all_input_nodes if a.name in self.cost_index]
                              for n in self.fx_of]
         self._fused_runs: dict[int, int] = {}          # first backward position of a fused run -> its end
@@ -233,15 +235,20 @@ class ScheduleExecutor:
         restore = [(t, t.clone()) for t in self._state_tensors[index]] if recompute else []
         saved: set[int] = set()
         try:
-            with _replayed_rng(state, index, self.graph.nodes[index].random, recompute, args):
+            if self._random[index]:
+                with _replayed_rng(state, index, True, recompute, args):
+                    with torch.set_grad_enabled(tape), _SavedStorages(saved, active=tape):
+                        out = self._call(node, args, kwargs)
+            else:
                 with torch.set_grad_enabled(tape), _SavedStorages(saved, active=tape):
                     out = self._call(node, args, kwargs)
         except Exception as error:  # noqa: BLE001
             raise RewriteError(f"node {node.format_node()} failed: {type(error).__name__}: {error}") from error
         finally:
-            with torch.no_grad():
-                for tensor, saved in restore:
-                    tensor.copy_(saved)
+            if restore:
+                with torch.no_grad():
+                    for tensor, saved_value in restore:
+                        tensor.copy_(saved_value)
         state.computed.add(index)
         state.values[index] = out
         if tape:
@@ -374,9 +381,14 @@ class ScheduleExecutor:
         if connect is not None and self.cost_index.get(a.name) in connect:
             # same fused run: keep the autograd edge, through an alias so that pass-through ops never
             # return the producer's own tensor object (its .data may be emptied on FreeValue)
-            flat, spec = tree_flatten(value)
-            aliased = []
             with torch.enable_grad():  # Function.forward runs under no_grad
+                if isinstance(value, torch.Tensor):
+                    if not value.requires_grad:
+                        return value
+                    connected.append(value)
+                    return value.view_as(value)
+                flat, spec = tree_flatten(value)
+                aliased = []
                 for item in flat:
                     if isinstance(item, torch.Tensor) and item.requires_grad:
                         connected.append(item)
@@ -441,7 +453,10 @@ class ScheduleExecutor:
 
     def _call(self, node: fx.Node, args: Any, kwargs: Any) -> Any:
         if node.op == "call_module":
-            return self.gm.get_submodule(node.target)(*args, **kwargs)
+            module = self._modules.get(node.target)
+            if module is None:
+                module = self._modules[node.target] = self.gm.get_submodule(node.target)
+            return module(*args, **kwargs)
         if node.op == "call_function":
             return node.target(*args, **kwargs)
         if node.op == "call_method":
