@@ -76,6 +76,7 @@ class LowerSetFamily:
         self.sets.sort(key=lambda s: (bin(s).count("1"), s))
         self.size = [bin(s).count("1") for s in self.sets]
         self.boundary = [self._boundary(s) for s in self.sets]
+        self.boundary_nodes = [_bits(mask) for mask in self.boundary]
 
     def _boundary(self, lower: int) -> int:
         return sum(1 << v for v in _bits(lower) if self.succ[v] & ~lower)
@@ -171,12 +172,12 @@ class PaperModel:
         """(overhead, peak, kept bytes) of the step from lower set ``a`` to ``b`` (family indices)."""
         f = self.family
         lower, upper = f.sets[a], f.sets[b]
-        kept_mask = f.boundary[b] & ~lower
+        kept_nodes = [v for v in f.boundary_nodes[b] if not lower >> v & 1]
         segment_memory = self.set_memory[b] - self.set_memory[a]
         peak = 2 * segment_memory + self.outside[b]
-        kept_time = sum(self.time[v] for v in _bits(kept_mask))
+        kept_time = sum(self.time[v] for v in kept_nodes)
         overhead = self.set_time[b] - self.set_time[a] - kept_time
-        kept = sum(self.memory[v] for v in _bits(kept_mask))
+        kept = sum(self.memory[v] for v in kept_nodes)
         return overhead, peak, kept
 
 
@@ -226,7 +227,7 @@ class ExecutionModel:
         lower = f.sets[a]
         is_last = f.sets[b] == (1 << f.n) - 1
         overhead = 0.0 if is_last else self.set_time[b] - self.set_time[a]
-        boundary = _bits(f.boundary[b] & ~lower)
+        boundary = [v for v in f.boundary_nodes[b] if not lower >> v & 1]
         arrived = sum(self.grad[v] for v in boundary)
         peak = self.set_stored[b] - self.set_stored[a] + arrived + self.params_after[a] + self.constant
         kept = sum(self.kept_weight[v] for v in boundary)
