@@ -1,11 +1,16 @@
 """Command line: ``recompute-graph`` (also ``python -m recompute_graph``).
 
     recompute-graph solve GRAPH_FILE --solver NAME (--budget B | --min-budget) [--variant time|memory] [--json]
+    recompute-graph solve GRAPH_FILE --solver ilp --budget B [--time-limit S] [--workers N] [--json]
 
 ``GRAPH_FILE``: a Kusumoto 2019 ``cg_*.txt``, a Checkmate 2020 / random layered ``.json`` or a saved
 ``CostGraph``. ``B``: bytes, a size string (``1.5GiB``) or a fraction in (0, 1] of the store-all budget,
-as in ``optimize()``. Peaks and overheads are the simulator's (the same judge for every solver).
-Exit status: 0 when a plan fits, 1 when the budget is infeasible, 2 on errors (one line, no traceback).
+as in ``optimize()`` (for ``ilp``: a fraction of the store-all peak itself, as in Checkmate and Moccasin).
+Peaks and overheads are the simulator's (the same judge for every solver). With ``ilp``, ``status`` is
+OPTIMAL only when CP-SAT proved it, FEASIBLE for a schedule without that proof (``gap`` says how far the
+bound is), INFEASIBLE when proven that nothing fits, UNKNOWN when nothing was found in the time limit.
+Exit status: 0 when a plan fits, 1 when the budget is infeasible (or nothing was found), 2 on errors (one
+line, no traceback).
 """
 from __future__ import annotations
 
@@ -49,14 +54,47 @@ def _parser() -> argparse.ArgumentParser:
     budget.add_argument("--min-budget", action="store_true", help="find the smallest feasible budget")
     solve.add_argument("--variant", choices=("time", "memory"), default="time",
                        help="lower-set DPs: least overhead (time) or least checkpoint memory (memory)")
+    solve.add_argument("--time-limit", type=float, default=60.0, metavar="S",
+                       help="ilp: seconds before returning the best schedule found (default 60)")
+    solve.add_argument("--workers", type=int, default=2, metavar="N", help="ilp: CP-SAT search threads")
     solve.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     return parser
+
+
+def _solve_ilp(args: argparse.Namespace, graph: Any) -> dict[str, Any]:
+    from .planner import parse_budget
+    from .solvers import store_all
+    from .solvers.ilp import solve_ilp
+    if args.min_budget:
+        raise ValueError("--min-budget is not available for ilp yet: give --budget")
+    baseline = store_all.store_all(graph, None)
+    kind, value = parse_budget(args.budget)
+    budget_bytes = int(value * baseline.peak_bytes) if kind == "fraction" else int(value)
+    hint = baseline.schedule if baseline.fits(budget_bytes) else None
+    result = solve_ilp(graph, budget_bytes, time_limit=args.time_limit, workers=args.workers, hint=hint,
+                       progress=not args.json)
+    base_cost = baseline.simulation.compute_cost
+    out: dict[str, Any] = {"graph": graph.name, "solver": "ilp", "status": result.status,
+                           "feasible": result.schedule is not None, "budget_bytes": budget_bytes,
+                           "store_all_peak_bytes": baseline.peak_bytes, "solve_seconds": result.solve_seconds,
+                           "objective": result.objective, "bound": result.bound, "gap": result.gap,
+                           "variables": result.variables, "constraints": result.constraints,
+                           "peak_bytes": None, "overhead": None}
+    if result.schedule is not None:
+        from .simulate import simulate
+        simulation = simulate(graph, result.schedule)
+        out.update(peak_bytes=simulation.peak_bytes, overhead=simulation.recompute_cost / base_cost,
+                   recomputed_nodes=len([v for v, c in result.schedule.computation_counts().items() if c > 1]),
+                   description=f"{result.status}, gap {result.gap or 0.0:.2%}")
+    return out
 
 
 def _solve(args: argparse.Namespace) -> dict[str, Any]:
     if args.solver != "auto" and args.solver not in SOLVERS:
         raise ValueError(f"unknown solver {args.solver!r}; available: auto, {', '.join(sorted(SOLVERS))}")
     graph = load_graph(args.graph_file)
+    if args.solver == "ilp":
+        return _solve_ilp(args, graph)
     start = time.perf_counter()
     result: dict[str, Any] = {"graph": graph.name, "solver": args.solver, "variant": args.variant}
     if args.min_budget:
@@ -80,6 +118,10 @@ def _solve(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _print_human(result: dict[str, Any]) -> None:
+    if result["solver"] == "ilp" and not result["feasible"]:
+        print(f"{result['graph']}: ilp {result['status']} at {format_bytes(result['budget_bytes'])} after "
+              f"{result['solve_seconds']:.1f} s")
+        return
     if not result["feasible"]:
         print(f"{result['graph']}: INFEASIBLE at {format_bytes(result['budget_bytes'])}; smallest feasible "
               f"budget {format_bytes(result['min_budget_bytes'])} ({result['min_budget_bytes']} bytes)")

@@ -156,7 +156,11 @@ class _Simulation:
         self._unref(self.value.pop(op.node))
 
     def arrive_output_gradients(self) -> None:
-        """End of the forward ops: the outputs must be live; their gradients arrive (implicit backward)."""
+        """End of the forward ops: the outputs must be live; their gradients arrive (implicit backward).
+        A joint graph (explicit backward nodes) has no such point: its schedule only has to compute
+        every node (checked at the end)."""
+        if not self.graph.implicit_backward:
+            return
         for o in self.graph.outputs:
             if o not in self.value:
                 raise ScheduleError(f"model output node {o} ({self.graph.nodes[o].name!r}) is not live at the "
@@ -218,6 +222,11 @@ class _Simulation:
 
     def finish(self) -> None:
         if not self.graph.implicit_backward:
+            missing = [v for v in range(len(self.graph)) if v not in self.computed]
+            if missing:
+                names = ", ".join(repr(self.graph.nodes[v].name) for v in missing[:5])
+                raise ScheduleError(f"the schedule never computes nodes {names}"
+                                    f"{' ...' if len(missing) > 5 else ''} of the joint graph")
             return
         missing = sorted(self.grad)
         if missing:

@@ -103,4 +103,4 @@ def simulator_checked(plan: Callable[[float], "Solution | None"], budget_bytes: 
     return best
 
 
-from . import chain_dp, chen, lower_set_dp, revolve, store_all  # noqa: E402,F401  (registers the solvers)
+from . import chain_dp, chen, ilp, lower_set_dp, revolve, store_all  # noqa: E402,F401  (registers the solvers)

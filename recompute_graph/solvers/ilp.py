@@ -1,0 +1,290 @@
+"""``ilp``: an exact solver for the general recomputation problem with OR-Tools CP-SAT.
+
+The model (docs/ilp.md) works on graphs whose every node is one computation with one output: the joint
+forward+backward graphs of Checkmate 2020 (``implicit_backward=False``). It is Checkmate's stage model,
+with memory accounted the way the simulator accounts it:
+
+* Stages ``t = 0..n-1``; stage ``t`` computes node ``t`` for the first time (``R[t][t] = 1``) after
+  recomputing any earlier nodes it chooses (``R[t][i]``, ``i < t``), in node order. ``S[t][i]``: the value
+  of ``i < t`` is live when stage ``t`` starts. Any value may be recomputed in any number of stages.
+* Correctness: ``S[t+1][i] <= S[t][i] + R[t][i]``; ``R[t][j] <= R[t][i] + S[t][i]`` for every edge
+  ``i -> j``. Tightness (no loss of optimality): a live value is never recomputed
+  (``R[t][i] + S[t][i] <= 1``), a recomputed value is read in its stage or kept, and a kept value is read
+  in the next stage or kept further, so live intervals are exactly those of eager freeing
+  (``schedule.insert_frees``).
+* Memory while stage ``t`` computes node ``k`` (inputs and output live, as in the simulator):
+  ``U[t][k] = sum_i S[t][i] m_i + sum_{j<=k} R[t][j] m_j - sum_{j<k} sum_{i->j} m_i FREE[t][i->j] <= B``,
+  where ``FREE[t][i->j]`` (i is freed right after j) is exactly ``R[t][j]`` and not kept and no later
+  reader in the stage.
+* Objective: ``sum_t sum_i c_i R[t][i]``, total compute (recomputation included).
+
+Memory is rounded up to units of ``max(1, B // MEMORY_UNITS)`` bytes and the budget down, so a schedule
+feasible in the model fits the budget in bytes; costs are scaled to integers. The returned schedule's
+simulated peak equals the model's ``max U`` (up to that rounding). Variables: ``n^2`` booleans for R and
+S plus one per (stage, edge) for FREE (Checkmate's size, without its big-M hazards).
+"""
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+
+from ..errors import SolverError
+from ..graph import CostGraph
+from ..schedule import Forward, Schedule, insert_frees
+from ..simulate import simulate
+from . import Solution, register
+
+__all__ = ["ILPResult", "ilp", "solve_ilp", "schedule_from_stages", "stages_from_schedule", "live_at_stage_starts",
+           "MEMORY_UNITS"]
+
+#: The budget is divided into at most this many memory units.
+MEMORY_UNITS = 1_000_000
+#: Compute costs are scaled so that the largest node costs this many integer units.
+COST_UNITS = 10_000
+
+
+@dataclass
+class ILPResult:
+    """What a CP-SAT solve returned. ``status``: OPTIMAL (proven), FEASIBLE (a schedule, optimality not
+    proven), INFEASIBLE (proven: nothing fits the budget in the model) or UNKNOWN (nothing found in the
+    time limit). ``objective`` and ``bound`` are total compute in the graph's cost unit; ``gap`` is
+    ``(objective - bound) / objective``."""
+
+    status: str
+    schedule: Schedule | None
+    objective: float | None
+    bound: float | None
+    solve_seconds: float
+    model_peak_units: int | None = None     # the model's max U, in memory units
+    memory_unit_bytes: int = 1
+    variables: int = 0
+    constraints: int = 0
+    improvements: list[tuple[float, float]] = field(default_factory=list)  # (seconds, objective)
+
+    @property
+    def gap(self) -> float | None:
+        if self.objective is None or self.bound is None or self.objective == 0:
+            return None
+        return max(0.0, (self.objective - self.bound) / self.objective)
+
+
+def _import_cp_model():
+    try:
+        from ortools.sat.python import cp_model
+    except ImportError as error:  # pragma: no cover - depends on the environment
+        raise SolverError("the ilp solver needs OR-Tools: pip install 'ortools>=9.8' (or pip install "
+                          "'recompute_graph[ilp]')") from error
+    return cp_model
+
+
+def schedule_from_stages(graph: CostGraph, computed: list[list[int]]) -> Schedule:
+    """The schedule of a stage solution: stage by stage, the computed nodes in node order, eager frees."""
+    ops = [Forward(k, tape=False) for stage in computed for k in sorted(stage)]
+    return insert_frees(graph, ops, [], outputs=())
+
+
+def stages_from_schedule(graph: CostGraph, schedule: Schedule) -> list[list[int]] | None:
+    """The stage form of a frontier-advancing schedule (first computations in node order, each stage's
+    recomputations in node order and once each), e.g. to hint the solver; None if it has another form."""
+    stages: list[list[int]] = [[] for _ in range(len(graph))]
+    seen: set[int] = set()
+    pending: list[int] = []
+    for op in schedule.ops:
+        if not isinstance(op, Forward):
+            continue
+        if op.node in seen:
+            pending.append(op.node)
+            continue
+        if op.node != len(seen):
+            return None
+        if pending != sorted(set(pending)) or any(p >= op.node for p in pending):
+            return None
+        stages[op.node] = pending + [op.node]
+        seen.add(op.node)
+        pending = []
+    return stages if len(seen) == len(graph) and not pending else None
+
+
+def solve_ilp(graph: CostGraph, budget_bytes: int, *, time_limit: float = 60.0, workers: int = 2,
+              hint: Schedule | None = None, progress: bool = False, log=None, passes: int = 1) -> ILPResult:
+    """Solve the stage model at ``budget_bytes`` with CP-SAT (module docstring).
+
+    ``time_limit`` in seconds, ``workers`` search threads, ``hint`` a feasible schedule to start from
+    (its stage form becomes the solution hint; the result is never worse than a hint that fits),
+    ``progress`` prints each improving solution to ``log`` (stderr by default). ``passes``: recomputation
+    sweeps between two first computations (1 is Checkmate's frontier-advancing model; k allows a node
+    to be recomputed k times between them, in k node-ordered sweeps).
+    """
+    if graph.implicit_backward:
+        raise SolverError(f"the ilp solver works on graphs whose every node is a computation, with "
+                          f"backward nodes explicit (Checkmate joint graphs); {graph.name!r} has an "
+                          "implicit backward: use dp_exact / dp_approx / chain_dp for it")
+    cp_model = _import_cp_model()
+    n = len(graph)
+    unit = max(1, budget_bytes // MEMORY_UNITS)
+    memory = [math.ceil(node.output_bytes / unit) for node in graph.nodes]
+    budget = budget_bytes // unit
+    largest_cost = max((node.forward_cost for node in graph.nodes), default=0.0)
+    integral = all(float(node.forward_cost).is_integer() for node in graph.nodes) and largest_cost <= 10**9
+    scale = 1.0 if integral or largest_cost <= 0 else COST_UNITS / largest_cost
+    cost = [int(round(node.forward_cost * scale)) for node in graph.nodes]
+    successors = [sorted(node.successors) for node in graph.nodes]
+    predecessors = [sorted(node.predecessors) for node in graph.nodes]
+
+    passes = max(1, int(passes))
+    count = n * passes
+    frontier = [sigma // passes for sigma in range(count)]
+    first = [sigma % passes == passes - 1 for sigma in range(count)]
+    model = cp_model.CpModel()
+    # R[sigma][i]: node i < frontier recomputed in stage sigma; S[sigma][i]: value i live at its start
+    R = [[model.NewBoolVar(f"R{sigma}_{i}") for i in range(frontier[sigma])] for sigma in range(count)]
+    S = [[model.NewBoolVar(f"S{sigma}_{i}") for i in range(frontier[sigma])] for sigma in range(count)]
+    S.append([model.NewConstant(0) for _ in range(n)])  # nothing survives the last stage
+    one = model.NewConstant(1)
+
+    def r(sigma: int, i: int):
+        return one if i == frontier[sigma] else R[sigma][i]
+
+    def computed(sigma: int) -> list[int]:
+        return list(range(frontier[sigma] + (1 if first[sigma] else 0)))
+
+    levels = []
+    for sigma in range(count):
+        f, here, after = frontier[sigma], computed(sigma), S[sigma + 1]
+        members = set(here)
+        for i in range(len(after)):
+            model.Add(after[i] <= (S[sigma][i] if i < f else 0) + (r(sigma, i) if i in members else 0))
+        for i in range(f):
+            readers = [r(sigma, j) for j in successors[i] if j in members]
+            model.Add(R[sigma][i] + S[sigma][i] <= 1)  # a live value is not recomputed
+            # a recomputation is read in its stage or kept; a live value is read or kept further
+            model.Add(R[sigma][i] <= sum(readers) + after[i])
+            model.Add(S[sigma][i] <= sum(readers) + after[i])
+        for j in here:
+            for i in predecessors[j]:
+                model.Add(r(sigma, j) <= r(sigma, i) + S[sigma][i])
+        # memory while computing k: live values (inputs included) and k's output; FREE[i->k]: i is
+        # freed right after k (k reads it last in the stage and it is not kept)
+        level = sum(memory[i] * S[sigma][i] for i in range(f))
+        frees = 0
+        for k in here:
+            level = level + memory[k] * r(sigma, k)
+            model.Add(level - frees <= budget)
+            levels.append(level - frees)
+            for i in predecessors[k]:
+                later = [r(sigma, j) for j in successors[i] if j > k and j in members]
+                free = model.NewBoolVar(f"F{sigma}_{i}_{k}")
+                if k < f:
+                    model.Add(free <= R[sigma][k])
+                model.Add(free + after[i] <= 1)
+                for literal in later:
+                    model.Add(free + literal <= 1)
+                model.Add(free >= r(sigma, k) - after[i] - sum(later))
+                frees = frees + memory[i] * free
+    model.Minimize(sum(cost[i] * r(sigma, i) for sigma in range(count) for i in computed(sigma)))
+
+    if hint is not None:
+        stages = stages_from_schedule(graph, hint)
+        if stages is not None:
+            _add_hint(model, graph, R, S, stages, passes)
+
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = float(time_limit)
+    solver.parameters.num_search_workers = max(1, int(workers))
+    improvements: list[tuple[float, float]] = []
+    start = time.perf_counter()
+    stream = log if log is not None else sys.stderr
+
+    class _Progress(cp_model.CpSolverSolutionCallback):
+        def __init__(self) -> None:
+            super().__init__()
+
+        def on_solution_callback(self) -> None:
+            objective = self.ObjectiveValue() / scale if scale else self.ObjectiveValue()
+            bound = self.BestObjectiveBound() / scale if scale else self.BestObjectiveBound()
+            elapsed = time.perf_counter() - start
+            improvements.append((elapsed, objective))
+            if progress:
+                gap = (objective - bound) / objective if objective else 0.0
+                print(f"  ilp {elapsed:7.1f} s  objective {objective:.6g}  bound {bound:.6g}  gap {gap:.2%}",
+                      file=stream, flush=True)
+
+    status_code = solver.Solve(model, _Progress())
+    seconds = time.perf_counter() - start
+    status = solver.StatusName(status_code)
+    proto = model.Proto()
+    result = ILPResult(status=status, schedule=None, objective=None, bound=None, solve_seconds=seconds,
+                       memory_unit_bytes=unit, variables=len(proto.variables), constraints=len(proto.constraints),
+                       improvements=improvements)
+    if status in ("OPTIMAL", "FEASIBLE"):
+        stages = [[i for i in computed(sigma) if i == frontier[sigma] and first[sigma] or
+                   i < frontier[sigma] and solver.Value(R[sigma][i])] for sigma in range(count)]
+        result.schedule = schedule_from_stages(graph, stages)
+        result.objective = sum(graph.nodes[i].forward_cost for stage in stages for i in stage)
+        result.bound = solver.BestObjectiveBound() / scale
+        result.model_peak_units = max(int(solver.Value(level)) for level in levels)
+        if status == "OPTIMAL":
+            result.bound = result.objective
+    return result
+
+
+def _add_hint(model, graph: CostGraph, R, S, stages: list[list[int]], passes: int) -> None:
+    """Hint R and S from a one-pass stage solution, placed in the last pass of each frontier (the earlier
+    passes recompute nothing; S: the values eager freeing keeps across stage starts)."""
+    live = live_at_stage_starts(graph, stages)
+    for t in range(len(graph)):
+        members = set(stages[t])
+        for k in range(passes):
+            sigma = t * passes + k
+            for i in range(t):
+                model.AddHint(R[sigma][i], 1 if i in members and k == passes - 1 else 0)
+                model.AddHint(S[sigma][i], 1 if i in live[t] else 0)
+
+
+def live_at_stage_starts(graph: CostGraph, stages: list[list[int]]) -> list[set[int]]:
+    """``S`` of a stage solution: value ``i`` is live when stage ``t`` starts iff it was computed in an
+    earlier stage and is read in stage ``t`` or later, before it is computed again."""
+    n = len(graph)
+    computed_in = [[] for _ in range(n)]
+    read_in = [[] for _ in range(n)]
+    for t, stage in enumerate(stages):
+        for j in stage:
+            computed_in[j].append(t)
+            for i in graph.nodes[j].predecessors:
+                read_in[i].append(t)
+    live: list[set[int]] = [set() for _ in range(n + 1)]
+    for i in range(n):
+        for t in range(i + 1, n + 1):
+            before = [c for c in computed_in[i] if c < t]
+            if not before:
+                continue
+            after = [c for c in computed_in[i] if c >= t]
+            until = after[0] if after else n
+            if any(t <= s < until for s in read_in[i]):
+                live[t].add(i)
+    return live
+
+
+@register("ilp")
+def ilp(graph: CostGraph, budget_bytes: int | None = None, *, time_limit: float = 60.0, workers: int = 2,
+        hint: Schedule | None = None, progress: bool = False) -> Solution:
+    """The ilp solver in the registry's signature: without a budget, the store-all peak is used (which
+    the no-recomputation schedule fits). SolverError when nothing fits in the time limit."""
+    from .store_all import store_all
+    baseline = store_all(graph, None)
+    if budget_bytes is None:
+        budget_bytes = baseline.peak_bytes
+    if hint is None and baseline.fits(budget_bytes):
+        hint = baseline.schedule
+    result = solve_ilp(graph, budget_bytes, time_limit=time_limit, workers=workers, hint=hint, progress=progress)
+    if result.schedule is None:
+        raise SolverError(f"ilp found no schedule of {graph.name!r} within {budget_bytes} bytes in "
+                          f"{time_limit:g} s (status {result.status})")
+    gap = result.gap
+    description = (f"{result.status}, objective {result.objective:.6g}"
+                   + (f", gap {gap:.2%}" if gap is not None else "") + f", {result.solve_seconds:.1f} s")
+    solution = Solution.of("ilp", graph, result.schedule, description)
+    object.__setattr__(solution, "ilp_result", result)
+    return solution
