@@ -64,13 +64,13 @@ def _parser() -> argparse.ArgumentParser:
 def _solve_ilp(args: argparse.Namespace, graph: Any) -> dict[str, Any]:
     from .planner import parse_budget
     from .solvers import store_all
-    from .solvers.ilp import solve_ilp
+    from .solvers.ilp import default_hint, solve_ilp
     if args.min_budget:
         raise ValueError("--min-budget is not available for ilp yet: give --budget")
     baseline = store_all.store_all(graph, None)
     kind, value = parse_budget(args.budget)
     budget_bytes = int(value * baseline.peak_bytes) if kind == "fraction" else int(value)
-    hint = baseline.schedule if baseline.fits(budget_bytes) else None
+    hint = default_hint(graph, budget_bytes)
     result = solve_ilp(graph, budget_bytes, time_limit=args.time_limit, workers=args.workers, hint=hint,
                        progress=not args.json)
     base_cost = baseline.simulation.compute_cost

@@ -17,7 +17,7 @@ from recompute_graph.costs import profile_model
 from recompute_graph.measure import default_loss, peak_memory
 from recompute_graph.optimized_module import run_schedule
 from recompute_graph.rewrite import ScheduleExecutor
-from recompute_graph.solvers import SOLVERS
+from recompute_graph.solvers import SOLVERS, solvers_for
 
 
 def gradients(model: torch.nn.Module, forward, inputs) -> tuple[int, dict[str, torch.Tensor]]:
@@ -41,7 +41,7 @@ def main() -> None:
         traced, graph = profile_model(model, inputs, timing="flops")
         buffers = {k: b.clone() for k, b in model.named_buffers()}
         _, reference = gradients(model, lambda x: model(*x), inputs)
-        for solver in SOLVERS:
+        for solver in solvers_for(graph):
             solution = SOLVERS[solver](graph, None)
             executor = ScheduleExecutor(traced.graph_module, graph, solution.schedule)
             with torch.no_grad():

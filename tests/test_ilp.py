@@ -164,3 +164,34 @@ def test_cli_reports_status_gap_and_overhead(capsys):
     assert result["status"] == "OPTIMAL" and result["gap"] == 0.0
     assert result["peak_bytes"] <= result["budget_bytes"] == int(0.95 * result["store_all_peak_bytes"])
     assert result["overhead"] >= 0 and result["solve_seconds"] > 0
+
+
+def test_evict_heuristic_is_feasible_and_never_beats_the_optimum():
+    rng = random.Random(7)
+    found = 0
+    for _ in range(80):
+        graph = random_joint_graph(rng, rng.randint(3, 7))
+        peak = get_solver("store_all")(graph, None).peak_bytes
+        floor = max(sum(graph.nodes[p].output_bytes for p in node.predecessors) + node.output_bytes
+                    for node in graph.nodes)
+        budget = rng.randint(floor, peak)
+        try:
+            heuristic = get_solver("evict")(graph, budget)
+        except SolverError:
+            continue
+        found += 1
+        assert heuristic.peak_bytes <= budget
+        optimum = solve_ilp(graph, budget, passes=2, hint=heuristic.schedule)
+        assert optimum.status == "OPTIMAL"
+        assert optimum.objective <= heuristic.simulation.compute_cost + 1e-9
+    assert found >= 20
+
+
+def test_joint_only_solvers_are_not_offered_for_implicit_graphs():
+    from recompute_graph.solvers import solvers_for
+    joint = random_joint_graph(random.Random(3), 4)
+    implicit = load_graph(benchmark_dir() / "kusumoto2019" / "cg_vgg19.txt")
+    assert {"ilp", "evict", "store_all"} <= set(solvers_for(joint)) and "dp_exact" not in solvers_for(joint)
+    assert "ilp" not in solvers_for(implicit) and "dp_exact" in solvers_for(implicit)
+    with pytest.raises(SolverError, match="joint"):
+        get_solver("evict")(implicit, None)

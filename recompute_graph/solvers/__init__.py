@@ -14,7 +14,8 @@ from ..graph import CostGraph
 from ..schedule import Schedule
 from ..simulate import SimulationResult, simulate
 
-__all__ = ["Solution", "SOLVERS", "get_solver", "register", "best_of", "simulator_checked"]
+__all__ = ["Solution", "SOLVERS", "GRAPH_KINDS", "get_solver", "register", "solvers_for", "best_of",
+           "simulator_checked"]
 
 
 @dataclass(frozen=True)
@@ -44,13 +45,23 @@ class Solution:
 
 SolverFunction = Callable[[CostGraph, "int | None"], Solution]
 SOLVERS: dict[str, SolverFunction] = {}
+#: Which graphs each solver takes: "implicit" (forward graphs whose backward is implicit: traced models,
+#: Kusumoto's graphs) and/or "joint" (every node a computation, backward explicit: Checkmate's graphs).
+GRAPH_KINDS: dict[str, tuple[str, ...]] = {}
 
 
-def register(name: str) -> Callable[[SolverFunction], SolverFunction]:
+def register(name: str, graphs: tuple[str, ...] = ("implicit",)) -> Callable[[SolverFunction], SolverFunction]:
     def add(function: SolverFunction) -> SolverFunction:
         SOLVERS[name] = function
+        GRAPH_KINDS[name] = graphs
         return function
     return add
+
+
+def solvers_for(graph: CostGraph) -> list[str]:
+    """The registered solvers that take ``graph`` (by its kind, see ``GRAPH_KINDS``)."""
+    kind = "implicit" if graph.implicit_backward else "joint"
+    return [name for name in SOLVERS if kind in GRAPH_KINDS[name]]
 
 
 def get_solver(name: str) -> SolverFunction:
@@ -103,4 +114,4 @@ def simulator_checked(plan: Callable[[float], "Solution | None"], budget_bytes: 
     return best
 
 
-from . import chain_dp, chen, ilp, lower_set_dp, revolve, store_all  # noqa: E402,F401  (registers the solvers)
+from . import chain_dp, chen, evict, ilp, lower_set_dp, revolve, store_all  # noqa: E402,F401  (registers the solvers)

@@ -37,6 +37,7 @@ from ..simulate import simulate
 from . import Solution, register
 
 __all__ = ["ILPResult", "ilp", "solve_ilp", "schedule_from_stages", "stages_from_schedule", "live_at_stage_starts",
+           "default_hint",
            "MEMORY_UNITS"]
 
 #: The budget is divided into at most this many memory units.
@@ -86,24 +87,24 @@ def schedule_from_stages(graph: CostGraph, computed: list[list[int]]) -> Schedul
 
 
 def stages_from_schedule(graph: CostGraph, schedule: Schedule) -> list[list[int]] | None:
-    """The stage form of a frontier-advancing schedule (first computations in node order, each stage's
-    recomputations in node order and once each), e.g. to hint the solver; None if it has another form."""
+    """The stage form of a frontier-advancing schedule (first computations in node order): each stage's
+    recomputations, deduplicated and in node order, then its first computation; e.g. to hint the solver
+    (regrouping may change the peak: the hint is checked by CP-SAT, not trusted). None for a schedule
+    whose first computations are out of node order."""
     stages: list[list[int]] = [[] for _ in range(len(graph))]
     seen: set[int] = set()
-    pending: list[int] = []
+    pending: set[int] = set()
     for op in schedule.ops:
         if not isinstance(op, Forward):
             continue
         if op.node in seen:
-            pending.append(op.node)
+            pending.add(op.node)
             continue
         if op.node != len(seen):
             return None
-        if pending != sorted(set(pending)) or any(p >= op.node for p in pending):
-            return None
-        stages[op.node] = pending + [op.node]
+        stages[op.node] = sorted(pending) + [op.node]
         seen.add(op.node)
-        pending = []
+        pending = set()
     return stages if len(seen) == len(graph) and not pending else None
 
 
@@ -267,7 +268,21 @@ def live_at_stage_starts(graph: CostGraph, stages: list[list[int]]) -> list[set[
     return live
 
 
-@register("ilp")
+def default_hint(graph: CostGraph, budget_bytes: int) -> Schedule | None:
+    """A feasible start for CP-SAT: the no-recomputation schedule if it fits, else the ``evict``
+    heuristic's schedule if it finds one (None otherwise)."""
+    from .evict import evict_schedule
+    from .store_all import store_all
+    baseline = store_all(graph, None)
+    if baseline.fits(budget_bytes):
+        return baseline.schedule
+    order = evict_schedule(graph, budget_bytes)
+    if order is None:
+        return None
+    return insert_frees(graph, [Forward(v, tape=False) for v in order], [], outputs=())
+
+
+@register("ilp", graphs=("joint",))
 def ilp(graph: CostGraph, budget_bytes: int | None = None, *, time_limit: float = 60.0, workers: int = 2,
         hint: Schedule | None = None, progress: bool = False) -> Solution:
     """The ilp solver in the registry's signature: without a budget, the store-all peak is used (which
@@ -276,8 +291,8 @@ def ilp(graph: CostGraph, budget_bytes: int | None = None, *, time_limit: float 
     baseline = store_all(graph, None)
     if budget_bytes is None:
         budget_bytes = baseline.peak_bytes
-    if hint is None and baseline.fits(budget_bytes):
-        hint = baseline.schedule
+    if hint is None:
+        hint = default_hint(graph, budget_bytes)
     result = solve_ilp(graph, budget_bytes, time_limit=time_limit, workers=workers, hint=hint, progress=progress)
     if result.schedule is None:
         raise SolverError(f"ilp found no schedule of {graph.name!r} within {budget_bytes} bytes in "

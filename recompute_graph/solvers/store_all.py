@@ -6,7 +6,7 @@ from ..schedule import Forward, insert_frees, lower_segments, store_all_lower_se
 from . import Solution, register
 
 
-@register("store_all")
+@register("store_all", graphs=("implicit", "joint"))
 def store_all(graph: CostGraph, budget_bytes: int | None = None) -> Solution:
     """One segment, every node taped once; ignores the budget (callers check ``fits``). On a joint
     graph (explicit backward nodes): every node once in topological order, each value freed after its
