@@ -15,7 +15,7 @@ from .errors import InfeasibleBudgetError, SolverError
 from .graph import CostGraph
 from .schedule import Schedule
 from .simulate import SimulationResult
-from .solvers import SOLVERS, Solution, best_of, get_solver
+from .solvers import SOLVERS, Solution, best_of, get_solver, solvers_for
 from .solvers.chen import split_candidates
 from .solvers.lower_set_dp import dp_for
 from .units import format_bytes, parse_bytes
@@ -38,6 +38,8 @@ def auto_solvers(graph: CostGraph) -> tuple[str, ...]:
     ``lower_set_dp.AUTO_EXACT_LIMIT`` lower sets (else dp_approx), plus chain_dp when the graph
     linearizes into at least three stages. The baselines stay because the DPs' cost models for traced
     graphs are estimates: the simulator picks the best plan."""
+    if not graph.implicit_backward:
+        return ("store_all", "evict")
     dp = dp_for(graph)
     chain = ("chain_dp",) if dp and len(split_candidates(graph)) >= 2 else ()
     return AUTO_SOLVERS + ((dp,) if dp else ()) + chain
@@ -118,12 +120,13 @@ def make_plan(graph: CostGraph, budget: Budget, solver: str = "auto", *, variant
     """The best schedule for ``graph`` within ``budget``; InfeasibleBudgetError (with the smallest
     feasible budget) when none fits. ``variant`` is passed to the lower-set DPs."""
     kind, value = parse_budget(budget)
-    if not graph.implicit_backward:
-        raise SolverError(f"graph {graph.name!r} has explicit backward nodes (a Checkmate joint graph); the "
-                          "planner's solvers need a forward graph whose backward is implicit")
     names = auto_solvers(graph) if solver == "auto" else (solver,)
     for name in names:
         get_solver(name)  # unknown names fail before any work
+        if name not in solvers_for(graph):
+            kind_name = "an implicit backward" if graph.implicit_backward else "explicit backward nodes"
+            raise SolverError(f"solver {name!r} does not take graph {graph.name!r}, which has {kind_name}; "
+                              f"use one of: {', '.join(solvers_for(graph))}")
     store_all = SOLVERS["store_all"](graph, None)
     store_all_cost = store_all.simulation.compute_cost
     budget_bytes = (int(value * min_budget_for_peak(store_all.peak_bytes)) if kind == "fraction"

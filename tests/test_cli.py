@@ -47,7 +47,8 @@ def test_memory_centric_variant_and_size_strings_are_accepted():
 @pytest.mark.parametrize("args, message", [
     (["solve", "missing.txt", "--budget", "0.5"], "does not exist"),
     (["solve", "KUSUMOTO", "--solver", "magic", "--budget", "0.5"], "unknown solver 'magic'"),
-    (["solve", "CHECKMATE", "--budget", "0.8"], "explicit backward"),
+    (["solve", "CHECKMATE", "--solver", "dp_exact", "--budget", "0.8"], "explicit backward"),
+    (["solve", "KUSUMOTO", "--solver", "ilp", "--budget", "0.8"], "implicit backward"),
     (["solve", "KUSUMOTO", "--budget", "lots"], "cannot parse budget"),
 ])
 def test_errors_are_one_line_and_exit_2(args, message):
@@ -58,6 +59,14 @@ def test_errors_are_one_line_and_exit_2(args, message):
     assert done.returncode == 2
     assert message in done.stderr and "Traceback" not in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_joint_graphs_are_solved_by_store_all_and_evict_under_auto():
+    done = run("solve", str(benchmark_dir() / "checkmate2020" / "VGG16_256_224x224_train.json"), "--budget", "0.9",
+               "--json")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["solver"] in ("store_all", "evict") and result["peak_bytes"] <= result["budget_bytes"]
 
 
 def test_argument_errors_exit_2_with_usage():

@@ -1,6 +1,7 @@
 """``evict``: a fast heuristic for joint graphs (explicit backward nodes): run the nodes in order and,
-when the next computation would exceed the budget, drop the live value whose next reader is farthest
-away (Belady's rule), recomputing dropped values on demand from their inputs.
+when the next computation would exceed the budget, drop a live value (the one whose next reader is
+farthest away, Belady's rule, or the cheapest to rebuild per byte and per step of distance, DTR's), and
+recompute dropped values on demand from their inputs; the cheaper of the two schedules wins.
 
 Model: the simulator's for a forward-only schedule (a running node holds its inputs and its output; a
 value lives from its computation to its last reader). Complexity: O(n · live values) per computation,
@@ -14,12 +15,20 @@ from ..graph import CostGraph
 from ..schedule import Forward, insert_frees
 from . import Solution, register
 
-__all__ = ["evict", "evict_schedule"]
+__all__ = ["evict", "evict_schedule", "RULES"]
+
+#: The eviction rules ``evict`` tries (it keeps the cheapest feasible schedule).
+RULES = ("belady", "dtr")
 
 
-def evict_schedule(graph: CostGraph, budget_bytes: int) -> list[int] | None:
+def evict_schedule(graph: CostGraph, budget_bytes: int, rule: str = "belady") -> list[int] | None:
     """The order of computations (node indices, recomputations included), or None when the heuristic
-    cannot keep the working set of some node within ``budget_bytes``."""
+    cannot keep the working set of some node within ``budget_bytes``. ``rule``: which live value to
+    drop: "belady" (the farthest next reader) or "dtr" (the least estimated recomputation cost per byte
+    and per step of distance to its next reader, as DTR does)."""
+    if rule not in RULES:
+        raise ValueError(f"unknown eviction rule {rule!r}; use one of {', '.join(RULES)}")
+    cost = [node.forward_cost for node in graph.nodes]
     n = len(graph)
     memory = [node.output_bytes for node in graph.nodes]
     inputs = [node.predecessors for node in graph.nodes]
@@ -41,7 +50,13 @@ def evict_schedule(graph: CostGraph, budget_bytes: int) -> list[int] | None:
             candidates = [u for u in live if u not in pinned]
             if not candidates:
                 return False
-            victim = max(candidates, key=lambda u: (next_use(u), memory[u]))
+            if rule == "belady":
+                victim = max(candidates, key=lambda u: (next_use(u), memory[u]))
+            else:
+                def score(u: int) -> float:
+                    rebuild = cost[u] + sum(cost[p] for p in inputs[u] if p not in live)
+                    return rebuild / (max(memory[u], 1) * (next_use(u) - frontier + 1))
+                victim = min(candidates, key=score)
             del live[victim]
             used -= memory[victim]
         return True
@@ -76,16 +91,44 @@ def evict_schedule(graph: CostGraph, budget_bytes: int) -> list[int] | None:
     return order
 
 
+def _lowest_peak(graph: CostGraph) -> Solution:
+    """Without a budget: the schedule at the smallest budget the heuristic meets (bisection between the
+    largest single-node working set and the no-recomputation peak, to 0.1 %)."""
+    from .store_all import store_all
+    high_solution = store_all(graph, None)
+    low = max(sum(graph.nodes[p].output_bytes for p in node.predecessors) + node.output_bytes
+              for node in graph.nodes) - 1
+    high, best = high_solution.peak_bytes, None
+    while high - low > max(1, high // 1000):
+        middle = (low + high) // 2
+        try:
+            best, high = evict(graph, middle, _searching=True), middle
+        except SolverError:
+            low = middle
+    return best if best is not None else evict(graph, high, _searching=True)
+
+
 @register("evict", graphs=("joint",))
-def evict(graph: CostGraph, budget_bytes: int | None = None) -> Solution:
-    """The heuristic in the registry's signature (joint graphs only; without a budget, none binds)."""
+def evict(graph: CostGraph, budget_bytes: int | None = None, *, _searching: bool = False) -> Solution:
+    """The heuristic in the registry's signature (joint graphs only; without a budget, the schedule with
+    the lowest peak it finds)."""
     if graph.implicit_backward:
         raise SolverError(f"evict works on joint graphs (explicit backward nodes); {graph.name!r} has an "
                           "implicit backward")
-    budget = budget_bytes if budget_bytes is not None else sum(node.output_bytes for node in graph.nodes)
-    order = evict_schedule(graph, budget)
-    if order is None:
+    if budget_bytes is None:
+        return _lowest_peak(graph)
+    budget = budget_bytes
+    found = []
+    for rule in RULES:
+        order = evict_schedule(graph, budget, rule)
+        if order is not None:
+            schedule = insert_frees(graph, [Forward(v, tape=False) for v in order], [], outputs=())
+            found.append(Solution.of("evict", graph, schedule, f"{rule}, {len(order) - len(graph)} recomputations"))
+    if not found and not _searching:
+        # the heuristic is not monotone in the budget: the lowest-peak schedule may still fit
+        lowest = _lowest_peak(graph)
+        if lowest.fits(budget):
+            return lowest
+    if not found:
         raise SolverError(f"evict could not keep {graph.name!r} within {budget} bytes")
-    schedule = insert_frees(graph, [Forward(v, tape=False) for v in order], [], outputs=())
-    recomputed = len(order) - len(graph)
-    return Solution.of("evict", graph, schedule, f"{recomputed} recomputations")
+    return min(found, key=lambda solution: (solution.simulation.compute_cost, solution.peak_bytes))

@@ -50,7 +50,8 @@ COST_UNITS = 10_000
 class ILPResult:
     """What a CP-SAT solve returned. ``status``: OPTIMAL (proven), FEASIBLE (a schedule, optimality not
     proven), INFEASIBLE (proven: nothing fits the budget in the model) or UNKNOWN (nothing found in the
-    time limit). ``objective`` and ``bound`` are total compute in the graph's cost unit; ``gap`` is
+    time limit; when a fitting hint was given, the result is that hint with status FEASIBLE instead).
+    ``objective`` and ``bound`` are total compute in the graph's cost unit; ``gap`` is
     ``(objective - bound) / objective``."""
 
     status: str
@@ -109,14 +110,16 @@ def stages_from_schedule(graph: CostGraph, schedule: Schedule) -> list[list[int]
 
 
 def solve_ilp(graph: CostGraph, budget_bytes: int, *, time_limit: float = 60.0, workers: int = 2,
-              hint: Schedule | None = None, progress: bool = False, log=None, passes: int = 1) -> ILPResult:
+              hint: Schedule | None = None, progress: bool = False, log=None, passes: int = 1,
+              parameters: dict | None = None) -> ILPResult:
     """Solve the stage model at ``budget_bytes`` with CP-SAT (module docstring).
 
     ``time_limit`` in seconds, ``workers`` search threads, ``hint`` a feasible schedule to start from
     (its stage form becomes the solution hint; the result is never worse than a hint that fits),
     ``progress`` prints each improving solution to ``log`` (stderr by default). ``passes``: recomputation
     sweeps between two first computations (1 is Checkmate's frontier-advancing model; k allows a node
-    to be recomputed k times between them, in k node-ordered sweeps).
+    to be recomputed k times between them, in k node-ordered sweeps). ``parameters``: CP-SAT parameters
+    to set (``{"optimize_with_core": True}``, ...).
     """
     if graph.implicit_backward:
         raise SolverError(f"the ilp solver works on graphs whose every node is a computation, with "
@@ -194,6 +197,8 @@ def solve_ilp(graph: CostGraph, budget_bytes: int, *, time_limit: float = 60.0, 
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = float(time_limit)
     solver.parameters.num_search_workers = max(1, int(workers))
+    for name, value in (parameters or {}).items():
+        setattr(solver.parameters, name, value)
     improvements: list[tuple[float, float]] = []
     start = time.perf_counter()
     stream = log if log is not None else sys.stderr
@@ -219,6 +224,15 @@ def solve_ilp(graph: CostGraph, budget_bytes: int, *, time_limit: float = 60.0, 
     result = ILPResult(status=status, schedule=None, objective=None, bound=None, solve_seconds=seconds,
                        memory_unit_bytes=unit, variables=len(proto.variables), constraints=len(proto.constraints),
                        improvements=improvements)
+    if status not in ("OPTIMAL", "FEASIBLE", "INFEASIBLE") and hint is not None:
+        # nothing found in the time limit: the hint itself, if it fits, is the best known schedule
+        hinted = simulate(graph, hint)
+        if hinted.peak_bytes <= budget_bytes:
+            result.status = "FEASIBLE"
+            result.schedule = hint
+            result.objective = hinted.compute_cost
+            result.bound = max(solver.BestObjectiveBound() / scale, sum(node.forward_cost for node in graph.nodes))
+            return result
     if status in ("OPTIMAL", "FEASIBLE"):
         stages = [[i for i in computed(sigma) if i == frontier[sigma] and first[sigma] or
                    i < frontier[sigma] and solver.Value(R[sigma][i])] for sigma in range(count)]
@@ -271,15 +285,15 @@ def live_at_stage_starts(graph: CostGraph, stages: list[list[int]]) -> list[set[
 def default_hint(graph: CostGraph, budget_bytes: int) -> Schedule | None:
     """A feasible start for CP-SAT: the no-recomputation schedule if it fits, else the ``evict``
     heuristic's schedule if it finds one (None otherwise)."""
-    from .evict import evict_schedule
     from .store_all import store_all
     baseline = store_all(graph, None)
     if baseline.fits(budget_bytes):
         return baseline.schedule
-    order = evict_schedule(graph, budget_bytes)
-    if order is None:
+    from . import SOLVERS
+    try:
+        return SOLVERS["evict"](graph, budget_bytes).schedule
+    except SolverError:
         return None
-    return insert_frees(graph, [Forward(v, tape=False) for v in order], [], outputs=())
 
 
 @register("ilp", graphs=("joint",))
