@@ -195,3 +195,17 @@ def test_joint_only_solvers_are_not_offered_for_implicit_graphs():
     assert "ilp" not in solvers_for(implicit) and "dp_exact" in solvers_for(implicit)
     with pytest.raises(SolverError, match="joint"):
         get_solver("evict")(implicit, None)
+
+
+def test_computed_once_nodes_are_never_recomputed():
+    rng = random.Random(21)
+    for _ in range(30):
+        graph = random_joint_graph(rng, 7)
+        peak = get_solver("store_all")(graph, None).peak_bytes
+        free = solve_ilp(graph, peak * 3 // 4, passes=2)
+        once = solve_ilp(graph, peak * 3 // 4, passes=2, computed_once=[0, 1])
+        if once.schedule is None:
+            continue
+        counts = once.schedule.computation_counts()
+        assert counts[0] == counts[1] == 1
+        assert free.objective is not None and once.objective >= free.objective

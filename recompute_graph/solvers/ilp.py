@@ -29,6 +29,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Iterable
 
 from ..errors import SolverError
 from ..graph import CostGraph
@@ -111,7 +112,7 @@ def stages_from_schedule(graph: CostGraph, schedule: Schedule) -> list[list[int]
 
 def solve_ilp(graph: CostGraph, budget_bytes: int, *, time_limit: float = 60.0, workers: int = 2,
               hint: Schedule | None = None, progress: bool = False, log=None, passes: int = 1,
-              parameters: dict | None = None) -> ILPResult:
+              parameters: dict | None = None, computed_once: "Iterable[int] | None" = None) -> ILPResult:
     """Solve the stage model at ``budget_bytes`` with CP-SAT (module docstring).
 
     ``time_limit`` in seconds, ``workers`` search threads, ``hint`` a feasible schedule to start from
@@ -119,7 +120,8 @@ def solve_ilp(graph: CostGraph, budget_bytes: int, *, time_limit: float = 60.0, 
     ``progress`` prints each improving solution to ``log`` (stderr by default). ``passes``: recomputation
     sweeps between two first computations (1 is Checkmate's frontier-advancing model; k allows a node
     to be recomputed k times between them, in k node-ordered sweeps). ``parameters``: CP-SAT parameters
-    to set (``{"optimize_with_core": True}``, ...).
+    to set (``{"optimize_with_core": True}``, ...). ``computed_once``: nodes that must not be recomputed
+    (the backward nodes of a joint view: a backward runs once).
     """
     if graph.implicit_backward:
         raise SolverError(f"the ilp solver works on graphs whose every node is a computation, with "
@@ -150,6 +152,12 @@ def solve_ilp(graph: CostGraph, budget_bytes: int, *, time_limit: float = 60.0, 
 
     def r(sigma: int, i: int):
         return one if i == frontier[sigma] else R[sigma][i]
+
+    once = set(computed_once or ())
+    for sigma in range(count):
+        for i in once:
+            if i < frontier[sigma]:
+                model.Add(R[sigma][i] == 0)
 
     def computed(sigma: int) -> list[int]:
         return list(range(frontier[sigma] + (1 if first[sigma] else 0)))
@@ -299,8 +307,8 @@ def default_hint(graph: CostGraph, budget_bytes: int) -> Schedule | None:
 @register("ilp", graphs=("joint",))
 def ilp(graph: CostGraph, budget_bytes: int | None = None, *, time_limit: float = 60.0, workers: int = 2,
         hint: Schedule | None = None, progress: bool = False) -> Solution:
-    """The ilp solver in the registry's signature: without a budget, the store-all peak is used (which
-    the no-recomputation schedule fits). SolverError when nothing fits in the time limit."""
+    """The ilp solver in the registry's signature (joint graphs): without a budget, the store-all peak is
+    used. SolverError when nothing fits in the time limit."""
     from .store_all import store_all
     baseline = store_all(graph, None)
     if budget_bytes is None:
