@@ -29,6 +29,9 @@ def evict_schedule(graph: CostGraph, budget_bytes: int, rule: str = "belady") ->
     if rule not in RULES:
         raise ValueError(f"unknown eviction rule {rule!r}; use one of {', '.join(RULES)}")
     cost = [node.forward_cost for node in graph.nodes]
+    # bytes needed to compute a node from live inputs: its inputs and its output
+    rebuild_memory = [sum(graph.nodes[p].output_bytes for p in node.predecessors) + node.output_bytes
+                      for node in graph.nodes]
     n = len(graph)
     memory = [node.output_bytes for node in graph.nodes]
     inputs = [node.predecessors for node in graph.nodes]
@@ -69,7 +72,11 @@ def evict_schedule(graph: CostGraph, budget_bytes: int, rule: str = "belady") ->
         if depth > n:
             return False
         held = set(pinned)
-        for u in inputs[v]:
+        # live inputs first (pinned at once), then the missing ones, the costliest to rebuild first while
+        # fewer values are pinned
+        missing = sorted((u for u in inputs[v] if u not in live), key=lambda u: -rebuild_memory[u])
+        held |= {u for u in inputs[v] if u in live}
+        for u in missing:
             if not materialize(u, held, depth + 1):
                 return False
             held.add(u)
