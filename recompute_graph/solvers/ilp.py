@@ -112,7 +112,8 @@ def stages_from_schedule(graph: CostGraph, schedule: Schedule) -> list[list[int]
 
 def solve_ilp(graph: CostGraph, budget_bytes: int, *, time_limit: float = 60.0, workers: int = 2,
               hint: Schedule | None = None, progress: bool = False, log=None, passes: int = 1,
-              parameters: dict | None = None, computed_once: "Iterable[int] | None" = None) -> ILPResult:
+              parameters: dict | None = None, computed_once: "Iterable[int] | None" = None,
+              optional_nodes: "dict[int, int] | None" = None) -> ILPResult:
     """Solve the stage model at ``budget_bytes`` with CP-SAT (module docstring).
 
     ``time_limit`` in seconds, ``workers`` search threads, ``hint`` a feasible schedule to start from
@@ -121,7 +122,9 @@ def solve_ilp(graph: CostGraph, budget_bytes: int, *, time_limit: float = 60.0, 
     sweeps between two first computations (1 is Checkmate's frontier-advancing model; k allows a node
     to be recomputed k times between them, in k node-ordered sweeps). ``parameters``: CP-SAT parameters
     to set (``{"optimize_with_core": True}``, ...). ``computed_once``: nodes that must not be recomputed
-    (the backward nodes of a joint view: a backward runs once).
+    (the backward nodes of a joint view: a backward runs once). ``optional_nodes``: ``{node: anchor}``,
+    nodes with no stage of their own, computed (at least once, as their readers require) only in a
+    stage that also computes their anchor, after it (the tapes of a joint view).
     """
     if graph.implicit_backward:
         raise SolverError(f"the ilp solver works on graphs whose every node is a computation, with "
@@ -140,46 +143,61 @@ def solve_ilp(graph: CostGraph, budget_bytes: int, *, time_limit: float = 60.0, 
     predecessors = [sorted(node.predecessors) for node in graph.nodes]
 
     passes = max(1, int(passes))
-    count = n * passes
-    frontier = [sigma // passes for sigma in range(count)]
+    optional = dict(optional_nodes or {})            # node -> anchor: computed only with its anchor
+    once = set(computed_once or ())
+    fronts = [i for i in range(n) if i not in optional]
+    count = len(fronts) * passes
+    frontier = [fronts[sigma // passes] for sigma in range(count)]
     first = [sigma % passes == passes - 1 for sigma in range(count)]
+    allowed: list[list[int]] = []
+    for sigma in range(count):
+        f = frontier[sigma]
+        allowed.append(sorted({i for i in fronts if i < f or (i == f and first[sigma])}
+                              | {o for o, anchor in optional.items() if anchor < f or (anchor == f and first[sigma])}))
+    before: list[list[int]] = []
+    seen: set[int] = set()
+    for sigma in range(count):
+        before.append(sorted(seen))
+        seen |= set(allowed[sigma])
     model = cp_model.CpModel()
-    # R[sigma][i]: node i < frontier recomputed in stage sigma; S[sigma][i]: value i live at its start
-    R = [[model.NewBoolVar(f"R{sigma}_{i}") for i in range(frontier[sigma])] for sigma in range(count)]
-    S = [[model.NewBoolVar(f"S{sigma}_{i}") for i in range(frontier[sigma])] for sigma in range(count)]
-    S.append([model.NewConstant(0) for _ in range(n)])  # nothing survives the last stage
     one = model.NewConstant(1)
+    zero = model.NewConstant(0)
+    # R[sigma][i]: stage sigma computes i; S[sigma][i]: value i is live when stage sigma starts
+    R = [{i: model.NewBoolVar(f"R{sigma}_{i}") for i in allowed[sigma]
+          if not (i == frontier[sigma] and first[sigma])} for sigma in range(count)]
+    S = [{i: model.NewBoolVar(f"S{sigma}_{i}") for i in before[sigma]} for sigma in range(count)]
+    S.append({i: zero for i in range(n)})  # nothing survives the last stage
 
     def r(sigma: int, i: int):
-        return one if i == frontier[sigma] else R[sigma][i]
+        return one if i == frontier[sigma] and first[sigma] else R[sigma][i]
 
-    once = set(computed_once or ())
-    for sigma in range(count):
-        for i in once:
-            if i < frontier[sigma]:
-                model.Add(R[sigma][i] == 0)
-
-    def computed(sigma: int) -> list[int]:
-        return list(range(frontier[sigma] + (1 if first[sigma] else 0)))
+    def live(sigma: int, i: int):
+        return S[sigma].get(i, zero)
 
     levels = []
     for sigma in range(count):
-        f, here, after = frontier[sigma], computed(sigma), S[sigma + 1]
+        here, after = allowed[sigma], S[sigma + 1]
         members = set(here)
-        for i in range(len(after)):
-            model.Add(after[i] <= (S[sigma][i] if i < f else 0) + (r(sigma, i) if i in members else 0))
-        for i in range(f):
+        for i in before[sigma + 1] if sigma + 1 < count else range(n):
+            if i in after and after[i] is not zero:
+                model.Add(after[i] <= live(sigma, i) + (r(sigma, i) if i in members else 0))
+        for i in R[sigma]:
             readers = [r(sigma, j) for j in successors[i] if j in members]
-            model.Add(R[sigma][i] + S[sigma][i] <= 1)  # a live value is not recomputed
-            # a recomputation is read in its stage or kept; a live value is read or kept further
-            model.Add(R[sigma][i] <= sum(readers) + after[i])
-            model.Add(S[sigma][i] <= sum(readers) + after[i])
+            model.Add(R[sigma][i] + live(sigma, i) <= 1)  # a live value is not recomputed
+            model.Add(R[sigma][i] <= sum(readers) + after.get(i, zero))  # read in the stage or kept
+            if i in once:
+                model.Add(R[sigma][i] == 0)
+            if i in optional:
+                model.Add(R[sigma][i] <= r(sigma, optional[i]))
+        for i in S[sigma]:
+            readers = [r(sigma, j) for j in successors[i] if j in members]
+            model.Add(S[sigma][i] <= sum(readers) + after.get(i, zero))  # read or kept further
         for j in here:
             for i in predecessors[j]:
-                model.Add(r(sigma, j) <= r(sigma, i) + S[sigma][i])
+                model.Add(r(sigma, j) <= (r(sigma, i) if i in members else 0) + live(sigma, i))
         # memory while computing k: live values (inputs included) and k's output; FREE[i->k]: i is
         # freed right after k (k reads it last in the stage and it is not kept)
-        level = sum(memory[i] * S[sigma][i] for i in range(f))
+        level = sum(memory[i] * S[sigma][i] for i in S[sigma])
         frees = 0
         for k in here:
             level = level + memory[k] * r(sigma, k)
@@ -187,20 +205,19 @@ def solve_ilp(graph: CostGraph, budget_bytes: int, *, time_limit: float = 60.0, 
             levels.append(level - frees)
             for i in predecessors[k]:
                 later = [r(sigma, j) for j in successors[i] if j > k and j in members]
+                kept = after.get(i, zero)
                 free = model.NewBoolVar(f"F{sigma}_{i}_{k}")
-                if k < f:
+                if k in R[sigma]:
                     model.Add(free <= R[sigma][k])
-                model.Add(free + after[i] <= 1)
+                model.Add(free + kept <= 1)
                 for literal in later:
                     model.Add(free + literal <= 1)
-                model.Add(free >= r(sigma, k) - after[i] - sum(later))
+                model.Add(free >= r(sigma, k) - kept - sum(later))
                 frees = frees + memory[i] * free
-    model.Minimize(sum(cost[i] * r(sigma, i) for sigma in range(count) for i in computed(sigma)))
+    model.Minimize(sum(cost[i] * r(sigma, i) for sigma in range(count) for i in allowed[sigma]))
 
     if hint is not None:
-        stages = stages_from_schedule(graph, hint)
-        if stages is not None:
-            _add_hint(model, graph, R, S, stages, passes)
+        _add_hint(model, hint, R, frontier, first, allowed)
 
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = float(time_limit)
@@ -242,8 +259,8 @@ def solve_ilp(graph: CostGraph, budget_bytes: int, *, time_limit: float = 60.0, 
             result.bound = max(solver.BestObjectiveBound() / scale, sum(node.forward_cost for node in graph.nodes))
             return result
     if status in ("OPTIMAL", "FEASIBLE"):
-        stages = [[i for i in computed(sigma) if i == frontier[sigma] and first[sigma] or
-                   i < frontier[sigma] and solver.Value(R[sigma][i])] for sigma in range(count)]
+        stages = [[i for i in allowed[sigma] if (i == frontier[sigma] and first[sigma]) or solver.Value(R[sigma][i])]
+                  for sigma in range(count)]
         result.schedule = schedule_from_stages(graph, stages)
         result.objective = sum(graph.nodes[i].forward_cost for stage in stages for i in stage)
         result.bound = solver.BestObjectiveBound() / scale
@@ -253,17 +270,26 @@ def solve_ilp(graph: CostGraph, budget_bytes: int, *, time_limit: float = 60.0, 
     return result
 
 
-def _add_hint(model, graph: CostGraph, R, S, stages: list[list[int]], passes: int) -> None:
-    """Hint R and S from a one-pass stage solution, placed in the last pass of each frontier (the earlier
-    passes recompute nothing; S: the values eager freeing keeps across stage starts)."""
-    live = live_at_stage_starts(graph, stages)
-    for t in range(len(graph)):
-        members = set(stages[t])
-        for k in range(passes):
-            sigma = t * passes + k
-            for i in range(t):
-                model.AddHint(R[sigma][i], 1 if i in members and k == passes - 1 else 0)
-                model.AddHint(S[sigma][i], 1 if i in live[t] else 0)
+def _add_hint(model, hint: Schedule, R, frontier: list[int], first: list[bool], allowed: list[list[int]]) -> None:
+    """Hint R from a schedule: each computation goes to the last pass of the stage whose first
+    computation follows it (CP-SAT completes the rest of the hint)."""
+    count = len(frontier)
+    last_pass = [sigma for sigma in range(count) if first[sigma]]
+    stage_of_front = {frontier[sigma]: sigma for sigma in last_pass}
+    chosen: list[set[int]] = [set() for _ in range(count)]
+    pending: list[int] = []
+    for op in hint.ops:
+        if not isinstance(op, Forward):
+            continue
+        pending.append(op.node)
+        if op.node in stage_of_front and not any(op.node in c for c in chosen):
+            chosen[stage_of_front[op.node]] = set(pending)
+            pending = []
+    if pending and last_pass:
+        chosen[last_pass[-1]] |= set(pending)
+    for sigma in range(count):
+        for i, variable in R[sigma].items():
+            model.AddHint(variable, 1 if i in chosen[sigma] else 0)
 
 
 def live_at_stage_starts(graph: CostGraph, stages: list[list[int]]) -> list[set[int]]:
