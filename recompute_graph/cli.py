@@ -93,8 +93,11 @@ def _solve(args: argparse.Namespace) -> dict[str, Any]:
     if args.solver != "auto" and args.solver not in SOLVERS:
         raise ValueError(f"unknown solver {args.solver!r}; available: auto, {', '.join(sorted(SOLVERS))}")
     graph = load_graph(args.graph_file)
-    if args.solver == "ilp":
+    if args.solver == "ilp" and not graph.implicit_backward:
         return _solve_ilp(args, graph)
+    if args.solver == "ilp":  # through the joint view, seeded with the lower-set DP
+        from .solvers import ilp as ilp_module
+        ilp_module.DEFAULT_TIME_LIMIT = args.time_limit
     start = time.perf_counter()
     result: dict[str, Any] = {"graph": graph.name, "solver": args.solver, "variant": args.variant}
     if args.min_budget:

@@ -24,3 +24,10 @@ def profiled_tiny(name: str):
 @pytest.fixture(params=models_zoo.MODEL_NAMES)
 def zoo_name(request) -> str:
     return request.param
+
+
+@pytest.fixture(autouse=True)
+def short_ilp_solves(monkeypatch):
+    """The ilp solver's default time limit, shortened for the suite (tests needing more pass their own)."""
+    from recompute_graph.solvers import ilp
+    monkeypatch.setattr(ilp, "DEFAULT_TIME_LIMIT", 5.0)

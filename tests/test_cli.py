@@ -48,7 +48,7 @@ def test_memory_centric_variant_and_size_strings_are_accepted():
     (["solve", "missing.txt", "--budget", "0.5"], "does not exist"),
     (["solve", "KUSUMOTO", "--solver", "magic", "--budget", "0.5"], "unknown solver 'magic'"),
     (["solve", "CHECKMATE", "--solver", "dp_exact", "--budget", "0.8"], "explicit backward"),
-    (["solve", "KUSUMOTO", "--solver", "ilp", "--budget", "0.8"], "implicit backward"),
+    (["solve", "KUSUMOTO", "--solver", "evict", "--budget", "0.8"], "implicit backward"),
     (["solve", "KUSUMOTO", "--budget", "lots"], "cannot parse budget"),
 ])
 def test_errors_are_one_line_and_exit_2(args, message):

@@ -134,9 +134,9 @@ def test_ilp_proves_the_checkmate_vgg16_optimum_at_90_percent():
     assert result.objective <= 1.05 * store_all.simulation.compute_cost
 
 
-def test_ilp_refuses_implicit_backward_graphs_with_a_pointer():
+def test_the_stage_model_refuses_implicit_backward_graphs_with_a_pointer():
     graph = load_graph(benchmark_dir() / "kusumoto2019" / "cg_vgg19.txt")
-    with pytest.raises(SolverError, match="dp_exact"):
+    with pytest.raises(SolverError, match="joint view"):
         solve_ilp(graph, 10**12)
 
 
@@ -187,12 +187,12 @@ def test_evict_heuristic_is_feasible_and_never_beats_the_optimum():
     assert found >= 20
 
 
-def test_joint_only_solvers_are_not_offered_for_implicit_graphs():
+def test_solvers_are_offered_by_graph_kind():
     from recompute_graph.solvers import solvers_for
     joint = random_joint_graph(random.Random(3), 4)
     implicit = load_graph(benchmark_dir() / "kusumoto2019" / "cg_vgg19.txt")
     assert {"ilp", "evict", "store_all"} <= set(solvers_for(joint)) and "dp_exact" not in solvers_for(joint)
-    assert "ilp" not in solvers_for(implicit) and "dp_exact" in solvers_for(implicit)
+    assert {"ilp", "dp_exact"} <= set(solvers_for(implicit)) and "evict" not in solvers_for(implicit)
     with pytest.raises(SolverError, match="joint"):
         get_solver("evict")(implicit, None)
 
@@ -209,3 +209,47 @@ def test_computed_once_nodes_are_never_recomputed():
         counts = once.schedule.computation_counts()
         assert counts[0] == counts[1] == 1
         assert free.objective is not None and once.objective >= free.objective
+
+
+@pytest.mark.parametrize("name", ["mlp", "unet"])
+def test_ilp_plans_of_traced_models_train_exactly_and_are_never_worse_than_the_dp(name):
+    import torch
+    from conftest import profiled_tiny
+    from recompute_graph.optimized_module import run_schedule
+    from recompute_graph.rewrite import ScheduleExecutor
+    from recompute_graph.solvers.ilp_backward import JointView
+    from test_executor import SEED, relative_error, run_step
+    model, inputs, traced, graph = profiled_tiny(name)
+    view = JointView(graph)
+    dp = get_solver("dp_exact")(graph, None)
+    assert simulate(graph, view.from_joint(view.to_joint(dp.schedule))).peak_bytes == dp.peak_bytes  # round trip
+    store_all = get_solver("store_all")(graph, None)
+    budget = (dp.peak_bytes + store_all.peak_bytes) // 2
+    seed = get_solver("dp_exact")(graph, budget)
+    solution = get_solver("ilp")(graph, budget, time_limit=10)
+    assert solution.fits(budget)
+    assert solution.simulation.compute_cost <= seed.simulation.compute_cost + 1e-12
+    torch.manual_seed(SEED)
+    _, expected, _ = run_step(model, lambda x: model(*x), inputs)
+    executor = ScheduleExecutor(traced.graph_module, graph, solution.schedule)
+    torch.manual_seed(SEED)
+    measured, grads, _ = run_step(model, lambda x: run_schedule(executor, list(x)), inputs)
+    assert relative_error(grads, expected) <= 1e-5
+    assert abs(solution.peak_bytes - measured) <= 0.10 * measured
+
+
+def test_optimize_with_the_ilp_solver():
+    import torch
+    import models_zoo
+    import recompute_graph as rg
+    from recompute_graph.measure import default_loss
+    model, inputs = models_zoo.get_model("mlp", "tiny")
+    optimized = rg.optimize(model, 0.8, example_inputs=inputs, solver="ilp", timing="flops")
+    torch.manual_seed(0)
+    default_loss(model(*inputs)).backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    default_loss(optimized(*inputs)).backward()
+    assert optimized.recompute_plan.solver == "ilp"
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[n], rtol=0, atol=0)

@@ -127,9 +127,9 @@ def solve_ilp(graph: CostGraph, budget_bytes: int, *, time_limit: float = 60.0, 
     stage that also computes their anchor, after it (the tapes of a joint view).
     """
     if graph.implicit_backward:
-        raise SolverError(f"the ilp solver works on graphs whose every node is a computation, with "
-                          f"backward nodes explicit (Checkmate joint graphs); {graph.name!r} has an "
-                          "implicit backward: use dp_exact / dp_approx / chain_dp for it")
+        raise SolverError(f"solve_ilp works on graphs whose every node is a computation, with backward "
+                          f"nodes explicit (Checkmate joint graphs); {graph.name!r} has an implicit backward: "
+                          "use the ilp solver (it goes through the graph's joint view), or dp_exact")
     cp_model = _import_cp_model()
     n = len(graph)
     unit = max(1, budget_bytes // MEMORY_UNITS)
@@ -330,11 +330,22 @@ def default_hint(graph: CostGraph, budget_bytes: int) -> Schedule | None:
         return None
 
 
-@register("ilp", graphs=("joint",))
-def ilp(graph: CostGraph, budget_bytes: int | None = None, *, time_limit: float = 60.0, workers: int = 2,
+#: Seconds a solve may take when the caller gives no limit (``optimize(..., solver="ilp")``, the CLI).
+DEFAULT_TIME_LIMIT = 60.0
+
+
+@register("ilp", graphs=("implicit", "joint"))
+def ilp(graph: CostGraph, budget_bytes: int | None = None, *, time_limit: float | None = None, workers: int = 2,
         hint: Schedule | None = None, progress: bool = False) -> Solution:
-    """The ilp solver in the registry's signature (joint graphs): without a budget, the store-all peak is
-    used. SolverError when nothing fits in the time limit."""
+    """The ilp solver in the registry's signature. Joint graphs: the stage model; without a budget, the
+    store-all peak is used. Graphs with an implicit backward: through their joint view with tapes, seeded
+    with the lower-set DP (``ilp_backward.py``). SolverError when nothing fits in the time limit
+    (``DEFAULT_TIME_LIMIT`` when not given)."""
+    if time_limit is None:
+        time_limit = DEFAULT_TIME_LIMIT
+    if graph.implicit_backward:
+        from .ilp_backward import solve_implicit
+        return solve_implicit(graph, budget_bytes, time_limit=time_limit, workers=workers, progress=progress)
     from .store_all import store_all
     baseline = store_all(graph, None)
     if budget_bytes is None:
