@@ -19,6 +19,8 @@ __all__ = ["evict", "evict_schedule", "RULES"]
 
 #: The eviction rules ``evict`` tries (it keeps the cheapest feasible schedule).
 RULES = ("belady", "dtr")
+#: A schedule longer than this many computations per node is abandoned (recomputation cascades).
+WORK_PER_NODE = 20
 
 
 def evict_schedule(graph: CostGraph, budget_bytes: int, rule: str = "belady") -> list[int] | None:
@@ -64,12 +66,14 @@ def evict_schedule(graph: CostGraph, budget_bytes: int, rule: str = "belady") ->
             used -= memory[victim]
         return True
 
+    work_limit = WORK_PER_NODE * n
+
     def materialize(v: int, pinned: set[int], depth: int = 0) -> bool:
         """Make v live (computing its missing inputs first), keeping ``pinned`` values."""
         nonlocal used
         if v in live:
             return True
-        if depth > n:
+        if depth > n or len(order) > work_limit:  # on-demand recomputation is running away: give up
             return False
         held = set(pinned)
         # live inputs first (pinned at once), then the missing ones, the costliest to rebuild first while
