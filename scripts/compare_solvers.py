@@ -26,7 +26,12 @@ def main() -> None:
     parser.add_argument("--fractions", nargs="*", type=float, default=[0.5, 0.7, 0.9])
     parser.add_argument("--time-limit", type=float, default=30.0, help="ilp's limit per solve (seconds)")
     parser.add_argument("--plot", default=None, help="write a PNG/SVG of extra compute vs budget")
+    parser.add_argument("--from-table", nargs="*", default=None, metavar="FILE",
+                        help="only plot: read the rows from tables this script printed before")
     args = parser.parse_args()
+    if args.from_table is not None:
+        _plot(_read_tables(args.from_table), args.plot or "compare.png")
+        return
     rows: list[tuple[str, str, float, float | None, float, str]] = []
     print("| graph | solver | budget | extra compute | solve time | note |")
     print("|---|---|---|---|---|---|")
@@ -61,6 +66,18 @@ def main() -> None:
                     print(f"| {stem} | {name} | {fraction:.0%} | {shown} | {seconds:.2f} s | {note} |", flush=True)
     if args.plot:
         _plot(rows, args.plot)
+
+
+def _read_tables(paths: list[str]) -> list:
+    rows = []
+    for path in paths:
+        for line in open(path):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if len(cells) < 6 or not cells[2].endswith("%") or cells[0] == "graph":
+                continue
+            extra = float(cells[3].lstrip("+").rstrip("%")) / 100 if cells[3] != "-" else None
+            rows.append((cells[0], cells[1], float(cells[2].rstrip("%")) / 100, extra, 0.0, cells[5]))
+    return rows
 
 
 def _plot(rows: list, path: str) -> None:
