@@ -17,6 +17,10 @@ with memory accounted the way the simulator accounts it:
   where ``FREE[t][i->j]`` (i is freed right after j) is exactly ``R[t][j]`` and not kept and no later
   reader in the stage.
 * Objective: ``sum_t sum_i c_i R[t][i]``, total compute (recomputation included).
+* Extensions: ``passes`` stages per node (several recomputation sweeps between first computations);
+  ``computed_once`` nodes; optional nodes with no stage of their own, computed only in a stage that
+  computes their anchor (the tapes of ``ilp_backward``'s joint view). Each stage then ranges over its
+  allowed nodes, and ``S`` over the nodes allowed in an earlier stage.
 
 Memory is rounded up to units of ``max(1, B // MEMORY_UNITS)`` bytes and the budget down, so a schedule
 feasible in the model fits the budget in bytes; costs are scaled to integers. The returned schedule's
@@ -37,8 +41,7 @@ from ..schedule import Forward, Schedule, insert_frees
 from ..simulate import simulate
 from . import Solution, register
 
-__all__ = ["ILPResult", "ilp", "solve_ilp", "schedule_from_stages", "stages_from_schedule", "live_at_stage_starts",
-           "default_hint",
+__all__ = ["ILPResult", "ilp", "solve_ilp", "schedule_from_stages", "default_hint",
            "MEMORY_UNITS"]
 
 #: The budget is divided into at most this many memory units.
@@ -86,28 +89,6 @@ def schedule_from_stages(graph: CostGraph, computed: list[list[int]]) -> Schedul
     """The schedule of a stage solution: stage by stage, the computed nodes in node order, eager frees."""
     ops = [Forward(k, tape=False) for stage in computed for k in sorted(stage)]
     return insert_frees(graph, ops, [], outputs=())
-
-
-def stages_from_schedule(graph: CostGraph, schedule: Schedule) -> list[list[int]] | None:
-    """The stage form of a frontier-advancing schedule (first computations in node order): each stage's
-    recomputations, deduplicated and in node order, then its first computation; e.g. to hint the solver
-    (regrouping may change the peak: the hint is checked by CP-SAT, not trusted). None for a schedule
-    whose first computations are out of node order."""
-    stages: list[list[int]] = [[] for _ in range(len(graph))]
-    seen: set[int] = set()
-    pending: set[int] = set()
-    for op in schedule.ops:
-        if not isinstance(op, Forward):
-            continue
-        if op.node in seen:
-            pending.add(op.node)
-            continue
-        if op.node != len(seen):
-            return None
-        stages[op.node] = sorted(pending) + [op.node]
-        seen.add(op.node)
-        pending = set()
-    return stages if len(seen) == len(graph) and not pending else None
 
 
 def solve_ilp(graph: CostGraph, budget_bytes: int, *, time_limit: float = 60.0, workers: int = 2,
@@ -267,6 +248,10 @@ def solve_ilp(graph: CostGraph, budget_bytes: int, *, time_limit: float = 60.0, 
         result.model_peak_units = max(int(solver.Value(level)) for level in levels)
         if status == "OPTIMAL":
             result.bound = result.objective
+        if hint is not None and status != "OPTIMAL":  # never worse than a hint that fits
+            hinted = simulate(graph, hint)
+            if hinted.peak_bytes <= budget_bytes and hinted.compute_cost < result.objective:
+                result.schedule, result.objective, result.model_peak_units = hint, hinted.compute_cost, None
     return result
 
 
@@ -290,30 +275,6 @@ def _add_hint(model, hint: Schedule, R, frontier: list[int], first: list[bool], 
     for sigma in range(count):
         for i, variable in R[sigma].items():
             model.AddHint(variable, 1 if i in chosen[sigma] else 0)
-
-
-def live_at_stage_starts(graph: CostGraph, stages: list[list[int]]) -> list[set[int]]:
-    """``S`` of a stage solution: value ``i`` is live when stage ``t`` starts iff it was computed in an
-    earlier stage and is read in stage ``t`` or later, before it is computed again."""
-    n = len(graph)
-    computed_in = [[] for _ in range(n)]
-    read_in = [[] for _ in range(n)]
-    for t, stage in enumerate(stages):
-        for j in stage:
-            computed_in[j].append(t)
-            for i in graph.nodes[j].predecessors:
-                read_in[i].append(t)
-    live: list[set[int]] = [set() for _ in range(n + 1)]
-    for i in range(n):
-        for t in range(i + 1, n + 1):
-            before = [c for c in computed_in[i] if c < t]
-            if not before:
-                continue
-            after = [c for c in computed_in[i] if c >= t]
-            until = after[0] if after else n
-            if any(t <= s < until for s in read_in[i]):
-                live[t].add(i)
-    return live
 
 
 def default_hint(graph: CostGraph, budget_bytes: int) -> Schedule | None:
