@@ -100,7 +100,8 @@ def _plot(rows: list, path: str) -> None:
         axis.set_title(graph, fontsize=9)
         axis.set_xlabel("budget (fraction of no-recomputation peak)")
         axis.set_ylabel("extra compute (%)")
-        axis.legend(fontsize=7)
+        if axis.get_legend_handles_labels()[0]:
+            axis.legend(fontsize=7)
     for axis in list(axes.flat)[len(graphs):]:
         axis.axis("off")
     figure.tight_layout()
