@@ -4,7 +4,7 @@ import json
 import networkx
 import pytest
 
-from recompute_graph import CostGraph, GraphError
+from recompute_graph import GraphError
 from recompute_graph.benchmark_graphs import (CHECKMATE_UNIT, KUSUMOTO_UNIT, benchmark_dir,
                                               benchmark_graph_paths, load_graph)
 

@@ -8,7 +8,6 @@ import pytest
 import torch
 from torch import nn
 
-import models_zoo
 from recompute_graph import InfeasibleBudgetError
 from recompute_graph.measure import StorageTracker, default_loss, peak_memory
 from recompute_graph.optimized_module import run_schedule

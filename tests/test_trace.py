@@ -1,5 +1,4 @@
 """Tracing survives the patterns real models use; untraceable parts become opaque nodes."""
-import copy
 
 import pytest
 import torch

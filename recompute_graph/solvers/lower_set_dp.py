@@ -171,7 +171,7 @@ class PaperModel:
     def transition(self, a: int, b: int) -> tuple[float, float, float]:
         """(overhead, peak, kept bytes) of the step from lower set ``a`` to ``b`` (family indices)."""
         f = self.family
-        lower, upper = f.sets[a], f.sets[b]
+        lower = f.sets[a]
         kept_nodes = [v for v in f.boundary_nodes[b] if not lower >> v & 1]
         segment_memory = self.set_memory[b] - self.set_memory[a]
         peak = 2 * segment_memory + self.outside[b]
