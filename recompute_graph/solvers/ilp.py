@@ -299,7 +299,7 @@ DEFAULT_TIME_LIMIT = 60.0
 def ilp(graph: CostGraph, budget_bytes: int | None = None, *, time_limit: float | None = None, workers: int = 2,
         hint: Schedule | None = None, progress: bool = False) -> Solution:
     """The ilp solver in the registry's signature. Joint graphs: the stage model; without a budget, the
-    store-all peak is used. Graphs with an implicit backward: through their joint view with tapes, seeded
+    least compute at the lowest peak ``evict`` finds (the registry's "smallest peak it can find"). Graphs with an implicit backward: through their joint view with tapes, seeded
     with the lower-set DP (``ilp_backward.py``). SolverError when nothing fits in the time limit
     (``DEFAULT_TIME_LIMIT`` when not given)."""
     if time_limit is None:
@@ -307,14 +307,18 @@ def ilp(graph: CostGraph, budget_bytes: int | None = None, *, time_limit: float 
     if graph.implicit_backward:
         from .ilp_backward import solve_implicit
         return solve_implicit(graph, budget_bytes, time_limit=time_limit, workers=workers, progress=progress)
-    from .store_all import store_all
-    baseline = store_all(graph, None)
+    from . import SOLVERS
+    lowest = None
     if budget_bytes is None:
-        budget_bytes = baseline.peak_bytes
+        # the registry's contract: the lowest peak known (evict's search), at the least compute there
+        lowest = SOLVERS["evict"](graph, None)
+        budget_bytes, hint = lowest.peak_bytes, lowest.schedule
     if hint is None:
         hint = default_hint(graph, budget_bytes)
     result = solve_ilp(graph, budget_bytes, time_limit=time_limit, workers=workers, hint=hint, progress=progress)
     if result.schedule is None:
+        if lowest is not None:
+            return Solution("ilp", lowest.schedule, lowest.simulation, f"evict's lowest-peak plan ({result.status})")
         raise SolverError(f"ilp found no schedule of {graph.name!r} within {budget_bytes} bytes in "
                           f"{time_limit:g} s (status {result.status})")
     gap = result.gap
