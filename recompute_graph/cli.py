@@ -84,7 +84,7 @@ def _solve_ilp(args: argparse.Namespace, graph: Any) -> dict[str, Any]:
         from .simulate import simulate
         simulation = simulate(graph, result.schedule)
         out.update(peak_bytes=simulation.peak_bytes, overhead=simulation.recompute_cost / base_cost,
-                   recomputed_nodes=len([v for v, c in result.schedule.computation_counts().items() if c > 1]),
+                   recomputed_nodes=len(result.schedule.recomputed_nodes()),
                    description=f"{result.status}, gap {result.gap or 0.0:.2%}")
     return out
 

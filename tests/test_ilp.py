@@ -13,6 +13,7 @@ from recompute_graph.cli import main as cli_main
 from recompute_graph.graph import CostGraph, CostNode
 from recompute_graph.simulate import simulate
 from recompute_graph.solvers import get_solver
+from recompute_graph.solvers.evict import working_sets
 from recompute_graph.solvers.ilp import schedule_from_stages, solve_ilp
 
 pytest.importorskip("ortools")
@@ -78,8 +79,7 @@ def test_ilp_equals_brute_force_on_random_dags_and_its_accounting_is_the_simulat
     for _ in range(250):
         graph = random_joint_graph(rng, rng.randint(2, 7))
         store_all = get_solver("store_all")(graph, None)
-        floor = max(sum(graph.nodes[p].output_bytes for p in node.predecessors) + node.output_bytes
-                    for node in graph.nodes)
+        floor = max(working_sets(graph))
         budget = rng.randint(max(1, floor - 1), store_all.peak_bytes)
         expected = brute_force(graph, budget)
         result = solve_ilp(graph, budget, time_limit=20, passes=2)
@@ -171,8 +171,7 @@ def test_evict_heuristic_is_feasible_and_never_beats_the_optimum():
     for _ in range(80):
         graph = random_joint_graph(rng, rng.randint(3, 7))
         peak = get_solver("store_all")(graph, None).peak_bytes
-        floor = max(sum(graph.nodes[p].output_bytes for p in node.predecessors) + node.output_bytes
-                    for node in graph.nodes)
+        floor = max(working_sets(graph))
         budget = rng.randint(floor, peak)
         try:
             heuristic = get_solver("evict")(graph, budget)

@@ -15,7 +15,7 @@ from ..graph import CostGraph
 from ..schedule import Forward, insert_frees
 from . import Solution, register
 
-__all__ = ["evict", "evict_schedule", "RULES"]
+__all__ = ["evict", "evict_schedule", "working_sets", "RULES"]
 
 #: The eviction rules ``evict`` tries (it keeps the cheapest feasible schedule).
 RULES = ("belady", "dtr")
@@ -31,9 +31,7 @@ def evict_schedule(graph: CostGraph, budget_bytes: int, rule: str = "belady") ->
     if rule not in RULES:
         raise ValueError(f"unknown eviction rule {rule!r}; use one of {', '.join(RULES)}")
     cost = [node.forward_cost for node in graph.nodes]
-    # bytes needed to compute a node from live inputs: its inputs and its output
-    rebuild_memory = [sum(graph.nodes[p].output_bytes for p in node.predecessors) + node.output_bytes
-                      for node in graph.nodes]
+    rebuild_memory = working_sets(graph)
     n = len(graph)
     memory = [node.output_bytes for node in graph.nodes]
     inputs = [node.predecessors for node in graph.nodes]
@@ -102,13 +100,18 @@ def evict_schedule(graph: CostGraph, budget_bytes: int, rule: str = "belady") ->
     return order
 
 
+def working_sets(graph: CostGraph) -> list[int]:
+    """Per node, the bytes live while it runs from live inputs: its inputs and its output."""
+    return [sum(graph.nodes[p].output_bytes for p in node.predecessors) + node.output_bytes
+            for node in graph.nodes]
+
+
 def _lowest_peak(graph: CostGraph) -> Solution:
     """Without a budget: the schedule at the smallest budget the heuristic meets (bisection between the
     largest single-node working set and the no-recomputation peak, to 0.1 %)."""
     from .store_all import store_all
     high_solution = store_all(graph, None)
-    low = max(sum(graph.nodes[p].output_bytes for p in node.predecessors) + node.output_bytes
-              for node in graph.nodes) - 1
+    low = max(working_sets(graph)) - 1
     high, best = high_solution.peak_bytes, None
     while high - low > max(1, high // 1000):
         middle = (low + high) // 2
@@ -128,18 +131,17 @@ def evict(graph: CostGraph, budget_bytes: int | None = None, *, _searching: bool
                           "implicit backward")
     if budget_bytes is None:
         return _lowest_peak(graph)
-    budget = budget_bytes
     found = []
     for rule in RULES:
-        order = evict_schedule(graph, budget, rule)
+        order = evict_schedule(graph, budget_bytes, rule)
         if order is not None:
             schedule = insert_frees(graph, [Forward(v, tape=False) for v in order], [], outputs=())
             found.append(Solution.of("evict", graph, schedule, f"{rule}, {len(order) - len(graph)} recomputations"))
     if not found and not _searching:
         # the heuristic is not monotone in the budget: the lowest-peak schedule may still fit
         lowest = _lowest_peak(graph)
-        if lowest.fits(budget):
+        if lowest.fits(budget_bytes):
             return lowest
     if not found:
-        raise SolverError(f"evict could not keep {graph.name!r} within {budget} bytes")
+        raise SolverError(f"evict could not keep {graph.name!r} within {budget_bytes} bytes")
     return min(found, key=lambda solution: (solution.simulation.compute_cost, solution.peak_bytes))

@@ -159,9 +159,9 @@ def solve_ilp(graph: CostGraph, budget_bytes: int, *, time_limit: float = 60.0, 
     for sigma in range(count):
         here, after = allowed[sigma], S[sigma + 1]
         members = set(here)
-        for i in before[sigma + 1] if sigma + 1 < count else range(n):
-            if i in after and after[i] is not zero:
-                model.Add(after[i] <= live(sigma, i) + (r(sigma, i) if i in members else 0))
+        if sigma + 1 < count:  # S of the end is the constant 0
+            for i, kept in after.items():
+                model.Add(kept <= live(sigma, i) + (r(sigma, i) if i in members else 0))
         for i in R[sigma]:
             readers = [r(sigma, j) for j in successors[i] if j in members]
             model.Add(R[sigma][i] + live(sigma, i) <= 1)  # a live value is not recomputed
@@ -198,7 +198,7 @@ def solve_ilp(graph: CostGraph, budget_bytes: int, *, time_limit: float = 60.0, 
     model.Minimize(sum(cost[i] * r(sigma, i) for sigma in range(count) for i in allowed[sigma]))
 
     if hint is not None:
-        _add_hint(model, hint, R, frontier, first, allowed)
+        _add_hint(model, hint, R, frontier, first)
 
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = float(time_limit)
@@ -210,12 +210,9 @@ def solve_ilp(graph: CostGraph, budget_bytes: int, *, time_limit: float = 60.0, 
     stream = log if log is not None else sys.stderr
 
     class _Progress(cp_model.CpSolverSolutionCallback):
-        def __init__(self) -> None:
-            super().__init__()
-
         def on_solution_callback(self) -> None:
-            objective = self.ObjectiveValue() / scale if scale else self.ObjectiveValue()
-            bound = self.BestObjectiveBound() / scale if scale else self.BestObjectiveBound()
+            objective = self.ObjectiveValue() / scale
+            bound = self.BestObjectiveBound() / scale
             elapsed = time.perf_counter() - start
             improvements.append((elapsed, objective))
             if progress:
@@ -230,15 +227,6 @@ def solve_ilp(graph: CostGraph, budget_bytes: int, *, time_limit: float = 60.0, 
     result = ILPResult(status=status, schedule=None, objective=None, bound=None, solve_seconds=seconds,
                        memory_unit_bytes=unit, variables=len(proto.variables), constraints=len(proto.constraints),
                        improvements=improvements)
-    if status not in ("OPTIMAL", "FEASIBLE", "INFEASIBLE") and hint is not None:
-        # nothing found in the time limit: the hint itself, if it fits, is the best known schedule
-        hinted = simulate(graph, hint)
-        if hinted.peak_bytes <= budget_bytes:
-            result.status = "FEASIBLE"
-            result.schedule = hint
-            result.objective = hinted.compute_cost
-            result.bound = max(solver.BestObjectiveBound() / scale, sum(node.forward_cost for node in graph.nodes))
-            return result
     if status in ("OPTIMAL", "FEASIBLE"):
         stages = [[i for i in allowed[sigma] if (i == frontier[sigma] and first[sigma]) or solver.Value(R[sigma][i])]
                   for sigma in range(count)]
@@ -248,14 +236,18 @@ def solve_ilp(graph: CostGraph, budget_bytes: int, *, time_limit: float = 60.0, 
         result.model_peak_units = max(int(solver.Value(level)) for level in levels)
         if status == "OPTIMAL":
             result.bound = result.objective
-        if hint is not None and status != "OPTIMAL":  # never worse than a hint that fits
-            hinted = simulate(graph, hint)
-            if hinted.peak_bytes <= budget_bytes and hinted.compute_cost < result.objective:
-                result.schedule, result.objective, result.model_peak_units = hint, hinted.compute_cost, None
+    if hint is not None and status != "OPTIMAL":
+        # never worse than a hint that fits (CP-SAT may not have found it, or only something worse)
+        hinted = simulate(graph, hint)
+        if hinted.peak_bytes <= budget_bytes and (result.objective is None or hinted.compute_cost < result.objective):
+            if result.schedule is None:  # nothing found in the time limit
+                result.status = "FEASIBLE"
+                result.bound = max(solver.BestObjectiveBound() / scale, sum(node.forward_cost for node in graph.nodes))
+            result.schedule, result.objective, result.model_peak_units = hint, hinted.compute_cost, None
     return result
 
 
-def _add_hint(model, hint: Schedule, R, frontier: list[int], first: list[bool], allowed: list[list[int]]) -> None:
+def _add_hint(model, hint: Schedule, R, frontier: list[int], first: list[bool]) -> None:
     """Hint R from a schedule: each computation goes to the last pass of the stage whose first
     computation follows it (CP-SAT completes the rest of the hint)."""
     count = len(frontier)
@@ -263,11 +255,13 @@ def _add_hint(model, hint: Schedule, R, frontier: list[int], first: list[bool], 
     stage_of_front = {frontier[sigma]: sigma for sigma in last_pass}
     chosen: list[set[int]] = [set() for _ in range(count)]
     pending: list[int] = []
+    reached: set[int] = set()
     for op in hint.ops:
         if not isinstance(op, Forward):
             continue
         pending.append(op.node)
-        if op.node in stage_of_front and not any(op.node in c for c in chosen):
+        if op.node in stage_of_front and op.node not in reached:
+            reached.add(op.node)
             chosen[stage_of_front[op.node]] = set(pending)
             pending = []
     if pending and last_pass:
@@ -299,8 +293,9 @@ DEFAULT_TIME_LIMIT = 60.0
 def ilp(graph: CostGraph, budget_bytes: int | None = None, *, time_limit: float | None = None, workers: int = 2,
         hint: Schedule | None = None, progress: bool = False) -> Solution:
     """The ilp solver in the registry's signature. Joint graphs: the stage model; without a budget, the
-    least compute at the lowest peak ``evict`` finds (the registry's "smallest peak it can find"). Graphs with an implicit backward: through their joint view with tapes, seeded
-    with the lower-set DP (``ilp_backward.py``). SolverError when nothing fits in the time limit
+    least compute at the lowest peak ``evict`` finds (the registry's "smallest peak it can find").
+    Graphs with an implicit backward: through their joint view with tapes, seeded with the lower-set DP
+    (``ilp_backward.py``). SolverError when nothing fits in the time limit
     (``DEFAULT_TIME_LIMIT`` when not given)."""
     if time_limit is None:
         time_limit = DEFAULT_TIME_LIMIT

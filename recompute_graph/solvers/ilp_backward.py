@@ -1,7 +1,7 @@
 """The ``ilp`` solver on graphs with an implicit backward (traced models, Kusumoto's graphs), through their
 joint view with tapes.
 
-``joint_view(graph)`` has, in this order, for every node ``v``: ``F_v`` (its output value and forward
+``JointView(graph)`` has, in this order, for every node ``v``: ``F_v`` (its output value and forward
 cost) and, if ``v`` needs a gradient, ``T_v`` (its tape: the bytes its backward saves, no cost of its
 own, computed only together with a computation of ``F_v``: an optional node anchored to ``F_v``); then
 ``B_v`` for every such node in reverse order (reads ``T_v`` and the ``B_s`` of the successors whose
@@ -24,7 +24,7 @@ from ..schedule import Backward, Forward, Schedule, insert_frees
 from ..simulate import simulate
 from . import Solution
 
-__all__ = ["JointView", "joint_view", "solve_implicit"]
+__all__ = ["JointView", "solve_implicit"]
 
 
 class JointView:
@@ -94,10 +94,6 @@ class JointView:
             op = Forward(v, tape=position in taped) if kind == "F" else Backward(v)
             (forward_ops if position < first_backward else backward_ops).append(op)
         return insert_frees(self.graph, forward_ops, backward_ops)
-
-
-def joint_view(graph: CostGraph) -> JointView:
-    return JointView(graph)
 
 
 def solve_implicit(graph: CostGraph, budget_bytes: int | None, *, time_limit: float = 60.0, workers: int = 2,
