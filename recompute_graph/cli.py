@@ -1,13 +1,14 @@
 """Command line: ``recompute-graph`` (also ``python -m recompute_graph``).
 
     recompute-graph solve GRAPH_FILE --solver NAME (--budget B | --min-budget) [--variant time|memory] [--json]
-    recompute-graph solve GRAPH_FILE --solver ilp --budget B [--time-limit S] [--workers N] [--json]
+    recompute-graph solve GRAPH_FILE --solver ilp --budget B [--time-limit S] [--workers N]
+                          [--backend cp-sat|scip|highs|cbc] [--json]
 
 ``GRAPH_FILE``: a Kusumoto 2019 ``cg_*.txt``, a Checkmate 2020 / random layered ``.json`` or a saved
 ``CostGraph``. ``B``: bytes, a size string (``1.5GiB``) or a fraction in (0, 1] of the store-all budget,
 as in ``optimize()`` (for ``ilp``: a fraction of the store-all peak itself, as in Checkmate and Moccasin).
 Peaks and overheads are the simulator's (the same judge for every solver). With ``ilp``, ``status`` is
-OPTIMAL only when CP-SAT proved it, FEASIBLE for a schedule without that proof (``gap`` says how far the
+OPTIMAL only when the solver (CP-SAT, or a MIP solver with ``--backend``) proved it, FEASIBLE for a schedule without that proof (``gap`` says how far the
 bound is), INFEASIBLE when proven that nothing fits, UNKNOWN when nothing was found in the time limit.
 Exit status: 0 when a plan fits, 1 when the budget is infeasible (or nothing was found), 2 on errors (one
 line, no traceback).
@@ -24,6 +25,7 @@ from .benchmark_graphs import load_graph
 from .errors import InfeasibleBudgetError, RecomputeError
 from .planner import make_plan, min_feasible_budget
 from .solvers import SOLVERS
+from .solvers.ilp_backends import BACKENDS
 from .units import format_bytes
 
 __all__ = ["main"]
@@ -56,7 +58,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="lower-set DPs: least overhead (time) or least checkpoint memory (memory)")
     solve.add_argument("--time-limit", type=float, default=60.0, metavar="S",
                        help="ilp: seconds before returning the best schedule found (default 60)")
-    solve.add_argument("--workers", type=int, default=2, metavar="N", help="ilp: CP-SAT search threads")
+    solve.add_argument("--workers", type=int, default=2, metavar="N", help="ilp: search threads")
+    solve.add_argument("--backend", choices=BACKENDS, default="cp-sat",
+                       help="ilp: CP-SAT (default) or a MIP solver through pywraplp (SCIP proves optimality "
+                            "faster on some graphs, docs/ilp.md)")
     solve.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     return parser
 
@@ -72,9 +77,9 @@ def _solve_ilp(args: argparse.Namespace, graph: Any) -> dict[str, Any]:
     budget_bytes = int(value * baseline.peak_bytes) if kind == "fraction" else int(value)
     hint = default_hint(graph, budget_bytes)
     result = solve_ilp(graph, budget_bytes, time_limit=args.time_limit, workers=args.workers, hint=hint,
-                       progress=not args.json)
+                       progress=not args.json, backend=args.backend)
     base_cost = baseline.simulation.compute_cost
-    out: dict[str, Any] = {"graph": graph.name, "solver": "ilp", "status": result.status,
+    out: dict[str, Any] = {"graph": graph.name, "solver": "ilp", "backend": result.backend, "status": result.status,
                            "feasible": result.schedule is not None, "budget_bytes": budget_bytes,
                            "store_all_peak_bytes": baseline.peak_bytes, "solve_seconds": result.solve_seconds,
                            "objective": result.objective, "bound": result.bound, "gap": result.gap,
@@ -98,6 +103,7 @@ def _solve(args: argparse.Namespace) -> dict[str, Any]:
     if args.solver == "ilp":  # through the joint view, seeded with the lower-set DP
         from .solvers import ilp as ilp_module
         ilp_module.DEFAULT_TIME_LIMIT = args.time_limit
+        ilp_module.DEFAULT_BACKEND = args.backend
     start = time.perf_counter()
     result: dict[str, Any] = {"graph": graph.name, "solver": args.solver, "variant": args.variant}
     if args.min_budget:

@@ -1,7 +1,8 @@
 """``evict``: a fast heuristic for joint graphs (explicit backward nodes): run the nodes in order and,
 when the next computation would exceed the budget, drop a live value (the one whose next reader is
-farthest away, Belady's rule, or the cheapest to rebuild per byte and per step of distance, DTR's), and
-recompute dropped values on demand from their inputs; the cheaper of the two schedules wins.
+farthest away, Belady's rule, or the cheapest to rebuild per byte and per step of distance, DTR's, with
+the rebuild priced one level or all levels deep), and recompute dropped values on demand from their
+inputs; the cheapest of the schedules wins.
 
 Model: the simulator's for a forward-only schedule (a running node holds its inputs and its output; a
 value lives from its computation to its last reader). Complexity: O(n · live values) per computation,
@@ -18,7 +19,9 @@ from . import Solution, register
 __all__ = ["evict", "evict_schedule", "working_sets", "RULES"]
 
 #: The eviction rules ``evict`` tries (it keeps the cheapest feasible schedule).
-RULES = ("belady", "dtr")
+RULES = ("belady", "dtr", "dtr_deep")
+#: ``dtr_deep`` follows dropped ancestors this many levels deep (deeper: treated as unaffordable).
+DEEP_LEVELS = 30
 #: A schedule longer than this many computations per node is abandoned (recomputation cascades).
 WORK_PER_NODE = 20
 
@@ -26,8 +29,10 @@ WORK_PER_NODE = 20
 def evict_schedule(graph: CostGraph, budget_bytes: int, rule: str = "belady") -> list[int] | None:
     """The order of computations (node indices, recomputations included), or None when the heuristic
     cannot keep the working set of some node within ``budget_bytes``. ``rule``: which live value to
-    drop: "belady" (the farthest next reader) or "dtr" (the least estimated recomputation cost per byte
-    and per step of distance to its next reader, as DTR does)."""
+    drop: "belady" (the farthest next reader), "dtr" (the least estimated recomputation cost per byte
+    and per step of distance to its next reader, as DTR does, counting the missing inputs' own costs) or
+    "dtr_deep" (the same with the cost of every dropped ancestor its rebuild needs, DTR's evicted
+    neighbourhood)."""
     if rule not in RULES:
         raise ValueError(f"unknown eviction rule {rule!r}; use one of {', '.join(RULES)}")
     cost = [node.forward_cost for node in graph.nodes]
@@ -56,8 +61,11 @@ def evict_schedule(graph: CostGraph, budget_bytes: int, rule: str = "belady") ->
             if rule == "belady":
                 victim = max(candidates, key=lambda u: (next_use(u), memory[u]))
             else:
+                rebuild_cost = _deep_rebuild_cost(cost, inputs, live) if rule == "dtr_deep" else \
+                    (lambda p: 0.0 if p in live else cost[p])
+
                 def score(u: int) -> float:
-                    rebuild = cost[u] + sum(cost[p] for p in inputs[u] if p not in live)
+                    rebuild = cost[u] + sum(rebuild_cost(p) for p in inputs[u])
                     return rebuild / (max(memory[u], 1) * (next_use(u) - frontier + 1))
                 victim = min(candidates, key=score)
             del live[victim]
@@ -98,6 +106,23 @@ def evict_schedule(graph: CostGraph, budget_bytes: int, rule: str = "belady") ->
             del live[u]
             used -= memory[u]
     return order
+
+
+def _deep_rebuild_cost(cost: list[float], inputs: list, live: dict):
+    """``p -> cost of making p live again``: p's cost plus that of its dropped ancestors, each counted
+    once per query, up to ``DEEP_LEVELS`` levels (memoized for one eviction decision)."""
+    memo: dict[int, float] = {}
+
+    def rebuild_cost(p: int, level: int = 0) -> float:
+        if p in live:
+            return 0.0
+        if p not in memo:
+            if level > DEEP_LEVELS:
+                return float("inf")
+            memo[p] = 0.0  # a shared ancestor counts once
+            memo[p] = cost[p] + sum(rebuild_cost(q, level + 1) for q in inputs[p])
+        return memo[p]
+    return rebuild_cost
 
 
 def working_sets(graph: CostGraph) -> list[int]:

@@ -40,9 +40,10 @@ from ..graph import CostGraph
 from ..schedule import Forward, Schedule, insert_frees
 from ..simulate import simulate
 from . import Solution, register
+from .ilp_backends import BACKENDS, make_backend
 
 __all__ = ["ILPResult", "ilp", "solve_ilp", "schedule_from_stages", "default_hint",
-           "MEMORY_UNITS"]
+           "MEMORY_UNITS", "BACKENDS"]
 
 #: The budget is divided into at most this many memory units.
 MEMORY_UNITS = 1_000_000
@@ -52,8 +53,8 @@ COST_UNITS = 10_000
 
 @dataclass
 class ILPResult:
-    """What a CP-SAT solve returned. ``status``: OPTIMAL (proven), FEASIBLE (a schedule, optimality not
-    proven), INFEASIBLE (proven: nothing fits the budget in the model) or UNKNOWN (nothing found in the
+    """What a solve returned (``backend``: which solver). ``status``: OPTIMAL (proven), FEASIBLE (a
+    schedule, optimality not proven), INFEASIBLE (proven: nothing fits the budget in the model) or UNKNOWN (nothing found in the
     time limit; when a fitting hint was given, the result is that hint with status FEASIBLE instead).
     ``objective`` and ``bound`` are total compute in the graph's cost unit; ``gap`` is
     ``(objective - bound) / objective``."""
@@ -68,21 +69,13 @@ class ILPResult:
     variables: int = 0
     constraints: int = 0
     improvements: list[tuple[float, float]] = field(default_factory=list)  # (seconds, objective)
+    backend: str = "cp-sat"
 
     @property
     def gap(self) -> float | None:
         if self.objective is None or self.bound is None or self.objective == 0:
             return None
         return max(0.0, (self.objective - self.bound) / self.objective)
-
-
-def _import_cp_model():
-    try:
-        from ortools.sat.python import cp_model
-    except ImportError as error:  # pragma: no cover - depends on the environment
-        raise SolverError("the ilp solver needs OR-Tools: pip install 'ortools>=9.8' (or pip install "
-                          "'recompute_graph[ilp]')") from error
-    return cp_model
 
 
 def schedule_from_stages(graph: CostGraph, computed: list[list[int]]) -> Schedule:
@@ -94,7 +87,7 @@ def schedule_from_stages(graph: CostGraph, computed: list[list[int]]) -> Schedul
 def solve_ilp(graph: CostGraph, budget_bytes: int, *, time_limit: float = 60.0, workers: int = 2,
               hint: Schedule | None = None, progress: bool = False, log=None, passes: int = 1,
               parameters: dict | None = None, computed_once: "Iterable[int] | None" = None,
-              optional_nodes: "dict[int, int] | None" = None) -> ILPResult:
+              optional_nodes: "dict[int, int] | None" = None, backend: str = "cp-sat") -> ILPResult:
     """Solve the stage model at ``budget_bytes`` with CP-SAT (module docstring).
 
     ``time_limit`` in seconds, ``workers`` search threads, ``hint`` a feasible schedule to start from
@@ -105,13 +98,15 @@ def solve_ilp(graph: CostGraph, budget_bytes: int, *, time_limit: float = 60.0, 
     to set (``{"optimize_with_core": True}``, ...). ``computed_once``: nodes that must not be recomputed
     (the backward nodes of a joint view: a backward runs once). ``optional_nodes``: ``{node: anchor}``,
     nodes with no stage of their own, computed (at least once, as their readers require) only in a
-    stage that also computes their anchor, after it (the tapes of a joint view).
+    stage that also computes their anchor, after it (the tapes of a joint view). ``backend``: "cp-sat"
+    (default) or a MIP solver through pywraplp, "scip", "highs" or "cbc" (``ilp_backends.py``);
+    ``parameters`` are then solver-specific "name = value" settings.
     """
     if graph.implicit_backward:
         raise SolverError(f"solve_ilp works on graphs whose every node is a computation, with backward "
                           f"nodes explicit (Checkmate joint graphs); {graph.name!r} has an implicit backward: "
                           "use the ilp solver (it goes through the graph's joint view), or dp_exact")
-    cp_model = _import_cp_model()
+    model = make_backend(backend)  # fails early when OR-Tools or the solver is missing
     n = len(graph)
     unit = max(1, budget_bytes // MEMORY_UNITS)
     memory = [math.ceil(node.output_bytes / unit) for node in graph.nodes]
@@ -140,13 +135,11 @@ def solve_ilp(graph: CostGraph, budget_bytes: int, *, time_limit: float = 60.0, 
     for sigma in range(count):
         before.append(sorted(seen))
         seen |= set(allowed[sigma])
-    model = cp_model.CpModel()
-    one = model.NewConstant(1)
-    zero = model.NewConstant(0)
+    one, zero = model.one, model.zero
     # R[sigma][i]: stage sigma computes i; S[sigma][i]: value i is live when stage sigma starts
-    R = [{i: model.NewBoolVar(f"R{sigma}_{i}") for i in allowed[sigma]
+    R = [{i: model.bool_var(f"R{sigma}_{i}") for i in allowed[sigma]
           if not (i == frontier[sigma] and first[sigma])} for sigma in range(count)]
-    S = [{i: model.NewBoolVar(f"S{sigma}_{i}") for i in before[sigma]} for sigma in range(count)]
+    S = [{i: model.bool_var(f"S{sigma}_{i}") for i in before[sigma]} for sigma in range(count)]
     S.append({i: zero for i in range(n)})  # nothing survives the last stage
 
     def r(sigma: int, i: int):
@@ -161,79 +154,74 @@ def solve_ilp(graph: CostGraph, budget_bytes: int, *, time_limit: float = 60.0, 
         members = set(here)
         if sigma + 1 < count:  # S of the end is the constant 0
             for i, kept in after.items():
-                model.Add(kept <= live(sigma, i) + (r(sigma, i) if i in members else 0))
+                model.add(kept <= live(sigma, i) + (r(sigma, i) if i in members else 0))
         for i in R[sigma]:
             readers = [r(sigma, j) for j in successors[i] if j in members]
-            model.Add(R[sigma][i] + live(sigma, i) <= 1)  # a live value is not recomputed
-            model.Add(R[sigma][i] <= sum(readers) + after.get(i, zero))  # read in the stage or kept
+            model.add(R[sigma][i] + live(sigma, i) <= 1)  # a live value is not recomputed
+            model.add(R[sigma][i] <= sum(readers) + after.get(i, zero))  # read in the stage or kept
             if i in once:
-                model.Add(R[sigma][i] == 0)
+                model.add(R[sigma][i] == 0)
             if i in optional:
-                model.Add(R[sigma][i] <= r(sigma, optional[i]))
+                model.add(R[sigma][i] <= r(sigma, optional[i]))
         for i in S[sigma]:
             readers = [r(sigma, j) for j in successors[i] if j in members]
-            model.Add(S[sigma][i] <= sum(readers) + after.get(i, zero))  # read or kept further
+            model.add(S[sigma][i] <= sum(readers) + after.get(i, zero))  # read or kept further
         for j in here:
             for i in predecessors[j]:
-                model.Add(r(sigma, j) <= (r(sigma, i) if i in members else 0) + live(sigma, i))
+                model.add(r(sigma, j) <= (r(sigma, i) if i in members else 0) + live(sigma, i))
         # memory while computing k: live values (inputs included) and k's output; FREE[i->k]: i is
         # freed right after k (k reads it last in the stage and it is not kept)
         level = sum(memory[i] * S[sigma][i] for i in S[sigma])
         frees = 0
         for k in here:
             level = level + memory[k] * r(sigma, k)
-            model.Add(level - frees <= budget)
+            model.add(level - frees <= budget)
             levels.append(level - frees)
             for i in predecessors[k]:
                 later = [r(sigma, j) for j in successors[i] if j > k and j in members]
                 kept = after.get(i, zero)
-                free = model.NewBoolVar(f"F{sigma}_{i}_{k}")
+                free = model.bool_var(f"F{sigma}_{i}_{k}")
                 if k in R[sigma]:
-                    model.Add(free <= R[sigma][k])
-                model.Add(free + kept <= 1)
+                    model.add(free <= R[sigma][k])
+                model.add(free + kept <= 1)
                 for literal in later:
-                    model.Add(free + literal <= 1)
-                model.Add(free >= r(sigma, k) - kept - sum(later))
+                    model.add(free + literal <= 1)
+                model.add(free >= r(sigma, k) - kept - sum(later))
                 frees = frees + memory[i] * free
-    model.Minimize(sum(cost[i] * r(sigma, i) for sigma in range(count) for i in allowed[sigma]))
+    model.minimize(sum(cost[i] * r(sigma, i) for sigma in range(count) for i in allowed[sigma]))
 
     if hint is not None:
         _add_hint(model, hint, R, frontier, first)
 
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = float(time_limit)
-    solver.parameters.num_search_workers = max(1, int(workers))
-    for name, value in (parameters or {}).items():
-        setattr(solver.parameters, name, value)
     improvements: list[tuple[float, float]] = []
     start = time.perf_counter()
     stream = log if log is not None else sys.stderr
 
-    class _Progress(cp_model.CpSolverSolutionCallback):
-        def on_solution_callback(self) -> None:
-            objective = self.ObjectiveValue() / scale
-            bound = self.BestObjectiveBound() / scale
-            elapsed = time.perf_counter() - start
-            improvements.append((elapsed, objective))
-            if progress:
-                gap = (objective - bound) / objective if objective else 0.0
-                print(f"  ilp {elapsed:7.1f} s  objective {objective:.6g}  bound {bound:.6g}  gap {gap:.2%}",
-                      file=stream, flush=True)
+    def on_solution(objective_units: float, bound_units: float) -> None:
+        objective, bound = objective_units / scale, bound_units / scale
+        elapsed = time.perf_counter() - start
+        improvements.append((elapsed, objective))
+        if progress:
+            gap = (objective - bound) / objective if objective else 0.0
+            print(f"  ilp {elapsed:7.1f} s  objective {objective:.6g}  bound {bound:.6g}  gap {gap:.2%}",
+                  file=stream, flush=True)
 
-    status_code = solver.Solve(model, _Progress())
+    status = model.solve(time_limit, workers, on_solution, parameters=parameters, progress=progress, log=log)
+    # every node but the optional ones is computed at least once: a bound whatever the solver proved (a MIP
+    # solver stopped before its first LP reports none)
+    trivial_bound = sum(graph.nodes[i].forward_cost for i in fronts)
     seconds = time.perf_counter() - start
-    status = solver.StatusName(status_code)
-    proto = model.Proto()
+    variables, constraints = model.size()
     result = ILPResult(status=status, schedule=None, objective=None, bound=None, solve_seconds=seconds,
-                       memory_unit_bytes=unit, variables=len(proto.variables), constraints=len(proto.constraints),
-                       improvements=improvements)
+                       memory_unit_bytes=unit, variables=variables, constraints=constraints,
+                       improvements=improvements, backend=model.name)
     if status in ("OPTIMAL", "FEASIBLE"):
-        stages = [[i for i in allowed[sigma] if (i == frontier[sigma] and first[sigma]) or solver.Value(R[sigma][i])]
+        stages = [[i for i in allowed[sigma] if (i == frontier[sigma] and first[sigma]) or model.value(R[sigma][i])]
                   for sigma in range(count)]
         result.schedule = schedule_from_stages(graph, stages)
         result.objective = sum(graph.nodes[i].forward_cost for stage in stages for i in stage)
-        result.bound = solver.BestObjectiveBound() / scale
-        result.model_peak_units = max(int(solver.Value(level)) for level in levels)
+        result.bound = max(model.bound() / scale, trivial_bound)
+        result.model_peak_units = max(model.value(level) for level in levels)
         if status == "OPTIMAL":
             result.bound = result.objective
     if hint is not None and status != "OPTIMAL":
@@ -242,7 +230,7 @@ def solve_ilp(graph: CostGraph, budget_bytes: int, *, time_limit: float = 60.0, 
         if hinted.peak_bytes <= budget_bytes and (result.objective is None or hinted.compute_cost < result.objective):
             if result.schedule is None:  # nothing found in the time limit
                 result.status = "FEASIBLE"
-                result.bound = max(solver.BestObjectiveBound() / scale, sum(node.forward_cost for node in graph.nodes))
+                result.bound = max(model.bound() / scale, trivial_bound)
             result.schedule, result.objective, result.model_peak_units = hint, hinted.compute_cost, None
     return result
 
@@ -268,7 +256,7 @@ def _add_hint(model, hint: Schedule, R, frontier: list[int], first: list[bool]) 
         chosen[last_pass[-1]] |= set(pending)
     for sigma in range(count):
         for i, variable in R[sigma].items():
-            model.AddHint(variable, 1 if i in chosen[sigma] else 0)
+            model.hint(variable, 1 if i in chosen[sigma] else 0)
 
 
 def default_hint(graph: CostGraph, budget_bytes: int) -> Schedule | None:
@@ -287,21 +275,25 @@ def default_hint(graph: CostGraph, budget_bytes: int) -> Schedule | None:
 
 #: Seconds a solve may take when the caller gives no limit (``optimize(..., solver="ilp")``, the CLI).
 DEFAULT_TIME_LIMIT = 60.0
+#: The back end used when the caller names none (see ``ilp_backends.BACKENDS``).
+DEFAULT_BACKEND = "cp-sat"
 
 
 @register("ilp", graphs=("implicit", "joint"))
 def ilp(graph: CostGraph, budget_bytes: int | None = None, *, time_limit: float | None = None, workers: int = 2,
-        hint: Schedule | None = None, progress: bool = False) -> Solution:
+        hint: Schedule | None = None, progress: bool = False, backend: str | None = None) -> Solution:
     """The ilp solver in the registry's signature. Joint graphs: the stage model; without a budget, the
     least compute at the lowest peak ``evict`` finds (the registry's "smallest peak it can find").
     Graphs with an implicit backward: through their joint view with tapes, seeded with the lower-set DP
     (``ilp_backward.py``). SolverError when nothing fits in the time limit
-    (``DEFAULT_TIME_LIMIT`` when not given)."""
+    (``DEFAULT_TIME_LIMIT`` when not given). ``backend``: see ``solve_ilp`` (``DEFAULT_BACKEND`` when not given)."""
     if time_limit is None:
         time_limit = DEFAULT_TIME_LIMIT
+    backend = backend or DEFAULT_BACKEND
     if graph.implicit_backward:
         from .ilp_backward import solve_implicit
-        return solve_implicit(graph, budget_bytes, time_limit=time_limit, workers=workers, progress=progress)
+        return solve_implicit(graph, budget_bytes, time_limit=time_limit, workers=workers, progress=progress,
+                              backend=backend)
     from . import SOLVERS
     lowest = None
     if budget_bytes is None:
@@ -310,7 +302,8 @@ def ilp(graph: CostGraph, budget_bytes: int | None = None, *, time_limit: float 
         budget_bytes, hint = lowest.peak_bytes, lowest.schedule
     if hint is None:
         hint = default_hint(graph, budget_bytes)
-    result = solve_ilp(graph, budget_bytes, time_limit=time_limit, workers=workers, hint=hint, progress=progress)
+    result = solve_ilp(graph, budget_bytes, time_limit=time_limit, workers=workers, hint=hint, progress=progress,
+                       backend=backend)
     if result.schedule is None:
         if lowest is not None:
             return Solution("ilp", lowest.schedule, lowest.simulation, f"evict's lowest-peak plan ({result.status})")

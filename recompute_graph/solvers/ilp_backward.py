@@ -97,7 +97,7 @@ class JointView:
 
 
 def solve_implicit(graph: CostGraph, budget_bytes: int | None, *, time_limit: float = 60.0, workers: int = 2,
-                   progress: bool = False, attempts: int = 3) -> Solution:
+                   progress: bool = False, attempts: int = 3, backend: str = "cp-sat") -> Solution:
     """The ilp solver for a graph with an implicit backward (module docstring)."""
     from . import SOLVERS
     from .ilp import solve_ilp
@@ -115,7 +115,7 @@ def solve_implicit(graph: CostGraph, budget_bytes: int | None, *, time_limit: fl
             break
         result = solve_ilp(view.joint, int(model_budget), time_limit=time_limit / attempts, workers=workers,
                            hint=seed_joint, progress=progress, computed_once=view.backward.values(),
-                           optional_nodes={t: view.value[v] for v, t in view.tape.items()})
+                           optional_nodes={t: view.value[v] for v, t in view.tape.items()}, backend=backend)
         if result.schedule is None:
             break
         candidate = Solution.of("ilp", graph, view.from_joint(result.schedule),
