@@ -10,8 +10,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .errors import (GraphError, InfeasibleBudgetError, ProfileError, RecomputeError, RewriteError,
-                     ScheduleError, SolverError, TraceError)
+from .errors import (GraphError, InfeasibleBudgetError, PlanFileError, PlanMismatchWarning, ProfileError,
+                     RecomputeError, RewriteError, ScheduleError, SolverError, TraceError)
 from .graph import CostGraph, CostNode
 from .units import format_bytes, parse_bytes
 
@@ -34,7 +34,8 @@ _LAZY = {
 }
 
 __all__ = ["CostGraph", "CostNode", "RecomputeError", "TraceError", "ProfileError", "GraphError",
-           "SolverError", "InfeasibleBudgetError", "ScheduleError", "RewriteError", "parse_bytes", "format_bytes", *_LAZY]
+           "SolverError", "InfeasibleBudgetError", "ScheduleError", "RewriteError", "PlanFileError",
+           "PlanMismatchWarning", "parse_bytes", "format_bytes", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

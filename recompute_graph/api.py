@@ -2,37 +2,48 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Sequence
+import os
+import warnings
+from typing import Any, Iterator, Sequence, Union
 
 from torch import nn
 
 from .costs import profile_graph
 from .optimized_module import RecomputedModule
-from .planner import Budget, RecomputePlan, make_plan, parse_budget
+from .errors import PlanMismatchWarning
+from .graph import CostGraph
+from .planner import Budget, RecomputePlan, make_plan, min_budget_for_peak, parse_budget, replan_schedule
+from .saved_plans import load_plan, mismatch_reason
 from .rewrite import ScheduleExecutor
 from .solvers import get_solver
 from .trace import trace
 
 __all__ = ["optimize"]
 
-PROFILE_OPTIONS = ("timing", "repeats", "warmup", "device_profile")
+PROFILE_OPTIONS = ("timing", "repeats", "warmup", "device_profile", "progress")
 
 
 def optimize(model: nn.Module, budget: Budget, *, example_inputs: Sequence[Any] | None = None,
-             solver: str = "auto", **options: Any) -> RecomputedModule:
+             solver: str = "auto", plan: Union[str, "os.PathLike[str]", RecomputePlan, None] = None,
+             **options: Any) -> RecomputedModule:
     """Return a module that trains like ``model`` with its step's peak memory within ``budget``.
 
     ``budget``: bytes (int), a size string (``"1.5GiB"``, ``"800MB"``) or a float in (0, 1] = that fraction
     of the store-all peak. ``example_inputs``: positional inputs to plan with now; ``None`` plans on the
     first training call (and again whenever input shapes or dtypes change). ``solver``: a registered
     solver name or ``"auto"`` (the best feasible plan among ``AUTO_SOLVERS``). ``options`` tune profiling:
-    ``timing`` (``"measure"`` or ``"flops"``), ``repeats``, ``warmup``, ``device_profile``.
+    ``timing`` (``"measure"`` or ``"flops"``), ``repeats``, ``warmup``, ``device_profile``, ``progress``
+    (a progress bar while profiling). ``plan``: a saved plan (a path written by ``RecomputePlan.save``,
+    or a plan) to reuse instead of solving, when the traced graph has the same structure fingerprint and
+    the plan's predicted peak fits ``budget``; otherwise a ``PlanMismatchWarning`` says why and a new
+    plan is made.
 
     Raises ValueError for a bad budget or solver name, TypeError for an unknown option, TraceError when the
     model cannot be traced and InfeasibleBudgetError (with ``min_budget_bytes``) when nothing fits. The
     user's model is never modified: the returned module shares its parameters and buffers.
     """
     parse_budget(budget)
+    saved = load_plan(os.fspath(plan)) if isinstance(plan, (str, os.PathLike)) else plan
     if solver != "auto":
         get_solver(solver)
     unknown = sorted(set(options) - set(PROFILE_OPTIONS))
@@ -44,13 +55,30 @@ def optimize(model: nn.Module, budget: Budget, *, example_inputs: Sequence[Any] 
     def plan_for(inputs: list[Any]) -> tuple[ScheduleExecutor, RecomputePlan]:
         with _training_mode(graph_module):
             graph = profile_graph(traced, inputs, name=type(model).__name__, **options)
-        plan = make_plan(graph, budget, solver)
-        return ScheduleExecutor(graph_module, graph, plan.schedule), plan
+        chosen = _reuse(saved, graph, budget) if saved is not None else None
+        if chosen is None:
+            chosen = make_plan(graph, budget, solver)
+        return ScheduleExecutor(graph_module, graph, chosen.schedule), chosen
 
     optimized = RecomputedModule(model, graph_module, plan_for)
     if example_inputs is not None:
         optimized.plan(*example_inputs)
     return optimized
+
+
+def _reuse(saved: RecomputePlan, graph: CostGraph, budget: Budget) -> RecomputePlan | None:
+    """``saved`` re-priced on ``graph`` when it is the same structure and fits ``budget``; else None after
+    a PlanMismatchWarning that says why."""
+    reason = mismatch_reason(saved.graph, graph)
+    if reason is None:
+        reused = replan_schedule(saved, graph, budget)
+        needed = min_budget_for_peak(reused.predicted_peak_bytes)
+        if needed <= reused.budget_bytes:
+            return reused
+        reason = (f"its predicted peak {reused.predicted_peak_bytes} bytes needs a budget of {needed} bytes, "
+                  f"over the {reused.budget_bytes} asked for")
+    warnings.warn(f"saved plan not reused: {reason}; making a new plan", PlanMismatchWarning, stacklevel=4)
+    return None
 
 
 @contextlib.contextmanager

@@ -38,6 +38,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from .errors import ProfileError
 from .graph import CostGraph, CostNode
 from .measure import StorageTracker, storage_key
+from .progress import progress_bar
 from .trace import TraceResult, trace
 
 __all__ = ["DeviceProfile", "DEVICE_PROFILES", "profile_model", "profile_graph"]
@@ -73,22 +74,23 @@ DEVICE_PROFILES = {
 
 def profile_model(model: nn.Module, example_inputs: Sequence[Any], *, timing: str = "measure",
                   repeats: int = 5, warmup: int = 2, device_profile: DeviceProfile | str = "cpu",
-                  name: str | None = None) -> tuple[TraceResult, CostGraph]:
+                  name: str | None = None, progress: bool = False) -> tuple[TraceResult, CostGraph]:
     """Trace ``model`` and price every node on ``example_inputs``; see :func:`profile_graph`."""
     traced = trace(model)
     graph = profile_graph(traced, example_inputs, timing=timing, repeats=repeats, warmup=warmup,
-                          device_profile=device_profile, name=name or type(model).__name__)
+                          device_profile=device_profile, name=name or type(model).__name__, progress=progress)
     return traced, graph
 
 
 def profile_graph(traced: TraceResult, example_inputs: Sequence[Any], *, timing: str = "measure",
                   repeats: int = 5, warmup: int = 2, device_profile: DeviceProfile | str = "cpu",
-                  name: str | None = None) -> CostGraph:
+                  name: str | None = None, progress: bool = False) -> CostGraph:
     """Price the nodes of a traced model on ``example_inputs`` (see the module docstring).
 
     ``timing``: ``"measure"`` (wall clock on the inputs' device, the default) or ``"flops"``
     (deterministic estimate from FLOPs with ``device_profile``). On ``meta`` tensors timing is always
-    ``"flops"``. Raises :class:`ProfileError` naming the node when a node cannot run.
+    ``"flops"``. Raises :class:`ProfileError` naming the node when a node cannot run. ``progress``: a
+    progress bar on stderr over the two passes.
     """
     if timing not in ("measure", "flops"):
         raise ValueError(f"timing must be 'measure' or 'flops', got {timing!r}")
@@ -101,14 +103,28 @@ def profile_graph(traced: TraceResult, example_inputs: Sequence[Any], *, timing:
     on_meta = any(isinstance(t, torch.Tensor) and t.is_meta for t in tree_flatten(inputs)[0])
     if on_meta:
         timing = "flops"
-    with _preserved_state(gm):
-        memory = _MemoryPass(gm).run(*inputs)
-    with _preserved_state(gm):
-        compute = _ComputePass(gm, timing, repeats, warmup).run(*inputs)
+    passes = (_MemoryPass(gm), _ComputePass(gm, timing, repeats, warmup))
+    with progress_bar(len(gm.graph.nodes) * len(passes), f"profiling {name or 'model'}", progress) as bar:
+        for interpreter in passes:
+            _count_nodes(interpreter, bar)
+            with _preserved_state(gm):
+                interpreter.run(*inputs)
+    memory, compute = passes
     return _build_cost_graph(gm, traced, memory, compute, timing, device_profile, name or "model", inputs)
 
 
 # --------------------------------------------------------------------------------------------- helpers
+def _count_nodes(interpreter: fx.Interpreter, bar: Any) -> None:
+    """Advance ``bar`` after every node ``interpreter`` runs."""
+    run_node = interpreter.run_node
+
+    def counted(n: fx.Node) -> Any:
+        result = run_node(n)
+        bar.update()
+        return result
+    interpreter.run_node = counted  # type: ignore[method-assign]
+
+
 @contextlib.contextmanager
 def _preserved_state(gm: nn.Module) -> Iterator[None]:
     """Restore every buffer and the CPU/CUDA RNG states on exit (profiling must leave no trace)."""

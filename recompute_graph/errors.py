@@ -45,6 +45,15 @@ class InfeasibleBudgetError(RecomputeError, ValueError):
         self.min_budget_bytes = min_budget_bytes
 
 
+class PlanFileError(RecomputeError, ValueError):
+    """A saved plan cannot be read (missing file, not JSON, not a plan, malformed)."""
+
+
+class PlanMismatchWarning(UserWarning):
+    """A saved plan offered to ``optimize(..., plan=...)`` does not fit the model or the budget; the
+    message says why, and a new plan is made instead."""
+
+
 class ScheduleError(RecomputeError, ValueError):
     """A schedule cannot run: a value used before it exists, a backward before its inputs, ..."""
 

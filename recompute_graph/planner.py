@@ -21,7 +21,7 @@ from .solvers.lower_set_dp import dp_for
 from .units import format_bytes, parse_bytes
 
 __all__ = ["Budget", "parse_budget", "RecomputePlan", "make_plan", "AUTO_SOLVERS", "auto_solvers",
-           "min_feasible_budget"]
+           "min_feasible_budget", "replan_schedule"]
 
 Budget = Union[int, float, str]
 #: A plan fits a budget when its predicted peak times (1 + PLANNING_MARGIN) does. The margin covers what
@@ -89,6 +89,18 @@ class RecomputePlan:
     def recomputed_nodes(self) -> tuple[int, ...]:
         return self.schedule.recomputed_nodes()
 
+    def save(self, path: str) -> None:
+        """Write the plan as JSON, with the cost graph and its structure fingerprint (saved_plans.py);
+        ``optimize(model, budget, plan=path)`` reuses it when the model still matches."""
+        from .saved_plans import save_plan
+        save_plan(self, path)
+
+    @classmethod
+    def load(cls, path: str) -> "RecomputePlan":
+        """A plan written by ``save``; PlanFileError when the file is missing or not a valid plan."""
+        from .saved_plans import load_plan
+        return load_plan(path)
+
     def one_line(self) -> str:
         return (f"{self.solver}: peak {format_bytes(self.predicted_peak_bytes)} of budget "
                 f"{format_bytes(self.budget_bytes)} (store-all {format_bytes(self.store_all_peak_bytes)}), "
@@ -119,7 +131,7 @@ def run_solver(name: str, graph: CostGraph, budget_bytes: int | None, variant: s
 def make_plan(graph: CostGraph, budget: Budget, solver: str = "auto", *, variant: str = "time") -> RecomputePlan:
     """The best schedule for ``graph`` within ``budget``; InfeasibleBudgetError (with the smallest
     feasible budget) when none fits. ``variant`` is passed to the lower-set DPs."""
-    kind, value = parse_budget(budget)
+    parse_budget(budget)
     names = auto_solvers(graph) if solver == "auto" else (solver,)
     for name in names:
         get_solver(name)  # unknown names fail before any work
@@ -127,10 +139,8 @@ def make_plan(graph: CostGraph, budget: Budget, solver: str = "auto", *, variant
             kind_name = "an implicit backward" if graph.implicit_backward else "explicit backward nodes"
             raise SolverError(f"solver {name!r} does not take graph {graph.name!r}, which has {kind_name}; "
                               f"use one of: {', '.join(solvers_for(graph))}")
-    store_all = SOLVERS["store_all"](graph, None)
+    store_all, budget_bytes = _store_all_and_budget(graph, budget)
     store_all_cost = store_all.simulation.compute_cost
-    budget_bytes = (int(value * min_budget_for_peak(store_all.peak_bytes)) if kind == "fraction"
-                    else int(value))
     usable_bytes = int(budget_bytes / (1 + PLANNING_MARGIN))
     solutions = [store_all if name == "store_all" else run_solver(name, graph, usable_bytes, variant)
                  for name in names]
@@ -144,6 +154,25 @@ def make_plan(graph: CostGraph, budget: Budget, solver: str = "auto", *, variant
             "the store-all peak). Raise the budget or try another solver.",
             budget_bytes=budget_bytes, min_budget_bytes=smallest)
     return _plan(chosen, graph, budget_bytes, store_all, store_all_cost)
+
+
+def _store_all_and_budget(graph: CostGraph, budget: Budget) -> tuple[Solution, int]:
+    """The store-all solution and ``budget`` in bytes (a fraction is of the store-all budget)."""
+    kind, value = parse_budget(budget)
+    store_all = SOLVERS["store_all"](graph, None)
+    budget_bytes = (int(value * min_budget_for_peak(store_all.peak_bytes)) if kind == "fraction"
+                    else int(value))
+    return store_all, budget_bytes
+
+
+def replan_schedule(saved: RecomputePlan, graph: CostGraph, budget: Budget) -> RecomputePlan:
+    """``saved``'s schedule priced on ``graph`` (same structure, possibly other times) at ``budget``;
+    whether it fits is for the caller to check (``min_budget_for_peak``)."""
+    from .simulate import simulate
+    store_all, budget_bytes = _store_all_and_budget(graph, budget)
+    simulation = simulate(graph, saved.schedule)
+    chosen = Solution(saved.solver, saved.schedule, simulation, f"reused saved plan: {saved.description}".rstrip(": "))
+    return _plan(chosen, graph, budget_bytes, store_all, store_all.simulation.compute_cost)
 
 
 def min_budget_for_peak(peak_bytes: int) -> int:

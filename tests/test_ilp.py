@@ -311,3 +311,9 @@ def test_without_a_budget_the_ilp_returns_a_low_peak_plan_of_a_joint_graph():
     solution = get_solver("ilp")(graph, None, time_limit=20)
     assert solution.peak_bytes <= lowest.peak_bytes < store_all.peak_bytes
     assert solution.simulation.compute_cost <= lowest.simulation.compute_cost + 1e-9
+
+
+def test_a_model_over_the_variable_limit_is_refused_before_it_is_built():
+    graph = random_joint_graph(random.Random(3), 7)
+    with pytest.raises(SolverError, match="variables.*evict"):
+        solve_ilp(graph, 100, max_variables=10)

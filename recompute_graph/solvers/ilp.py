@@ -87,7 +87,8 @@ def schedule_from_stages(graph: CostGraph, computed: list[list[int]]) -> Schedul
 def solve_ilp(graph: CostGraph, budget_bytes: int, *, time_limit: float = 60.0, workers: int = 2,
               hint: Schedule | None = None, progress: bool = False, log=None, passes: int = 1,
               parameters: dict | None = None, computed_once: "Iterable[int] | None" = None,
-              optional_nodes: "dict[int, int] | None" = None, backend: str = "cp-sat") -> ILPResult:
+              optional_nodes: "dict[int, int] | None" = None, backend: str = "cp-sat",
+              max_variables: int = 1_500_000) -> ILPResult:
     """Solve the stage model at ``budget_bytes`` with CP-SAT (module docstring).
 
     ``time_limit`` in seconds, ``workers`` search threads, ``hint`` a feasible schedule to start from
@@ -100,7 +101,8 @@ def solve_ilp(graph: CostGraph, budget_bytes: int, *, time_limit: float = 60.0, 
     nodes with no stage of their own, computed (at least once, as their readers require) only in a
     stage that also computes their anchor, after it (the tapes of a joint view). ``backend``: "cp-sat"
     (default) or a MIP solver through pywraplp, "scip", "highs" or "cbc" (``ilp_backends.py``);
-    ``parameters`` are then solver-specific "name = value" settings.
+    ``parameters`` are then solver-specific "name = value" settings. ``max_variables``: a SolverError
+    instead of a model larger than this (RL500 has about 0.8 M variables and takes minutes to build).
     """
     if graph.implicit_backward:
         raise SolverError(f"solve_ilp works on graphs whose every node is a computation, with backward "
@@ -135,6 +137,12 @@ def solve_ilp(graph: CostGraph, budget_bytes: int, *, time_limit: float = 60.0, 
     for sigma in range(count):
         before.append(sorted(seen))
         seen |= set(allowed[sigma])
+    size = sum(len(allowed[sigma]) + len(before[sigma]) + sum(len(predecessors[k]) for k in allowed[sigma])
+               for sigma in range(count))
+    if size > max_variables:
+        raise SolverError(f"the stage model of {graph.name!r} would have about {size:,} variables (limit "
+                          f"{max_variables:,}: building it alone takes minutes here); use the evict solver, "
+                          "or pass max_variables= to solve_ilp")
     one, zero = model.one, model.zero
     # R[sigma][i]: stage sigma computes i; S[sigma][i]: value i is live when stage sigma starts
     R = [{i: model.bool_var(f"R{sigma}_{i}") for i in allowed[sigma]
