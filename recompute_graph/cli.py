@@ -1,5 +1,7 @@
 """Command line: ``recompute-graph`` (also ``python -m recompute_graph``).
 
+    recompute-graph plan MODEL --budget B [--solver NAME] [-o plan.json] [--json] [-q]
+    recompute-graph plot [MODEL] [--budget B] [--out-dir DIR]
     recompute-graph solve GRAPH_FILE --solver NAME (--budget B | --min-budget) [--variant time|memory] [--json]
     recompute-graph solve GRAPH_FILE --solver ilp --budget B [--time-limit S] [--workers N]
                           [--backend cp-sat|scip|highs|cbc] [--json]
@@ -26,33 +28,33 @@ from .errors import InfeasibleBudgetError, RecomputeError
 from .planner import make_plan, min_feasible_budget
 from .solvers import SOLVERS
 from .solvers.ilp_backends import BACKENDS
+from .commands import plan as plan_command
+from .commands import plot as plot_command
+from .commands.common import budget_argument
 from .units import format_bytes
 
 __all__ = ["main"]
 
 
-def _budget(text: str) -> Any:
-    if text.isdigit():
-        return int(text)
-    try:
-        value = float(text)
-    except ValueError:
-        return text
-    if 0 < value <= 1:
-        return value
-    raise argparse.ArgumentTypeError(f"budget {text!r}: a float must be a fraction in (0, 1]; give bytes as "
-                                     "an integer or a size such as 1.5GiB")
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (no usage block): ``recompute-graph plan: error: ...``."""
+
+    def error(self, message: str) -> Any:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="recompute-graph", description="Plan activation recomputation.")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser = _Parser(prog="recompute-graph", description="Plan activation recomputation: which activations "
+                     "to keep and which to recompute so that a training step fits a memory budget.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
+    for command in (plan_command, plot_command):
+        command.add_parser(commands)
     solve = commands.add_parser("solve", help="solve a graph file at a budget or find its minimum budget",
                                 description=__doc__.split("\n\n")[2])
     solve.add_argument("graph_file", metavar="GRAPH_FILE")
     solve.add_argument("--solver", default="auto", help=f"one of: auto, {', '.join(sorted(SOLVERS))}")
     budget = solve.add_mutually_exclusive_group(required=True)
-    budget.add_argument("--budget", type=_budget, metavar="B", help="bytes, a size like 1.5GiB, or a fraction")
+    budget.add_argument("--budget", type=budget_argument, metavar="B", help="bytes, a size like 1.5GiB, or a fraction")
     budget.add_argument("--min-budget", action="store_true", help="find the smallest feasible budget")
     solve.add_argument("--variant", choices=("time", "memory"), default="time",
                        help="lower-set DPs: least overhead (time) or least checkpoint memory (memory)")
@@ -63,6 +65,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="ilp: CP-SAT (default) or a MIP solver through pywraplp (SCIP proves optimality "
                             "faster on some graphs, docs/ilp.md)")
     solve.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    solve.set_defaults(run=_run_solve)
     return parser
 
 
@@ -144,20 +147,26 @@ def _print_human(result: dict[str, Any]) -> None:
           f"{result['recomputed_nodes']} nodes recomputed, {result['solve_seconds']:.2f} s")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
-    try:
-        result = _solve(args)
-    except (RecomputeError, ValueError, OSError) as error:
-        message = str(error).splitlines()[0] if str(error) else type(error).__name__
-        print(f"recompute-graph: error: {message}", file=sys.stderr)
-        return 2
+def _run_solve(args: argparse.Namespace) -> int:
+    result = _solve(args)
     if args.json:
         print(json.dumps(result))
     else:
         _print_human(result)
     return 0 if result["feasible"] else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; returns the exit status (0 done, 1 infeasible budget, 2 error: one line on
+    stderr, no traceback)."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except (RecomputeError, ValueError, OSError, ImportError) as error:
+        message = str(error).splitlines()[0] if str(error) else type(error).__name__
+        print(f"recompute-graph {args.command}: error: {message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

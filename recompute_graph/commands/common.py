@@ -1,0 +1,51 @@
+"""Arguments and output shared by the subcommands."""
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+__all__ = ["budget_argument", "add_model_arguments", "add_output_flags", "print_json"]
+
+
+def budget_argument(text: str) -> Any:
+    """``--budget``: an int of bytes, a size string (``1.5GiB``) or a fraction in (0, 1]."""
+    if text.isdigit():
+        return int(text)
+    try:
+        value = float(text)
+    except ValueError:
+        from ..units import parse_bytes
+        try:
+            parse_bytes(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"cannot parse budget {text!r}: give bytes (123456789), a size "
+                                             "(1.5GiB, 800MB) or a fraction in (0, 1]") from None
+        return text
+    if 0 < value <= 1:
+        return value
+    raise argparse.ArgumentTypeError(f"budget {text!r}: a float must be a fraction in (0, 1]; give bytes as "
+                                     "an integer or a size such as 1.5GiB")
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, default: str | None = None) -> None:
+    """MODEL (a zoo name or package.module:factory), --preset, --size KEY=VALUE, --timing."""
+    kwargs: dict[str, Any] = {"nargs": "?", "default": default} if default else {}
+    parser.add_argument("model", metavar="MODEL", **kwargs,
+                        help="a zoo model (resnet18/34/50/101/152, unet, gpt2, vgg19, mlp, rnn) or "
+                             "package.module:factory returning (model, example_inputs)"
+                             + (f" (default {default})" if default else ""))
+    parser.add_argument("--preset", default="small", help="zoo size preset: tiny, small or paper (default small)")
+    parser.add_argument("--size", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a size of the zoo model or pass a factory argument (repeatable)")
+    parser.add_argument("--timing", choices=("measure", "flops"), default="measure",
+                        help="node times: measured (default) or estimated from FLOPs")
+
+
+def add_output_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+
+
+def print_json(result: dict[str, Any]) -> None:
+    print(json.dumps(result))

@@ -1,0 +1,89 @@
+"""The product commands of ``recompute-graph``: plan and plot, and one-line errors for bad arguments."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from recompute_graph import RecomputePlan
+from recompute_graph.cli import main
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "recompute_graph", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_plan_prints_a_summary_and_writes_a_plan_that_loads(tmp_path, capsys):
+    path = tmp_path / "mlp.json"
+    code = main(["plan", "mlp", "--preset", "tiny", "--budget", "0.9", "--timing", "flops", "-o", str(path), "-q"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "RecomputePlan" in out and "predicted peak" in out and str(path) in out
+    plan = RecomputePlan.load(str(path))
+    assert plan.predicted_peak_bytes <= plan.budget_bytes
+
+
+def test_plan_json_reports_the_plan_and_its_file(tmp_path, capsys):
+    path = tmp_path / "unet.json"
+    code = main(["plan", "unet", "--preset", "tiny", "--budget", "0.6", "--solver", "dp_exact", "--timing", "flops",
+                 "-o", str(path), "--json", "-q"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0 and result["feasible"] and result["solver"] == "dp_exact"
+    assert result["predicted_peak_bytes"] <= result["budget_bytes"] < result["store_all_peak_bytes"]
+    assert result["plan_file"] == str(path) and path.exists()
+    assert result["recomputed_nodes"] > 0
+
+
+def test_plan_with_an_infeasible_budget_exits_1_and_names_the_smallest_budget(tmp_path, capsys):
+    code = main(["plan", "mlp", "--preset", "tiny", "--budget", "1KiB", "--timing", "flops",
+                 "-o", str(tmp_path / "x.json"), "--json", "-q"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 1 and result["status"] == "INFEASIBLE" and result["min_budget_bytes"] > 1024
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_plan_accepts_a_module_factory(tmp_path, capsys):
+    code = main(["plan", "models_zoo:get_model", "--size", "name=mlp", "--size", "preset=tiny", "--budget", "0.9",
+                 "--timing", "flops", "-o", str(tmp_path / "f.json"), "--json", "-q"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0 and result["model"] == "get_model" and result["feasible"]
+
+
+def test_plot_writes_the_three_plots_in_png_and_svg(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    code = main(["plot", "unet", "--preset", "tiny", "--fractions", "0.5", "1.0", "--timing", "flops",
+                 "--out-dir", str(tmp_path), "--json", "-q"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0
+    files = [f for paths in result["files"].values() for f in paths]
+    assert sorted(kind for kind in result["files"]) == ["pareto", "strategy", "timeline"]
+    assert len(files) == 6 and all((tmp_path / f.split("/")[-1]).stat().st_size > 1000 for f in files)
+    # the measured timeline's peak is within 10 % of the prediction
+    assert abs(result["measured_peak_bytes"] - result["predicted_peak_bytes"]) <= 0.1 * result["predicted_peak_bytes"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["plan", "resnet9000", "--budget", "0.5"], "unknown model 'resnet9000'"),
+    (["plan", "mlp", "--budget", "0.5", "--solver", "magic"], "unknown solver 'magic'"),
+    (["plan", "mlp", "--budget", "lots"], "cannot parse budget 'lots'"),
+    (["plan", "mlp", "--budget", "1.5"], "a float must be a fraction"),
+    (["plan", "no_such_module:build", "--budget", "0.5"], "cannot import 'no_such_module'"),
+    (["solve", "/no/such/graph.json", "--solver", "dp_exact", "--budget", "0.5"], "does not exist"),
+    (["plot", "mlp", "--solvers", "magic"], "unknown solver 'magic'"),
+    (["frobnicate"], "invalid choice"),
+])
+def test_bad_arguments_give_one_error_line_and_a_non_zero_exit(args, message):
+    result = run_cli(*args)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and message in lines[0], result.stderr
+
+
+def test_every_command_has_help():
+    for command in ("plan", "plot", "solve"):
+        result = run_cli(command, "--help")
+        assert result.returncode == 0 and "usage: recompute-graph " + command in result.stdout
