@@ -1,0 +1,138 @@
+"""``recompute-graph bench MODEL``: measured peak memory and step time of one training step, for the
+original model (store-all autograd), our plans at a budget sweep (any solvers, ``auto`` = the best plan)
+and, with ``--peers``, the peer systems (``peers.py``), all on the same inputs with the same meter
+(``measure.profiler_peak_memory``, which also sees ``torch.compile``d steps) in one run, as ratios to
+the original."""
+from __future__ import annotations
+
+import argparse
+from typing import Any, Callable
+
+from ..units import format_bytes
+from .common import add_model_arguments, add_output_flags, print_json
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(commands: Any) -> None:
+    parser = commands.add_parser(
+        "bench", help="measure peak memory and step time of our plans (and peers) against store-all",
+        description="Measure one training step of MODEL: the original, our plans over a budget sweep and, "
+                    "with --peers, torch.utils.checkpoint per block, checkpoint_sequential and torch.compile's "
+                    "activation_memory_budget; ratios to the original measured in the same run.")
+    add_model_arguments(parser)
+    parser.add_argument("--fractions", nargs="*", type=float, default=[0.5, 0.7], metavar="F",
+                        help="budgets as fractions of the store-all budget (default 0.5 0.7)")
+    parser.add_argument("--solvers", nargs="*", default=["auto", "chen_sqrt", "chen_greedy"], metavar="NAME",
+                        help="our solvers to plan with (default: auto chen_sqrt chen_greedy)")
+    parser.add_argument("--peers", action="store_true", help="also measure the peer systems")
+    parser.add_argument("--repeats", type=int, default=3, help="timed steps per row (median; default 3)")
+    add_output_flags(parser)
+    parser.set_defaults(run=run)
+
+
+def _training_step(module: Any, inputs: tuple) -> Callable[[], None]:
+    from ..measure import default_loss
+
+    def step() -> None:
+        module.zero_grad(set_to_none=True)
+        default_loss(module(*inputs)).backward()
+    return step
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..costs import profile_model
+    from ..errors import InfeasibleBudgetError, SolverError
+    from ..measure import profiler_peak_memory, time_step
+    from ..model_specs import load_model, parse_sizes
+    from ..optimized_module import run_schedule
+    from ..measure import default_loss
+    from ..planner import make_plan
+    from ..progress import progress_bar
+    from ..rewrite import ScheduleExecutor
+    from ..solvers import get_solver
+    for name in args.solvers:
+        if name != "auto":
+            get_solver(name)
+    model, inputs, label = load_model(args.model, args.preset, parse_sizes(args.size))
+    model.train()
+    traced, graph = profile_model(model, inputs, timing=args.timing, progress=not args.quiet, name=label)
+    rows: list[dict[str, Any]] = []
+
+    def measure(row_label: str, step: Callable[[], None], predicted: int | None = None, note: str = "") -> None:
+        step()  # warm up (and compile, for the compiled peer)
+        peak = profiler_peak_memory(step)
+        seconds = time_step(step, repeats=args.repeats, warmup=0).median_seconds
+        rows.append({"label": row_label, "peak_bytes": peak, "seconds": seconds, "predicted_peak_bytes": predicted,
+                     "note": note})
+
+    runs = 1 + len(args.solvers) * len(args.fractions) + (3 + len(args.fractions) if args.peers else 0)
+    with progress_bar(runs, f"benchmarking {label}", not args.quiet, unit="run") as bar:
+        measure("original (store-all autograd)", _training_step(model, inputs))
+        bar.update()
+        for solver in args.solvers:
+            for fraction in args.fractions:
+                row_label = f"{solver} @ {fraction:.0%}"
+                try:
+                    plan = make_plan(graph, fraction, solver)
+                except (InfeasibleBudgetError, SolverError) as error:
+                    rows.append({"label": row_label, "peak_bytes": None, "seconds": None,
+                                 "predicted_peak_bytes": None, "note": str(error).split(";")[0][:90]})
+                    bar.update()
+                    continue
+                executor = ScheduleExecutor(traced.graph_module, graph, plan.schedule)
+
+                def step(executor: ScheduleExecutor = executor) -> None:
+                    model.zero_grad(set_to_none=True)
+                    default_loss(run_schedule(executor, list(inputs))).backward()
+                measure(row_label, step, plan.predicted_peak_bytes, f"{plan.solver}: {plan.description}")
+                bar.update()
+        if args.peers:
+            _measure_peers(args, model, inputs, measure, rows, bar)
+    base = rows[0]
+    for row in rows:
+        if row["peak_bytes"] is not None:
+            row["peak_ratio"] = row["peak_bytes"] / base["peak_bytes"]
+            row["time_ratio"] = row["seconds"] / base["seconds"]
+    if args.json:
+        print_json({"model": label, "preset": args.preset, "nodes": len(graph), "rows": rows})
+        return 0
+    print(f"{label} ({args.preset}), {len(graph)} nodes; peak and time of one training step, measured "
+          f"(ratios to the original):")
+    print(f"  {'run':<36} {'peak':>10} {'x peak':>7} {'step':>9} {'x time':>7}  note")
+    for row in rows:
+        if row["peak_bytes"] is None:
+            print(f"  {row['label']:<36} {'-':>10} {'':>7} {'':>9} {'':>7}  {row['note']}")
+            continue
+        print(f"  {row['label']:<36} {format_bytes(row['peak_bytes']):>10} {row['peak_ratio']:>7.2f} "
+              f"{row['seconds'] * 1000:>7.1f}ms {row['time_ratio']:>7.2f}  {row['note'][:60]}")
+    return 0
+
+
+def _measure_peers(args: argparse.Namespace, model: Any, inputs: tuple, measure: Any, rows: list, bar: Any) -> None:
+    from .. import peers
+    for row_label, build in (("torch.utils.checkpoint per block", peers.checkpoint_blocks),
+                             ("checkpoint_sequential", peers.checkpoint_sequentials)):
+        try:
+            peer = build(model)
+        except ValueError as error:
+            rows.append({"label": row_label, "peak_bytes": None, "seconds": None, "predicted_peak_bytes": None,
+                         "note": str(error)})
+        else:
+            peer.train()
+            measure(row_label, _training_step(peer, inputs))
+        bar.update()
+    for fraction in args.fractions:
+        row_label = f"torch.compile budget {fraction:.0%}"
+        try:
+            with peers.memory_budget(fraction):
+                compiled = peers.compile_with_budget(model)
+                compiled.train()
+                measure(row_label, _training_step(compiled, inputs), note="aot_eager_decomp_partition")
+        except Exception as error:  # noqa: BLE001 - a peer failing is a result to report, not a crash
+            rows.append({"label": row_label, "peak_bytes": None, "seconds": None, "predicted_peak_bytes": None,
+                         "note": f"{type(error).__name__}: {str(error).splitlines()[0][:80]}"})
+        bar.update()
+    rows.append({"label": "Rockmate 2", "peak_bytes": None, "seconds": None, "predicted_peak_bytes": None,
+                 "note": peers.rockmate_status()})
+    bar.update()
