@@ -2,6 +2,7 @@
 
     recompute-graph plan MODEL --budget B [--solver NAME] [-o plan.json] [--json] [-q]
     recompute-graph bench MODEL [--fractions F ...] [--solvers NAME ...] [--peers] [--json] [-q]
+    recompute-graph compare GRAPH_FILE ... [--fractions F ...] [--solvers NAME ...] [--plot FILE] [--json]
     recompute-graph plot [MODEL] [--budget B] [--out-dir DIR]
     recompute-graph solve GRAPH_FILE --solver NAME (--budget B | --min-budget) [--variant time|memory] [--json]
     recompute-graph solve GRAPH_FILE --solver ilp --budget B [--time-limit S] [--workers N]
@@ -30,6 +31,7 @@ from .planner import make_plan, min_feasible_budget
 from .solvers import SOLVERS
 from .solvers.ilp_backends import BACKENDS
 from .commands import bench as bench_command
+from .commands import compare as compare_command
 from .commands import plan as plan_command
 from .commands import plot as plot_command
 from .commands.common import budget_argument
@@ -49,7 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="recompute-graph", description="Plan activation recomputation: which activations "
                      "to keep and which to recompute so that a training step fits a memory budget.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
-    for command in (plan_command, bench_command, plot_command):
+    for command in (plan_command, bench_command, compare_command, plot_command):
         command.add_parser(commands)
     solve = commands.add_parser("solve", help="solve a graph file at a budget or find its minimum budget",
                                 description=__doc__.split("\n\n")[2])

@@ -5,7 +5,9 @@
 * ``plot_timeline``: the memory of one training step op by op, predicted (the simulator) and measured
   (``timeline.measure_timeline``), with the forward, recompute and backward ops shaded;
 * ``plot_strategy``: the model's graph, nodes placed by depth, coloured by how many times the plan
-  computes them (kept: once; recomputed: more), sized by their output bytes.
+  computes them (kept: once; recomputed: more), sized by their output bytes;
+* ``plot_comparison``: solvers on graph files (``comparison.compare_solvers``): extra compute against
+  budget, one panel per graph, and solve time against graph size.
 
 matplotlib is optional (``pip install 'recompute_graph[plot]'``); without it these raise ImportError
 saying so. No torch here.
@@ -20,7 +22,7 @@ from .schedule import Backward, Forward, Schedule
 from .simulate import SimulationResult
 from .sweeps import SweepPoint, pareto_front
 
-__all__ = ["plot_pareto", "plot_timeline", "plot_strategy"]
+__all__ = ["plot_pareto", "plot_timeline", "plot_strategy", "plot_comparison"]
 
 _MIB = 2 ** 20
 _PHASE_COLOURS = {"forward": "#d8e8f8", "recompute": "#fde2c8", "backward": "#dcf0d8"}
@@ -183,4 +185,38 @@ def plot_strategy(graph: CostGraph, schedule: Schedule, title: str, paths: Seque
     axis.set_xlabel("depth in the graph (longest path from an input)")
     axis.set_yticks([])
     axis.set_ylim(-height - 1.5, 2.5 + 0.1 * width)
+    return _save(figure, paths)
+
+
+def plot_comparison(rows: Sequence[Any], paths: Sequence[str]) -> list[str]:
+    """``comparison.ComparisonRow`` items: one panel per graph (extra compute vs budget fraction, a line
+    per solver) and a last panel of solve time against graph size (log-log)."""
+    plt = _pyplot()
+    graphs = sorted({row.graph for row in rows})
+    columns = min(4, len(graphs) + 1)
+    lines = (len(graphs) + 1 + columns - 1) // columns
+    figure, axes = plt.subplots(lines, columns, figsize=(4 * columns, 3 * lines), squeeze=False)
+    for axis, graph in zip(axes.flat, graphs):
+        for solver in sorted({row.solver for row in rows if row.graph == graph}):
+            points = sorted((row.fraction, row.extra) for row in rows
+                            if row.graph == graph and row.solver == solver and row.extra is not None)
+            if points:
+                axis.plot([p[0] for p in points], [100 * p[1] for p in points], marker="o", ms=3, label=solver)
+        axis.set_title(graph[:40], fontsize=9)
+        axis.set_xlabel("budget (fraction of no-recomputation peak)", fontsize=8)
+        axis.set_ylabel("extra compute (%)", fontsize=8)
+        if axis.get_legend_handles_labels()[0]:
+            axis.legend(fontsize=6)
+    timing = list(axes.flat)[len(graphs)]
+    for solver in sorted({row.solver for row in rows}):
+        points = [(row.nodes, max(row.seconds, 1e-4)) for row in rows if row.solver == solver]
+        timing.scatter([p[0] for p in points], [p[1] for p in points], s=10, label=solver)
+    timing.set_xscale("log")
+    timing.set_yscale("log")
+    timing.set_title("solve time vs graph size", fontsize=9)
+    timing.set_xlabel("nodes", fontsize=8)
+    timing.set_ylabel("seconds", fontsize=8)
+    timing.legend(fontsize=6)
+    for axis in list(axes.flat)[len(graphs) + 1:]:
+        axis.axis("off")
     return _save(figure, paths)

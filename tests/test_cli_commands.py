@@ -65,6 +65,23 @@ def test_plot_writes_the_three_plots_in_png_and_svg(tmp_path, capsys):
     assert abs(result["measured_peak_bytes"] - result["predicted_peak_bytes"]) <= 0.1 * result["predicted_peak_bytes"]
 
 
+def test_compare_runs_every_solver_on_graph_files_and_plots(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from recompute_graph.benchmark_graphs import benchmark_dir
+    checkmate = benchmark_dir() / "checkmate2020" / "VGG16_256_224x224_train.json"
+    kusumoto = benchmark_dir() / "kusumoto2019" / "cg_vgg19.txt"
+    plot = tmp_path / "compare.png"
+    code = main(["compare", str(checkmate), str(kusumoto), "--fractions", "0.9", "--solvers", "evict", "chen_greedy",
+                 "--plot", str(plot), "--json", "-q"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0 and plot.stat().st_size > 1000
+    rows = {(row["graph"], row["solver"]): row for row in result["rows"]}
+    assert rows[("VGG16_256_224x224_train", "evict")]["extra_compute"] > 0
+    assert ("vgg19", "chen_greedy") in rows
+    # a solver that does not take a graph kind is reported, not fatal
+    assert rows[("vgg19", "evict")]["extra_compute"] is None and "takes no" in rows[("vgg19", "evict")]["note"]
+
+
 @pytest.mark.parametrize("args, message", [
     (["plan", "resnet9000", "--budget", "0.5"], "unknown model 'resnet9000'"),
     (["plan", "mlp", "--budget", "0.5", "--solver", "magic"], "unknown solver 'magic'"),
@@ -74,6 +91,9 @@ def test_plot_writes_the_three_plots_in_png_and_svg(tmp_path, capsys):
     (["solve", "/no/such/graph.json", "--solver", "dp_exact", "--budget", "0.5"], "does not exist"),
     (["plot", "mlp", "--solvers", "magic"], "unknown solver 'magic'"),
     (["frobnicate"], "invalid choice"),
+    (["compare", "/no/such/graph.json"], "does not exist"),
+    (["compare", "/no/such/graph.json", "--fractions", "1.5"], "fractions must lie in (0, 1]"),
+    (["bench", "mlp", "--solvers", "magic"], "unknown solver 'magic'"),
 ])
 def test_bad_arguments_give_one_error_line_and_a_non_zero_exit(args, message):
     result = run_cli(*args)
@@ -84,6 +104,6 @@ def test_bad_arguments_give_one_error_line_and_a_non_zero_exit(args, message):
 
 
 def test_every_command_has_help():
-    for command in ("plan", "plot", "solve"):
+    for command in ("plan", "bench", "compare", "plot", "solve"):
         result = run_cli(command, "--help")
         assert result.returncode == 0 and "usage: recompute-graph " + command in result.stdout
