@@ -6,6 +6,7 @@ import os
 import warnings
 from typing import Any, Iterator, Sequence, Union
 
+import torch
 from torch import nn
 
 from .costs import profile_graph
@@ -25,7 +26,7 @@ PROFILE_OPTIONS = ("timing", "repeats", "warmup", "device_profile", "progress")
 
 def optimize(model: nn.Module, budget: Budget, *, example_inputs: Sequence[Any] | None = None,
              solver: str = "auto", plan: Union[str, "os.PathLike[str]", RecomputePlan, None] = None,
-             **options: Any) -> RecomputedModule:
+             autocast: "torch.dtype | None" = None, **options: Any) -> RecomputedModule:
     """Return a module that trains like ``model`` with its step's peak memory within ``budget``.
 
     ``budget``: bytes (int), a size string (``"1.5GiB"``, ``"800MB"``) or a float in (0, 1] = that fraction
@@ -36,7 +37,10 @@ def optimize(model: nn.Module, budget: Budget, *, example_inputs: Sequence[Any] 
     (a progress bar while profiling). ``plan``: a saved plan (a path written by ``RecomputePlan.save``,
     or a plan) to reuse instead of solving, when the traced graph has the same structure fingerprint and
     the plan's predicted peak fits ``budget``; otherwise a ``PlanMismatchWarning`` says why and a new
-    plan is made.
+    plan is made. ``autocast``: the dtype of the ``torch.autocast`` block the model will train in
+    (``torch.bfloat16`` on CPU), so that the plan made now from ``example_inputs`` is priced with the
+    dtypes autocast produces; a plan made on the first call is priced under whatever autocast is active
+    then. Plans are cached per input signature and autocast setting.
 
     Raises ValueError for a bad budget or solver name, TypeError for an unknown option, TraceError when the
     model cannot be traced and InfeasibleBudgetError (with ``min_budget_bytes``) when nothing fits. The
@@ -62,8 +66,17 @@ def optimize(model: nn.Module, budget: Budget, *, example_inputs: Sequence[Any] 
 
     optimized = RecomputedModule(model, graph_module, plan_for)
     if example_inputs is not None:
-        optimized.plan(*example_inputs)
+        with _autocast_for(autocast, example_inputs):
+            optimized.plan(*example_inputs)
     return optimized
+
+
+def _autocast_for(dtype: "torch.dtype | None", inputs: Sequence[Any]) -> Any:
+    """``torch.autocast`` on the inputs' device type with ``dtype``, or nothing when ``dtype`` is None."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    devices = {t.device.type for t in inputs if isinstance(t, torch.Tensor)}
+    return torch.autocast(device_type="cuda" if "cuda" in devices else "cpu", dtype=dtype)
 
 
 def _reuse(saved: RecomputePlan, graph: CostGraph, budget: Budget) -> RecomputePlan | None:

@@ -14,7 +14,7 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .rewrite import ScheduleExecutor
+from .rewrite import ScheduleExecutor, autocast_state
 
 __all__ = ["RecomputedModule", "run_schedule"]
 
@@ -127,7 +127,9 @@ class RecomputedModule(nn.Module):
 
 
 def _signature_key(inputs: list[Any]) -> tuple:
-    key = []
+    """Shapes, dtypes, devices and grad flags of the inputs, and the autocast settings (a plan priced in
+    float32 is not the plan for a bfloat16 step)."""
+    key: list[Any] = [autocast_state()]
     for value in tree_flatten(inputs)[0]:
         if isinstance(value, torch.Tensor):
             key.append((tuple(value.shape), value.dtype, value.device.type, value.requires_grad))

@@ -26,13 +26,17 @@ the per-node cost of an autograd call (about 0.1 ms on CPU), which dominates on 
 Correctness of recomputation: a node's first computation in a step records the CPU and CUDA RNG states
 and every recomputation replays them (dropout masks are identical); a recomputation of a node that
 mutates module buffers (BatchNorm running statistics) restores them afterwards, so they are updated
-exactly once per step. Non-tensor intermediates (shape arithmetic) are evaluated once per step.
+exactly once per step. Non-tensor intermediates (shape arithmetic) are evaluated once per step. The
+autocast settings of the forward (``torch.autocast`` on CPU or CUDA) are recorded and re-entered for the
+recomputations in backward, which usually runs outside the caller's ``autocast`` block, so recomputed
+values have the dtypes of the originals.
 """
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import fx, nn
@@ -68,6 +72,31 @@ class _StepState:
     rng_states: dict[int, tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]] = field(default_factory=dict)
     computed: set[int] = field(default_factory=set)
     output_sources: list[tuple[int | None, int]] = field(default_factory=list)
+    autocast: tuple = ()  # the autocast settings of the forward, re-entered to recompute in backward
+
+
+#: Device types whose autocast state a step records (``autocast_state``).
+AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def autocast_state() -> tuple:
+    """The current autocast settings, ``((device_type, dtype), ...)`` for each device type where autocast
+    is enabled (empty when it is off everywhere)."""
+    return tuple((device, torch.get_autocast_dtype(device)) for device in AUTOCAST_DEVICES
+                 if torch.is_autocast_enabled(device))
+
+
+@contextlib.contextmanager
+def _autocast_as(state: tuple) -> Iterator[None]:
+    """Re-enter the autocast settings ``state`` (``autocast_state()``), off elsewhere."""
+    with contextlib.ExitStack() as stack:
+        enabled = dict(state)
+        for device in AUTOCAST_DEVICES:
+            if device in enabled:
+                stack.enter_context(torch.autocast(device_type=device, dtype=enabled[device]))
+            elif torch.is_autocast_enabled(device):
+                stack.enter_context(torch.autocast(device_type=device, enabled=False))
+        yield
 
 
 class ScheduleExecutor:
@@ -168,7 +197,7 @@ class ScheduleExecutor:
     # ------------------------------------------------------------------ public entry points
     def run_forward(self, inputs: Sequence[Any]) -> tuple[_StepState, Any]:
         """Run the forward ops on ``inputs`` (one per placeholder); returns the state and the output."""
-        state = _StepState()
+        state = _StepState(autocast=autocast_state())
         for placeholder, value in zip(self.placeholders, inputs):
             state.static[placeholder.name] = value
         for position, op in enumerate(self.schedule.forward_ops):
@@ -215,7 +244,11 @@ class ScheduleExecutor:
     # ------------------------------------------------------------------ ops
     def _run(self, state: _StepState, op: Op, first_pass: bool, position: int) -> None:
         if isinstance(op, Forward):
-            self._forward(state, op.node, op.tape, self._connections.get(position))
+            if first_pass:
+                self._forward(state, op.node, op.tape, self._connections.get(position))
+            else:  # a recomputation in backward: under the forward's autocast settings, not the caller's
+                with _autocast_as(state.autocast):
+                    self._forward(state, op.node, op.tape, self._connections.get(position))
             if first_pass:
                 self._evaluate_static_users(state, self.fx_of[op.node])
         elif isinstance(op, FreeValue):
