@@ -119,7 +119,16 @@ class RecomputedModule(nn.Module):
         if not (self.training and needs_grad):
             return self._graph_module(*inputs)
         executor, _ = self._executor_and_plan(inputs)
+        if executor.parameters_changed():
+            executor = self._after_parameter_change(inputs)
         return run_schedule(executor, inputs)
+
+    def _after_parameter_change(self, inputs: list[Any]) -> ScheduleExecutor:
+        """Parameters were replaced since planning (assignment, ``requires_grad_``, FSDP2's unsharded
+        parameters on its first all-gather): plan again, so gradients reach the tensors in use."""
+        self._plans.clear()
+        executor, _ = self._executor_and_plan(inputs)
+        return executor
 
     def extra_repr(self) -> str:
         plan = self.recompute_plan

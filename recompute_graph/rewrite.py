@@ -194,6 +194,12 @@ class ScheduleExecutor:
         self._fused_runs = {first: end for k, (first, end, _) in enumerate(runs) if k not in broken}
         self._connections = {p: frozenset(us) for p, us in connections.items() if tape_run[p] not in broken}
 
+    def parameters_changed(self) -> bool:
+        """True when the traced module's trainable parameters are no longer the objects this executor
+        was built with (replaced by assignment, frozen or unfrozen, or swapped by a wrapper)."""
+        current = _unique([p for p in self.gm.parameters() if p.requires_grad])
+        return len(current) != len(self.parameters) or any(a is not b for a, b in zip(current, self.parameters))
+
     # ------------------------------------------------------------------ public entry points
     def run_forward(self, inputs: Sequence[Any]) -> tuple[_StepState, Any]:
         """Run the forward ops on ``inputs`` (one per placeholder); returns the state and the output."""
