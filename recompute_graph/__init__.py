@@ -19,6 +19,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "optimize": ("api", "optimize"),
+    "plan_for": ("api", "plan_for"),
     "RecomputedModule": ("optimized_module", "RecomputedModule"),
     "RecomputePlan": ("planner", "RecomputePlan"),
     "make_plan": ("planner", "make_plan"),

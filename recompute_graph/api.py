@@ -4,7 +4,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from typing import Any, Iterator, Sequence, Union
+from typing import Any, Callable, Iterator, Sequence, Union
 
 import torch
 from torch import nn
@@ -19,7 +19,7 @@ from .rewrite import ScheduleExecutor
 from .solvers import get_solver
 from .trace import trace
 
-__all__ = ["optimize"]
+__all__ = ["optimize", "plan_for"]
 
 PROFILE_OPTIONS = ("timing", "repeats", "warmup", "device_profile", "progress")
 
@@ -77,6 +77,25 @@ def _autocast_for(dtype: "torch.dtype | None", inputs: Sequence[Any]) -> Any:
         return contextlib.nullcontext()
     devices = {t.device.type for t in inputs if isinstance(t, torch.Tensor)}
     return torch.autocast(device_type="cuda" if "cuda" in devices else "cpu", dtype=dtype)
+
+
+def plan_for(build: "Callable[[], tuple[nn.Module, Sequence[Any]]]", budget: Budget, *, solver: str = "auto",
+             device_profile: str = "cpu", progress: bool = False) -> RecomputePlan:
+    """Plan a model without the device and without its weights: ``build()`` runs under
+    ``torch.device("meta")`` and returns ``(model, example_inputs)`` (inputs are moved to ``meta``); the
+    model is priced on meta tensors with FLOP-based times for ``device_profile`` (``costs.DEVICE_PROFILES``:
+    "cpu", "h100", "h200", ...) and planned at ``budget``. Save the plan (``plan.save(path)``) and apply it
+    to the real model later with ``optimize(model, budget, example_inputs=..., plan=path)``: the graph of
+    the real model has the same structure fingerprint, so the plan is reused as is.
+    """
+    with torch.device("meta"):
+        model, inputs = build()
+    inputs = tuple(t.to("meta") if isinstance(t, torch.Tensor) else t for t in inputs)
+    with _training_mode(model):
+        traced = trace(model)
+        graph = profile_graph(traced, inputs, name=type(model).__name__, timing="flops",
+                              device_profile=device_profile, progress=progress)
+    return make_plan(graph, budget, solver)
 
 
 def _reuse(saved: RecomputePlan, graph: CostGraph, budget: Budget) -> RecomputePlan | None:
