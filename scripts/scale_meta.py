@@ -1,0 +1,60 @@
+"""Planning at scale without the device: GPT-2-style models of 12 to 48 layers (GPT-2-XL widths) priced on
+meta tensors, planned by each solver; planning time and predicted peak.
+
+    python scripts/scale_meta.py [--layers 12 24 36 48] [--width 1600] [--heads 25] [--seq-len 1024]
+                                 [--batch 8] [--budget 0.5] [--solvers auto dp_approx chen_greedy chain_dp]
+
+For each depth: pricing time (trace + meta pass, FLOP times for an H200), then per solver the plan at
+``--budget`` (fraction of store-all) and the solver's lowest peak, with their times.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import models_zoo
+from recompute_graph import format_bytes
+from recompute_graph.costs import profile_model
+from recompute_graph.errors import InfeasibleBudgetError, SolverError
+from recompute_graph.planner import make_plan, min_feasible_budget
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", nargs="*", type=int, default=[12, 24, 36, 48])
+    parser.add_argument("--width", type=int, default=1600)
+    parser.add_argument("--heads", type=int, default=25)
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--budget", type=float, default=0.5)
+    parser.add_argument("--solvers", nargs="*", default=["auto", "dp_approx", "chen_greedy", "chen_sqrt", "chain_dp"])
+    args = parser.parse_args()
+    print(f"| layers | parameters | nodes | pricing | solver | plan at {args.budget:.0%}: peak | overhead | time "
+          "| lowest peak | time |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for layers in args.layers:
+        start = time.perf_counter()
+        with torch.device("meta"):
+            model, inputs = models_zoo.get_model("gpt2", "paper", layers=layers, width=args.width, heads=args.heads,
+                                                 seq_len=args.seq_len, batch=args.batch)
+        _, graph = profile_model(model, tuple(t.to("meta") for t in inputs), device_profile="h200")
+        pricing = time.perf_counter() - start
+        parameters = sum(p.numel() for p in model.parameters())
+        for solver in args.solvers:
+            start = time.perf_counter()
+            try:
+                plan = make_plan(graph, args.budget, solver)
+                planned = (f"{format_bytes(plan.predicted_peak_bytes)} | +{plan.predicted_compute_overhead:.1%} | "
+                           f"{time.perf_counter() - start:.1f} s")
+            except (InfeasibleBudgetError, SolverError) as error:
+                planned = f"- ({str(error).split(';')[0][:40]}) | | {time.perf_counter() - start:.1f} s"
+            start = time.perf_counter()
+            lowest = min_feasible_budget(graph, solver)
+            print(f"| {layers} | {parameters / 1e9:.2f} B | {len(graph)} | {pricing:.1f} s | {solver} | {planned} | "
+                  f"{format_bytes(lowest)} | {time.perf_counter() - start:.1f} s |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
