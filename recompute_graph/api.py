@@ -13,7 +13,8 @@ from .costs import profile_graph
 from .optimized_module import RecomputedModule
 from .errors import PlanMismatchWarning
 from .graph import CostGraph
-from .planner import Budget, RecomputePlan, make_plan, min_budget_for_peak, parse_budget, replan_schedule
+from .planner import (Budget, RecomputePlan, loss_allowance_bytes, make_plan, min_budget_for_peak, parse_budget,
+                      replan_schedule)
 from .saved_plans import load_plan, mismatch_reason
 from .rewrite import ScheduleExecutor
 from .solvers import get_solver
@@ -104,7 +105,7 @@ def _reuse(saved: RecomputePlan, graph: CostGraph, budget: Budget) -> RecomputeP
     reason = mismatch_reason(saved.graph, graph)
     if reason is None:
         reused = replan_schedule(saved, graph, budget)
-        needed = min_budget_for_peak(reused.predicted_peak_bytes)
+        needed = min_budget_for_peak(reused.predicted_peak_bytes, loss_allowance_bytes(graph))
         if needed <= reused.budget_bytes:
             return reused
         reason = (f"its predicted peak {reused.predicted_peak_bytes} bytes needs a budget of {needed} bytes, "

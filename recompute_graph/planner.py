@@ -21,14 +21,31 @@ from .solvers.lower_set_dp import dp_for
 from .units import format_bytes, parse_bytes
 
 __all__ = ["Budget", "parse_budget", "RecomputePlan", "make_plan", "AUTO_SOLVERS", "auto_solvers",
-           "min_feasible_budget", "replan_schedule"]
+           "min_feasible_budget", "replan_schedule", "loss_allowance_bytes", "usable_bytes_of"]
 
 Budget = Union[int, float, str]
-#: A plan fits a budget when its predicted peak times (1 + PLANNING_MARGIN) does. The margin covers what
-#: the cost model leaves out: the loss function's own tensors, allocator rounding, and backward
+#: A plan fits a budget when its predicted peak times (1 + PLANNING_MARGIN), plus the loss allowance
+#: (``loss_allowance_bytes``: the loss function's own output-sized tensors), does. The margin covers what
+#: else the cost model leaves out: allocator rounding, and backward
 #: temporaries that depend on the strides of the incoming gradient (measured peaks of the tiny zoo models
 #: lie up to 2.5 % above the prediction, tests/test_executor.py).
 PLANNING_MARGIN = 0.05
+
+
+def loss_allowance_bytes(graph: CostGraph) -> int:
+    """Bytes set aside, beyond the margin, for the loss computed on the model's outputs (``loss(out)``
+    keeps output-sized temporaries, e.g. ``out.square()``, next to the step's peak): the storage of the
+    outputs of a traced model; 0 for graphs loaded from files, where no loss runs."""
+    if graph.source != "traced":
+        return 0
+    owners = {graph.storage_owner(i) for i in graph.output_indices}
+    return sum(graph.nodes[i].output_bytes for i in owners)
+
+
+def usable_bytes_of(budget_bytes: int, allowance_bytes: int = 0) -> int:
+    """What a plan's predicted peak may reach within ``budget_bytes``: the budget less the loss allowance,
+    divided by ``1 + PLANNING_MARGIN``."""
+    return int((budget_bytes - allowance_bytes) / (1 + PLANNING_MARGIN))
 #: The baselines ``solver="auto"`` always runs besides a lower-set DP (the best feasible answer wins).
 AUTO_SOLVERS = ("store_all", "chen_greedy", "chen_sqrt")
 
@@ -141,7 +158,7 @@ def make_plan(graph: CostGraph, budget: Budget, solver: str = "auto", *, variant
                               f"use one of: {', '.join(solvers_for(graph))}")
     store_all, budget_bytes = _store_all_and_budget(graph, budget)
     store_all_cost = store_all.simulation.compute_cost
-    usable_bytes = int(budget_bytes / (1 + PLANNING_MARGIN))
+    usable_bytes = usable_bytes_of(budget_bytes, loss_allowance_bytes(graph))
     solutions = [store_all if name == "store_all" else run_solver(name, graph, usable_bytes, variant)
                  for name in names]
     chosen = best_of(solutions, usable_bytes)
@@ -160,8 +177,8 @@ def _store_all_and_budget(graph: CostGraph, budget: Budget) -> tuple[Solution, i
     """The store-all solution and ``budget`` in bytes (a fraction is of the store-all budget)."""
     kind, value = parse_budget(budget)
     store_all = SOLVERS["store_all"](graph, None)
-    budget_bytes = (int(value * min_budget_for_peak(store_all.peak_bytes)) if kind == "fraction"
-                    else int(value))
+    budget_bytes = (int(value * min_budget_for_peak(store_all.peak_bytes, loss_allowance_bytes(graph)))
+                    if kind == "fraction" else int(value))
     return store_all, budget_bytes
 
 
@@ -175,10 +192,11 @@ def replan_schedule(saved: RecomputePlan, graph: CostGraph, budget: Budget) -> R
     return _plan(chosen, graph, budget_bytes, store_all, store_all.simulation.compute_cost)
 
 
-def min_budget_for_peak(peak_bytes: int) -> int:
-    """The smallest budget that a plan with this predicted peak fits (see PLANNING_MARGIN)."""
-    budget = math.ceil(peak_bytes * (1 + PLANNING_MARGIN))
-    while int(budget / (1 + PLANNING_MARGIN)) < peak_bytes:
+def min_budget_for_peak(peak_bytes: int, allowance_bytes: int = 0) -> int:
+    """The smallest budget that a plan with this predicted peak fits (PLANNING_MARGIN and the loss
+    allowance, ``loss_allowance_bytes``)."""
+    budget = math.ceil(peak_bytes * (1 + PLANNING_MARGIN)) + allowance_bytes
+    while usable_bytes_of(budget, allowance_bytes) < peak_bytes:
         budget += 1
     return budget
 
@@ -196,4 +214,5 @@ def min_feasible_budget(graph: CostGraph, solver: str = "auto", *, variant: str 
     """The smallest budget ``make_plan(graph, budget, solver)`` accepts: the lowest peak the solver(s)
     find, plus the planning margin."""
     names = auto_solvers(graph) if solver == "auto" else (solver,)
-    return min_budget_for_peak(min(run_solver(name, graph, None, variant).peak_bytes for name in names))
+    return min_budget_for_peak(min(run_solver(name, graph, None, variant).peak_bytes for name in names),
+                               loss_allowance_bytes(graph))

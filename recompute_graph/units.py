@@ -36,7 +36,8 @@ def format_bytes(n: float) -> str:
     """``1536 -> '1.5 KiB'``: binary units, three significant digits."""
     n = float(n)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
+        # 1023.7 MiB would print as "1.02e+03 MiB" at three digits: it is the next unit's 1 instead
+        if unit == "TiB" or abs(n) < (1024 if unit == "B" else 999.5):
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
         n /= 1024
     raise AssertionError("unreachable")

@@ -21,6 +21,7 @@ def test_parse_bytes_rejects_bad_sizes_with_the_accepted_forms(text):
 
 def test_format_bytes_uses_binary_units():
     assert format_bytes(512) == "512 B"
+    assert format_bytes(1023.7 * 2**20) == "1 GiB"  # not "1.02e+03 MiB"
     assert format_bytes(1536) == "1.5 KiB"
     assert format_bytes(3 * 2**30) == "3 GiB"
     assert not math.isnan(float(format_bytes(2**50).split()[0]))

@@ -41,7 +41,7 @@ from ..graph import CostGraph
 from ..schedule import lower_segments
 from . import Solution, register, simulator_checked
 
-__all__ = ["DEFAULT_MAX_LOWER_SETS", "free_sources", "PaperModel", "ExecutionModel", "LowerSetFamily", "enumerate_lower_sets",
+__all__ = ["DEFAULT_MAX_LOWER_SETS", "free_sources", "ordering_predecessors", "PaperModel", "ExecutionModel", "LowerSetFamily", "enumerate_lower_sets",
            "principal_lower_sets", "run_dp", "strategy_cost", "minimal_model_budget", "dp_exact", "dp_approx",
            "model_for", "dp_for", "AUTO_EXACT_LIMIT"]
 
@@ -100,8 +100,26 @@ class LowerSetFamily:
 def free_sources(graph: CostGraph) -> int:
     """Nodes with no predecessor whose output needs no gradient (``torch.ones(...)`` masks, slices of a
     model input): computing one before its first consumer's segment only costs memory, so lower sets
-    take such a node together with its first consumer (and V takes the unused ones)."""
-    return sum(1 << n.index for n in graph.nodes if not n.predecessors and not n.requires_grad)
+    take such a node together with its first consumer (and V takes the unused ones). Random nodes are
+    never free: their order is fixed (:func:`ordering_predecessors`)."""
+    return sum(1 << n.index for n in graph.nodes if not n.predecessors and not n.requires_grad and not n.random)
+
+
+def ordering_predecessors(graph: CostGraph) -> list[int]:
+    """Per node, the bitmask of the nodes a lower set containing it must contain: its predecessors and,
+    for a node that draws random numbers (dropout), the previous random node in program order. Random
+    nodes are then first computed in program order, so they draw from the RNG stream in the order the
+    original model does and produce the same masks (the executor replays them on recomputation)."""
+    masks = []
+    previous_random = None
+    for node in graph.nodes:
+        mask = sum(1 << p for p in node.predecessors)
+        if node.random:
+            if previous_random is not None:
+                mask |= 1 << previous_random
+            previous_random = node.index
+        masks.append(mask)
+    return masks
 
 
 def enumerate_lower_sets(graph: CostGraph, limit: int = DEFAULT_MAX_LOWER_SETS,
@@ -110,7 +128,7 @@ def enumerate_lower_sets(graph: CostGraph, limit: int = DEFAULT_MAX_LOWER_SETS,
     :func:`free_sources`). SolverError when there are more than ``limit``; the message says how many
     there are, counted up to ``count_up_to`` (pass ``limit`` to stop at once)."""
     free = free_sources(graph)
-    pred = [sum(1 << p for p in node.predecessors) for node in graph.nodes]
+    pred = ordering_predecessors(graph)
     full = (1 << len(graph)) - 1
     candidates = [v for v in range(len(graph)) if not free >> v & 1]
     seen = {0, full}
@@ -138,12 +156,13 @@ def enumerate_lower_sets(graph: CostGraph, limit: int = DEFAULT_MAX_LOWER_SETS,
 
 def principal_lower_sets(graph: CostGraph) -> LowerSetFamily:
     """``∅``, ``V`` and ``↓v = {v} ∪ ancestors(v)`` for every node that is not a free source (the
-    approximate DP's family)."""
+    approximate DP's family); ancestors include the earlier random nodes of a random node."""
     free = free_sources(graph)
+    ordering = ordering_predecessors(graph)
     down = []
     for node in graph.nodes:
         mask = 1 << node.index
-        for p in node.predecessors:
+        for p in _bits(ordering[node.index]):
             mask |= down[p]
         down.append(mask)
     principal = [mask for v, mask in enumerate(down) if not free >> v & 1]
