@@ -316,8 +316,9 @@ class ScheduleExecutor:
                     # a view output keeps its base alive: release it too when it belongs to this node
                     # (created inside it, or one of its input leaves); never a parameter or buffer, never
                     # the value of a producer read through an autograd edge (it may still be live)
+                    # (a connected input is a view_as alias: its own base is the producer's value)
                     if base is not None and (base.grad_fn is not None or any(base is leaf for leaf in leaves)) \
-                            and not any(base is c for c in tape.connected):
+                            and not any(base is c or base is c._base for c in tape.connected):
                         base.data = torch.empty(0, dtype=base.dtype, device=base.device)
                     t.data = torch.empty(0, dtype=t.dtype, device=t.device)
 

@@ -91,6 +91,9 @@ def step_result(module: nn.Module, x: torch.Tensor):
 # second first, so it drew the first one's mask (random nodes now keep their program order)
 @example(spec=[("conv", 0, 0), ("dropout", 0, 0), ("dropout", 0, 0), ("cat", 0, 0), ("conv", 0, 0),
                ("conv", 0, 0)], fraction=0.75, seed=0)
+# found by this test: a split of a value read by a fused backward run released the value's storage
+@example(spec=[("conv", 0, 0), ("conv", 0, 0), ("conv", 0, 0), ("conv", 0, 0), ("split_add", 3, 0)],
+         fraction=1.0, seed=0)
 def test_random_networks_train_exactly_within_random_budgets(spec, fraction, seed):
     torch.manual_seed(seed)
     model = RandomNet(spec)
