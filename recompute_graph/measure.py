@@ -208,8 +208,10 @@ def profiler_peak_memory(step: Callable[[], Any]) -> int:
     """Peak bytes of CPU memory allocated while ``step()`` runs, read from ``torch.profiler``'s memory
     timeline (allocator events) instead of a dispatch mode: the meter for code a dispatch mode cannot
     watch, such as ``torch.compile``d steps (a mode makes dynamo fall back to eager). On eager steps it
-    agrees with :func:`peak_memory` to a few bytes. Run ``step`` once before, so that one-time
-    allocations (compilation, optimizer state) are not counted."""
+    agrees with :func:`peak_memory` to a few bytes, or sees more (kernel workspaces no tensor holds).
+    Run ``step`` once before, so that one-time allocations (compilation, optimizer state) are not
+    counted, and free what the step would free first (``zero_grad(set_to_none=True)``): the profiler
+    does not see the release of storage allocated before it started, which shifts its baseline."""
     import json
     import os
     import tempfile
