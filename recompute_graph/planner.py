@@ -26,10 +26,12 @@ __all__ = ["Budget", "parse_budget", "RecomputePlan", "make_plan", "AUTO_SOLVERS
 Budget = Union[int, float, str]
 #: A plan fits a budget when its predicted peak times (1 + PLANNING_MARGIN), plus the loss allowance
 #: (``loss_allowance_bytes``: the loss function's own output-sized tensors), does. The margin covers what
-#: else the cost model leaves out: allocator rounding, and backward
-#: temporaries that depend on the strides of the incoming gradient (measured peaks of the tiny zoo models
-#: lie up to 2.5 % above the prediction, tests/test_executor.py).
+#: else the cost model leaves out: allocator rounding, and backward temporaries that depend on the
+#: strides of the incoming gradient (measured peaks of the tiny zoo models lie up to 2.5 % above the
+#: prediction, tests/test_executor.py).
 PLANNING_MARGIN = 0.05
+#: The baselines ``solver="auto"`` always runs besides a lower-set DP (the best feasible answer wins).
+AUTO_SOLVERS = ("store_all", "chen_greedy", "chen_sqrt")
 
 
 def loss_allowance_bytes(graph: CostGraph) -> int:
@@ -46,8 +48,6 @@ def usable_bytes_of(budget_bytes: int, allowance_bytes: int = 0) -> int:
     """What a plan's predicted peak may reach within ``budget_bytes``: the budget less the loss allowance,
     divided by ``1 + PLANNING_MARGIN``."""
     return int((budget_bytes - allowance_bytes) / (1 + PLANNING_MARGIN))
-#: The baselines ``solver="auto"`` always runs besides a lower-set DP (the best feasible answer wins).
-AUTO_SOLVERS = ("store_all", "chen_greedy", "chen_sqrt")
 
 
 def auto_solvers(graph: CostGraph) -> tuple[str, ...]:
@@ -188,7 +188,8 @@ def replan_schedule(saved: RecomputePlan, graph: CostGraph, budget: Budget) -> R
     from .simulate import simulate
     store_all, budget_bytes = _store_all_and_budget(graph, budget)
     simulation = simulate(graph, saved.schedule)
-    chosen = Solution(saved.solver, saved.schedule, simulation, f"reused saved plan: {saved.description}".rstrip(": "))
+    description = f"reused saved plan: {saved.description}" if saved.description else "reused saved plan"
+    chosen = Solution(saved.solver, saved.schedule, simulation, description)
     return _plan(chosen, graph, budget_bytes, store_all, store_all.simulation.compute_cost)
 
 
