@@ -20,13 +20,15 @@ import time
 COMMANDS = [
     ("predictions", "python scripts/check_predictions.py", 3, "benchmarks.md"),
     ("baselines", "python scripts/bench_baselines.py --models resnet50 resnet152 unet gpt2", 40, "benchmarks.md"),
-    ("peers_resnet50", "recompute-graph bench resnet50 --preset paper --size batch=8 --fractions 0.5 0.7 --peers "
+    ("peers_resnet50", "recompute-graph bench resnet50 --preset paper --size batch=8 --fractions 0.5 0.7 "
+                       "--solvers auto chen_greedy --peers "
                        "--repeats 2 -q", 12, "benchmarks.md"),
     ("peers_gpt2", "recompute-graph bench gpt2 --preset paper --size batch=2 --size seq_len=512 --fractions 0.5 0.7 "
-                   "--peers --repeats 2 -q", 12, "benchmarks.md"),
+                   "--solvers auto chen_greedy --peers --repeats 2 -q", 12, "benchmarks.md"),
     ("peers_unet", "recompute-graph bench unet --preset small --size batch=2 --size image_size=256 --size width=32 "
-                   "--fractions 0.5 0.7 --peers --repeats 2 -q", 8, "benchmarks.md"),
-    ("peers_resnet152", "recompute-graph bench resnet152 --preset paper --size batch=4 --fractions 0.5 0.7 --peers "
+                   "--fractions 0.5 0.7 --solvers auto chen_greedy --peers --repeats 2 -q", 8, "benchmarks.md"),
+    ("peers_resnet152", "recompute-graph bench resnet152 --preset paper --size batch=4 --fractions 0.5 0.7 "
+                       "--solvers auto chen_greedy --peers "
                         "--repeats 2 -q", 20, "benchmarks.md"),
     ("plots_unet", "recompute-graph plot unet --preset small --out-dir docs/img -q", 2, "benchmarks.md"),
     ("kusumoto", "python scripts/reproduce_kusumoto.py", 10, "reproduction.md"),
@@ -38,6 +40,7 @@ COMMANDS = [
     ("ilp_vs_dp", "python scripts/ilp_vs_dp.py --zoo mlp unet resnet18 --kusumoto vgg19 --time-limit 20", 3, "ilp.md"),
     ("compare_all", "python scripts/compare_solvers.py --family kusumoto2019 checkmate2020 --zoo mlp unet resnet18 "
                     "--fractions 0.6 0.8 0.9 --time-limit 20 --plot docs/img/compare_all.png", 60, "compare.md"),
+    ("scale_meta", "python scripts/scale_meta.py", 5, "benchmarks.md"),
     ("gruslys", "python scripts/bptt_gruslys.py --steps 1000 --batch 32 --hidden 256 --input 64 --memory 0.05",
      5, "benchmarks.md"),
 ]
