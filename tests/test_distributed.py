@@ -14,12 +14,30 @@ WORLD_SIZE = 2
 STEPS = 2
 
 
+def _train(wrapped, module, batches, full_tensor=lambda g: g) -> list:
+    """SGD steps of ``wrapped`` (the DDP / FSDP2 view of ``module``); the gradients of every step."""
+    from recompute_graph.measure import default_loss
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    grads = []
+    for batch in batches:
+        optimizer.zero_grad(set_to_none=True)
+        default_loss(wrapped(batch)).backward()
+        grads.append([full_tensor(p.grad).clone() for p in module.parameters()])
+        optimizer.step()
+    return grads
+
+
+def _assert_same_gradients(results: dict) -> None:
+    for step in range(STEPS):
+        for a, b in zip(results["reference"]["grads"][step], results["optimized"]["grads"][step]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def _worker(rank: int, store_path: str, results_dir: str) -> None:
     import copy
 
     import models_zoo
     from recompute_graph import optimize
-    from recompute_graph.measure import default_loss
     from torch.nn.parallel import DistributedDataParallel
 
     torch.set_num_threads(1)
@@ -33,14 +51,7 @@ def _worker(rank: int, store_path: str, results_dir: str) -> None:
         assert optimized.recompute_plan.recomputed_nodes
         results = {}
         for name, module in (("reference", reference), ("optimized", optimized)):
-            ddp = DistributedDataParallel(module)
-            optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
-            grads = []
-            for batch in batches:
-                optimizer.zero_grad(set_to_none=True)
-                default_loss(ddp(batch)).backward()
-                grads.append([p.grad.clone() for p in module.parameters()])
-                optimizer.step()
+            grads = _train(DistributedDataParallel(module), module, batches)
             results[name] = {"grads": grads, "buffers": [b.clone() for b in module.buffers()]}
         torch.save(results, os.path.join(results_dir, f"rank{rank}.pt"))
     finally:
@@ -52,9 +63,7 @@ def test_ddp_gradients_of_the_optimized_module_equal_the_unoptimized_ddp_run(tmp
     mp.spawn(_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD_SIZE, join=True)
     for rank in range(WORLD_SIZE):
         results = torch.load(tmp_path / f"rank{rank}.pt")
-        for step in range(STEPS):
-            for a, b in zip(results["reference"]["grads"][step], results["optimized"]["grads"][step]):
-                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        _assert_same_gradients(results)
         for a, b in zip(results["reference"]["buffers"], results["optimized"]["buffers"]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     # the gradients were averaged across ranks: both ranks hold the same ones
@@ -68,7 +77,6 @@ def _fsdp_worker(rank: int, store_path: str, results_dir: str) -> None:
 
     import models_zoo
     from recompute_graph import optimize
-    from recompute_graph.measure import default_loss
     from torch.distributed.fsdp import fully_shard
 
     torch.set_num_threads(1)
@@ -83,14 +91,7 @@ def _fsdp_worker(rank: int, store_path: str, results_dir: str) -> None:
         results = {}
         for name, module in (("reference", reference), ("optimized", optimized)):
             fully_shard(module)
-            optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
-            grads = []
-            for batch in batches:
-                optimizer.zero_grad(set_to_none=True)
-                default_loss(module(batch)).backward()
-                grads.append([p.grad.full_tensor().clone() for p in module.parameters()])
-                optimizer.step()
-            results[name] = {"grads": grads}
+            results[name] = {"grads": _train(module, module, batches, lambda g: g.full_tensor())}
         torch.save(results, os.path.join(results_dir, f"fsdp{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -100,7 +101,4 @@ def _fsdp_worker(rank: int, store_path: str, results_dir: str) -> None:
 def test_fsdp2_gradients_of_the_optimized_module_equal_the_unoptimized_fsdp2_run(tmp_path):
     mp.spawn(_fsdp_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD_SIZE, join=True)
     for rank in range(WORLD_SIZE):
-        results = torch.load(tmp_path / f"fsdp{rank}.pt")
-        for step in range(STEPS):
-            for a, b in zip(results["reference"]["grads"][step], results["optimized"]["grads"][step]):
-                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        _assert_same_gradients(torch.load(tmp_path / f"fsdp{rank}.pt"))
