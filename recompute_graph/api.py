@@ -15,8 +15,8 @@ from .errors import PlanMismatchWarning
 from .graph import CostGraph
 from .planner import (Budget, RecomputePlan, loss_allowance_bytes, make_plan, min_budget_for_peak, parse_budget,
                       replan_schedule)
-from .saved_plans import load_plan, mismatch_reason
 from .rewrite import ScheduleExecutor
+from .saved_plans import load_plan, mismatch_reason
 from .solvers import get_solver
 from .trace import trace
 

@@ -22,13 +22,14 @@ from .schedule import Backward, Forward, Schedule
 from .simulate import SimulationResult
 from .sweeps import SweepPoint, pareto_front
 
-__all__ = ["plot_pareto", "plot_timeline", "plot_strategy", "plot_comparison"]
+__all__ = ["pyplot", "plot_pareto", "plot_timeline", "plot_strategy", "plot_comparison"]
 
 _MIB = 2 ** 20
 _PHASE_COLOURS = {"forward": "#d8e8f8", "recompute": "#fde2c8", "backward": "#dcf0d8"}
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend; ImportError saying how to install it when missing."""
     try:
         import matplotlib
     except ImportError:
@@ -43,7 +44,7 @@ def _save(figure: Any, paths: Sequence[str]) -> list[str]:
     figure.tight_layout()
     for path in paths:
         figure.savefig(path, dpi=120)
-    _pyplot().close(figure)
+    pyplot().close(figure)
     return list(paths)
 
 
@@ -51,7 +52,7 @@ def plot_pareto(points: Sequence[SweepPoint], title: str, paths: Sequence[str],
                 measured: dict[str, tuple[int, float]] | None = None) -> list[str]:
     """Peak (MiB) vs compute overhead (%) per solver; the Pareto front of all plans dashed. ``measured``:
     optional ``{label: (peak_bytes, step_time_ratio - 1)}`` drawn as crosses."""
-    plt = _pyplot()
+    plt = pyplot()
     figure, axis = plt.subplots(figsize=(7, 4.5))
     for solver in sorted({p.solver for p in points}):
         mine = sorted(((p.peak_bytes, p.overhead) for p in points if p.solver == solver and p.plan),
@@ -97,7 +98,7 @@ def plot_timeline(graph: CostGraph, schedule: Schedule, simulation: SimulationRe
                   paths: Sequence[str], measured: Sequence[Any] | None = None) -> list[str]:
     """Live bytes after each op and the peak while it ran, predicted and (optionally) measured, with the
     phases shaded; ``measured``: ``timeline.MeasuredPoint`` items, one per op."""
-    plt = _pyplot()
+    plt = pyplot()
     predicted = [p for p in simulation.timeline if p.op is not None]
     figure, axis = plt.subplots(figsize=(9, 4.5))
     classes = _op_classes(schedule)
@@ -141,7 +142,7 @@ def _depths(graph: CostGraph) -> list[int]:
 def plot_strategy(graph: CostGraph, schedule: Schedule, title: str, paths: Sequence[str]) -> list[str]:
     """The graph with each node coloured by its number of computations in ``schedule`` (module
     docstring); names are written on graphs of at most 60 nodes."""
-    plt = _pyplot()
+    plt = pyplot()
     counts = schedule.computation_counts()
     depth = _depths(graph)
     rows: dict[int, int] = {}
@@ -191,7 +192,7 @@ def plot_strategy(graph: CostGraph, schedule: Schedule, title: str, paths: Seque
 def plot_comparison(rows: Sequence[Any], paths: Sequence[str]) -> list[str]:
     """``comparison.ComparisonRow`` items: one panel per graph (extra compute vs budget fraction, a line
     per solver) and a last panel of solve time against graph size (log-log)."""
-    plt = _pyplot()
+    plt = pyplot()
     graphs = sorted({row.graph for row in rows})
     columns = min(4, len(graphs) + 1)
     lines = (len(graphs) + 1 + columns - 1) // columns

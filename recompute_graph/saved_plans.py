@@ -52,12 +52,12 @@ def structure_fingerprint(graph: CostGraph) -> str:
 
 def mismatch_reason(saved: CostGraph, current: CostGraph) -> str | None:
     """None when both graphs have the same structure fingerprint, else what differs first, in words."""
-    if structure_fingerprint(saved) == structure_fingerprint(current):
+    a, b = _structure(saved), _structure(current)
+    if a == b:  # equal structures, equal fingerprints
         return None
     if len(saved) != len(current):
         return (f"the plan was made for a graph of {len(saved)} nodes and the model now traces to "
                 f"{len(current)} nodes (the model's code or configuration changed)")
-    a, b = _structure(saved), _structure(current)
     for old, new in zip(a["nodes"], b["nodes"]):
         if old == new:
             continue

@@ -30,7 +30,6 @@ def test_blocks_are_found_and_checkpointing_them_keeps_gradients(name, expected_
 
 
 def test_checkpoint_sequential_peer_needs_a_sequential_and_says_so():
-    model, inputs = models_zoo.get_model("gpt2", "tiny")
     with pytest.raises(ValueError, match="nn.Sequential"):
         peers.checkpoint_sequentials(torch.nn.Linear(2, 2))
     unet, unet_inputs = models_zoo.get_model("unet", "tiny")

@@ -43,10 +43,9 @@ def _training_step(module: Any, inputs: tuple) -> Callable[[], None]:
 def run(args: argparse.Namespace) -> int:
     from ..costs import profile_model
     from ..errors import InfeasibleBudgetError, SolverError
-    from ..measure import profiler_peak_memory, time_step
+    from ..measure import default_loss, profiler_peak_memory, time_step
     from ..model_specs import load_model, parse_sizes
     from ..optimized_module import run_schedule
-    from ..measure import default_loss
     from ..planner import make_plan
     from ..progress import progress_bar
     from ..rewrite import ScheduleExecutor

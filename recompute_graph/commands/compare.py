@@ -39,8 +39,8 @@ def run(args: argparse.Namespace) -> int:
     if any(not 0 < f <= 1 for f in args.fractions):
         raise ValueError(f"fractions must lie in (0, 1]; got {args.fractions}")
     if args.plot:
-        from ..plots import _pyplot
-        _pyplot()  # fail before solving when matplotlib is missing
+        from ..plots import pyplot
+        pyplot()  # fail before solving when matplotlib is missing
     graphs = [load_graph(path) for path in args.graph_files]  # every file is read before any solve
     rows = []
     for graph in graphs:

@@ -43,10 +43,10 @@ def run(args: argparse.Namespace) -> int:
     from ..costs import profile_model
     from ..model_specs import load_model, parse_sizes
     from ..planner import make_plan
-    from ..plots import _pyplot, plot_pareto, plot_strategy, plot_timeline
+    from ..plots import pyplot, plot_pareto, plot_strategy, plot_timeline
     from ..solvers import get_solver, solvers_for
     from ..sweeps import budget_sweep
-    _pyplot()  # fail early without matplotlib
+    pyplot()  # fail early without matplotlib
     for name in (args.solvers or []) + ([args.solver] if args.solver != "auto" else []):
         get_solver(name)
     model, inputs, label = load_model(args.model, args.preset, parse_sizes(args.size))
