@@ -2,15 +2,18 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import warnings
-from typing import Any, Callable, Iterator, Sequence, Union
+from typing import Any, Callable, Sequence, Union
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from .costs import profile_graph
-from .optimized_module import RecomputedModule
+from .call_graphs import CallGraphs, training_mode
+from .optimized_module import PreparedStep, RecomputedModule
 from .errors import PlanMismatchWarning
 from .graph import CostGraph
 from .planner import (Budget, RecomputePlan, loss_allowance_bytes, make_plan, min_budget_for_peak, parse_budget,
@@ -18,7 +21,6 @@ from .planner import (Budget, RecomputePlan, loss_allowance_bytes, make_plan, mi
 from .rewrite import ScheduleExecutor
 from .saved_plans import load_plan, mismatch_reason
 from .solvers import get_solver
-from .trace import trace
 
 __all__ = ["optimize", "plan_for"]
 
@@ -26,26 +28,35 @@ PROFILE_OPTIONS = ("timing", "repeats", "warmup", "device_profile", "progress")
 
 
 def optimize(model: nn.Module, budget: Budget, *, example_inputs: Sequence[Any] | None = None,
-             solver: str = "auto", plan: Union[str, "os.PathLike[str]", RecomputePlan, None] = None,
-             autocast: "torch.dtype | None" = None, **options: Any) -> RecomputedModule:
+             example_kwargs: dict[str, Any] | None = None, solver: str = "auto",
+             plan: Union[str, "os.PathLike[str]", RecomputePlan, None] = None,
+             autocast: "torch.dtype | None" = None, tracer: str = "auto", **options: Any) -> RecomputedModule:
     """Return a module that trains like ``model`` with its step's peak memory within ``budget``.
 
     ``budget``: bytes (int), a size string (``"1.5GiB"``, ``"800MB"``) or a float in (0, 1] = that fraction
-    of the store-all peak. ``example_inputs``: positional inputs to plan with now; ``None`` plans on the
-    first training call (and again whenever input shapes or dtypes change). ``solver``: a registered
-    solver name or ``"auto"`` (the best feasible plan among ``AUTO_SOLVERS``). ``options`` tune profiling:
-    ``timing`` (``"measure"`` or ``"flops"``), ``repeats``, ``warmup``, ``device_profile``, ``progress``
-    (a progress bar while profiling). ``plan``: a saved plan (a path written by ``RecomputePlan.save``,
-    or a plan) to reuse instead of solving, when the traced graph has the same structure fingerprint and
-    the plan's predicted peak fits ``budget``; otherwise a ``PlanMismatchWarning`` says why and a new
-    plan is made. ``autocast``: the dtype of the ``torch.autocast`` block the model will train in
-    (``torch.bfloat16`` on CPU), so that the plan made now from ``example_inputs`` is priced with the
-    dtypes autocast produces; a plan made on the first call is priced under whatever autocast is active
-    then. Plans are cached per input signature and autocast setting.
+    of the store-all peak. ``example_inputs`` / ``example_kwargs``: a call to plan with now (positional and
+    keyword arguments, as training will call the model); without them the plan is made on the first
+    training call (and again whenever the call's structure, shapes or dtypes change). ``solver``: a
+    registered solver name or ``"auto"`` (the best feasible plan among ``AUTO_SOLVERS``). ``options`` tune
+    profiling: ``timing`` (``"measure"`` or ``"flops"``), ``repeats``, ``warmup``, ``device_profile``,
+    ``progress`` (a progress bar while profiling). ``plan``: a saved plan (a path written by
+    ``RecomputePlan.save``, or a plan) to reuse instead of solving, when the traced graph has the same
+    structure fingerprint and the plan's predicted peak fits ``budget``; otherwise a
+    ``PlanMismatchWarning`` says why and a new plan is made. ``autocast``: the dtype of the
+    ``torch.autocast`` block the model will train in (``torch.bfloat16`` on CPU), so that the plan made
+    now from the example call is priced with the dtypes autocast produces; a plan made on the first call
+    is priced under whatever autocast is active then. Plans are cached per call signature and autocast
+    setting.
 
-    Raises ValueError for a bad budget or solver name, TypeError for an unknown option, TraceError when the
-    model cannot be traced and InfeasibleBudgetError (with ``min_budget_bytes``) when nothing fits. The
-    user's model is never modified: the returned module shares its parameters and buffers.
+    ``tracer``: ``"fx"`` traces the model once with ``torch.fx`` (module-level nodes, one graph for every
+    input shape); ``"export"`` uses ``torch.export`` (aten-level nodes, one graph per call structure; see
+    ``export_trace.py``), which handles Hugging Face ``transformers`` models and other code symbolic
+    tracing cannot; ``"auto"`` (default) uses fx, and export when fx cannot trace the root module or had
+    to keep a submodule opaque (falling back to the fx graph if export fails too).
+
+    Raises ValueError for a bad budget, solver or tracer name, TypeError for an unknown option, TraceError
+    when the model cannot be traced and InfeasibleBudgetError (with ``min_budget_bytes``) when nothing
+    fits. The user's model is never modified: the returned module shares its parameters and buffers.
     """
     parse_budget(budget)
     saved = load_plan(os.fspath(plan)) if isinstance(plan, (str, os.PathLike)) else plan
@@ -54,21 +65,24 @@ def optimize(model: nn.Module, budget: Budget, *, example_inputs: Sequence[Any] 
     unknown = sorted(set(options) - set(PROFILE_OPTIONS))
     if unknown:
         raise TypeError(f"optimize() got unknown options {unknown}; accepted: {', '.join(PROFILE_OPTIONS)}")
-    traced = trace(model)
-    graph_module = traced.graph_module
+    graphs = CallGraphs(model, tracer)
 
-    def plan_for(inputs: list[Any]) -> tuple[ScheduleExecutor, RecomputePlan]:
-        with _training_mode(graph_module):
-            graph = profile_graph(traced, inputs, name=type(model).__name__, **options)
+    def prepare(args: tuple, kwargs: dict) -> PreparedStep:
+        call = graphs.graph_for(args, kwargs)
+        with contextlib.nullcontext() if call.exported else training_mode(call.trace.graph_module):
+            graph = profile_graph(call.trace, call.inputs_of(args, kwargs), name=type(model).__name__,
+                                  **options)
         chosen = _reuse(saved, graph, budget) if saved is not None else None
         if chosen is None:
             chosen = make_plan(graph, budget, solver)
-        return ScheduleExecutor(graph_module, graph, chosen.schedule), chosen
+        executor = ScheduleExecutor(call.trace.graph_module, graph, chosen.schedule)
+        return PreparedStep(executor, chosen, call.inputs_of, call.output_of)
 
-    optimized = RecomputedModule(model, graph_module, plan_for)
-    if example_inputs is not None:
-        with _autocast_for(autocast, example_inputs):
-            optimized.plan(*example_inputs)
+    optimized = RecomputedModule(model, prepare, graphs.eval_forward)
+    if example_inputs is not None or example_kwargs is not None:
+        example_args, example_kw = tuple(example_inputs or ()), dict(example_kwargs or {})
+        with _autocast_for(autocast, [*example_args, *example_kw.values()]):
+            optimized.plan(*example_args, **example_kw)
     return optimized
 
 
@@ -80,22 +94,31 @@ def _autocast_for(dtype: "torch.dtype | None", inputs: Sequence[Any]) -> Any:
     return torch.autocast(device_type="cuda" if "cuda" in devices else "cpu", dtype=dtype)
 
 
-def plan_for(build: "Callable[[], tuple[nn.Module, Sequence[Any]]]", budget: Budget, *, solver: str = "auto",
-             device_profile: str = "cpu", progress: bool = False) -> RecomputePlan:
+def plan_for(build: "Callable[[], tuple[nn.Module, Any]]", budget: Budget, *, solver: str = "auto",
+             device_profile: str = "cpu", progress: bool = False, tracer: str = "auto") -> RecomputePlan:
     """Plan a model without the device and without its weights: ``build()`` runs under
-    ``torch.device("meta")`` and returns ``(model, example_inputs)`` (inputs are moved to ``meta``); the
-    model is priced on meta tensors with FLOP-based times for ``device_profile`` (``costs.DEVICE_PROFILES``:
-    "cpu", "h100", "h200", ...) and planned at ``budget``. Save the plan (``plan.save(path)``) and apply it
-    to the real model later with ``optimize(model, budget, example_inputs=..., plan=path)``: the graph of
-    the real model has the same structure fingerprint, so the plan is reused as is.
+    ``torch.device("meta")`` and returns ``(model, example_inputs)``, where ``example_inputs`` is a
+    sequence of positional inputs or a dict of keyword arguments (``{"input_ids": ..., "labels": ...}``
+    for a ``transformers`` model); inputs are moved to ``meta``. The model is priced on meta tensors with
+    FLOP-based times for ``device_profile`` (``costs.DEVICE_PROFILES``: "cpu", "h100", "h200", ...) and
+    planned at ``budget``. Save the plan (``plan.save(path)``) and apply it to the real model later with
+    ``optimize(model, budget, example_inputs=..., plan=path)``: the graph of the real model has the same
+    structure fingerprint, so the plan is reused as is. ``tracer`` as in ``optimize()``.
     """
     with torch.device("meta"):
         model, inputs = build()
-    inputs = tuple(t.to("meta") if isinstance(t, torch.Tensor) else t for t in inputs)
-    with _training_mode(model):
-        traced = trace(model)
-        graph = profile_graph(traced, inputs, name=type(model).__name__, timing="flops",
-                              device_profile=device_profile, progress=progress)
+    moved: dict[int, torch.Tensor] = {}  # the same tensor passed twice (input_ids as labels) stays one
+
+    def meta_tensor(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and id(value) not in moved:
+            moved[id(value)] = value.to("meta")
+        return moved[id(value)] if isinstance(value, torch.Tensor) else value
+    to_meta = functools.partial(tree_map, meta_tensor)
+    args, kwargs = ((), to_meta(dict(inputs))) if isinstance(inputs, dict) else (to_meta(tuple(inputs)), {})
+    call = CallGraphs(model, tracer).graph_for(args, kwargs)
+    with training_mode(model if call.exported else call.trace.graph_module):
+        graph = profile_graph(call.trace, call.inputs_of(args, kwargs), name=type(model).__name__,
+                              timing="flops", device_profile=device_profile, progress=progress)
     return make_plan(graph, budget, solver)
 
 
@@ -112,16 +135,3 @@ def _reuse(saved: RecomputePlan, graph: CostGraph, budget: Budget) -> RecomputeP
                   f"over the {reused.budget_bytes} asked for")
     warnings.warn(f"saved plan not reused: {reason}; making a new plan", PlanMismatchWarning, stacklevel=4)
     return None
-
-
-@contextlib.contextmanager
-def _training_mode(module: nn.Module) -> Iterator[None]:
-    """Profile in training mode (what the plan is for), then put every submodule's mode back."""
-    modes = [(m, m.training) for m in module.modules()]
-    module.train()
-    try:
-        yield
-    finally:
-        for m, training in modes:
-            m.training = training
-

@@ -201,7 +201,10 @@ class _MemoryPass(fx.Interpreter):
         input_tensors = _tensors((args, kwargs))
         versions = [t._version for t in input_tensors]
         module = self.module.get_submodule(n.target) if n.op == "call_module" else None
-        buffer_versions = [b._version for b in module.buffers()] if module is not None else []
+        buffers = list(module.buffers()) if module is not None else _buffer_arguments(n, self.env)
+        buffer_versions = [b._version for b in buffers]
+        # aten.batch_norm writes running statistics without bumping their version: compare values
+        buffer_values = [b.clone() for b in buffers] if module is None else []
         self._saved_now = {}
         self.tracker.ops_seen = set()
         self.tracker.owner = n.name
@@ -213,13 +216,14 @@ class _MemoryPass(fx.Interpreter):
             raise _node_error(n, error) from error
         finally:
             self.tracker.owner = None
-        self.records[n.name] = self._record(n, result, input_tensors, versions, module, buffer_versions,
-                                            live_before)
+        self.records[n.name] = self._record(n, result, input_tensors, versions, module, buffers,
+                                            buffer_versions, live_before, buffer_values)
         self.whole_step_saved.update(self._saved_now)
         return result
 
     def _record(self, n: fx.Node, result: Any, input_tensors: list[torch.Tensor], versions: list[int],
-                module: nn.Module | None, buffer_versions: list[int], live_before: int) -> _NodeMemory:
+                module: nn.Module | None, buffers: list[torch.Tensor], buffer_versions: list[int],
+                live_before: int, buffer_values: list[torch.Tensor]) -> _NodeMemory:
         owner_of = self.tracker.owner_of
         outputs = _tensors(result)
         output_keys = {storage_key(t) for t in outputs} - {None}
@@ -247,16 +251,33 @@ class _MemoryPass(fx.Interpreter):
         record.backward_needs = tuple(sorted(needs))
         kept_new = sum(nbytes for key, nbytes in self.tracker._live.items() if owner_of.get(key) == n.name)
         record.workspace_bytes = max(0, self.tracker.peak_bytes - live_before - kept_new)
-        record.inplace = any(t._version != v for t, v in zip(input_tensors, versions))
+        buffer_ids = {id(b) for b in buffers}
+        record.inplace = any(t._version != v for t, v in zip(input_tensors, versions) if id(t) not in buffer_ids)
         record.random = bool(self.tracker.ops_seen & RANDOM_OPS)
+        record.stateful = (any(b._version != v for b, v in zip(buffers, buffer_versions))
+                           or any(_changed(b, before) for b, before in zip(buffers, buffer_values)))
         if module is not None:
-            record.stateful = any(b._version != v for b, v in zip(module.buffers(), buffer_versions))
             record.parameters = tuple(p for p in module.parameters() if p.requires_grad)
         else:
             attrs = [a for a in n.all_input_nodes if a.op == "get_attr"]
             record.parameters = tuple(p for a in attrs for p in [self.env[a]]
                                       if isinstance(p, nn.Parameter) and p.requires_grad)
         return record
+
+
+def _changed(buffer: torch.Tensor, before: torch.Tensor) -> bool:
+    """Whether ``buffer`` no longer equals its copy ``before``; on meta tensors (no values) a
+    floating-point buffer counts as changed, which only costs a restore after recomputation."""
+    if buffer.is_meta:
+        return buffer.is_floating_point()
+    return not torch.equal(buffer, before)
+
+
+def _buffer_arguments(n: fx.Node, env: dict) -> list[torch.Tensor]:
+    """The module buffers a function node reads through ``get_attr`` (an exported BatchNorm's running
+    statistics): state, not activations; writing them makes the node ``stateful``."""
+    return [value for a in n.all_input_nodes if a.op == "get_attr"
+            for value in [env.get(a)] if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter)]
 
 
 def _used_outputs(n: fx.Node, result: Any) -> Any:
@@ -324,14 +345,17 @@ class _ComputePass(fx.Interpreter):
             raise _node_error(n, error) from error
         return result
 
-    def _fresh_inputs(self, args: Any, kwargs: Any) -> tuple[Any, Any, list[torch.Tensor]]:
-        """Detached copies of the tensor arguments, as leaves requiring grad where the originals did."""
+    def _fresh_inputs(self, args: Any, kwargs: Any, buffers: list[torch.Tensor]
+                      ) -> tuple[Any, Any, list[torch.Tensor]]:
+        """Detached copies of the tensor arguments: floating-point ones as leaves requiring grad, except
+        ``buffers`` (module state such as running statistics, copied without grad)."""
         leaves: list[torch.Tensor] = []
+        buffer_ids = {id(b) for b in buffers}
 
         def fresh(value: Any) -> Any:
             if not isinstance(value, torch.Tensor):
                 return value
-            if value.is_floating_point() or value.is_complex():
+            if (value.is_floating_point() or value.is_complex()) and id(value) not in buffer_ids:
                 leaf = value.detach().clone().requires_grad_(True)
                 leaves.append(leaf)
                 return leaf.clone()  # non-leaf, so in-place ops on it are allowed
@@ -365,7 +389,7 @@ class _ComputePass(fx.Interpreter):
     def _measure(self, n: fx.Node, args: Any, kwargs: Any) -> _NodeCompute:
         record = _NodeCompute()
         record.forward_bytes_moved = sum(t.numel() * t.element_size() for t in _tensors((args, kwargs)))
-        fresh_args, fresh_kwargs, leaves = self._fresh_inputs(args, kwargs)
+        fresh_args, fresh_kwargs, leaves = self._fresh_inputs(args, kwargs, _buffer_arguments(n, self.env))
         with FlopCounterMode(display=False) as counter:
             out = self._forward(n, fresh_args, fresh_kwargs)
         record.forward_flops = int(counter.get_total_flops())
@@ -387,7 +411,7 @@ class _ComputePass(fx.Interpreter):
             device = next((t.device for t in _tensors((args, kwargs))), torch.device("cpu"))
             forward_times, total_times = [], []
             for i in range(self.warmup + self.repeats):
-                fresh_args, fresh_kwargs, leaves = self._fresh_inputs(args, kwargs)
+                fresh_args, fresh_kwargs, leaves = self._fresh_inputs(args, kwargs, _buffer_arguments(n, self.env))
                 _synchronize(device)
                 start = time.perf_counter()
                 out = self._forward(n, fresh_args, fresh_kwargs)

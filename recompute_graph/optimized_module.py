@@ -3,12 +3,13 @@
 :class:`RecomputedModule` shares the original's submodules, parameters and buffers (same objects, same
 ``state_dict`` keys), so an optimizer built on either trains both. In training mode with grad enabled
 it runs the planned schedule through one ``torch.autograd.Function``; in ``eval()`` or under
-``torch.no_grad()`` it runs the traced graph directly (no recomputation, no overhead).
+``torch.no_grad()`` it runs the plain forward (no recomputation, no overhead): the fx graph, or the
+original model when the model was exported (``export_trace.py``).
 """
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import fx, nn
@@ -16,7 +17,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .rewrite import ScheduleExecutor, autocast_state
 
-__all__ = ["RecomputedModule", "run_schedule"]
+__all__ = ["PreparedStep", "RecomputedModule", "placeholder_binder", "run_schedule"]
 
 
 class _ScheduleFunction(torch.autograd.Function):
@@ -55,16 +56,28 @@ def run_schedule(executor: ScheduleExecutor, inputs: list[Any]) -> Any:
     return tree_unflatten(flat, box["spec"])
 
 
-class RecomputedModule(nn.Module):
-    """Wraps a traced model and executes a recomputation plan in training.
+class PreparedStep(NamedTuple):
+    """What training calls of one structure need: the ``executor`` and ``plan``, ``inputs_of(args,
+    kwargs)`` giving the graph's placeholder values, and ``output_of(output)`` turning the graph's
+    output into what the model returns."""
 
-    ``plan_for(inputs)`` is called with the placeholder values and returns ``(executor, plan)``; it is
-    asked again whenever the inputs' shapes or dtypes change (plans are cached per signature).
-    ``recompute_plan`` is the plan of the last signature used.
+    executor: ScheduleExecutor
+    plan: Any
+    inputs_of: Callable[[tuple, dict], list[Any]]
+    output_of: Callable[[Any], Any]
+
+
+class RecomputedModule(nn.Module):
+    """Wraps a model and executes a recomputation plan in training.
+
+    ``prepare(args, kwargs)`` returns the :class:`PreparedStep` for calls like ``model(*args, **kwargs)``;
+    it is asked again whenever the call's structure, shapes, dtypes or the autocast setting change (one
+    plan is cached per signature). ``eval_forward(args, kwargs)`` runs the plain forward (``eval()``,
+    ``torch.no_grad()``). ``recompute_plan`` is the plan of the last signature used.
     """
 
-    def __init__(self, model: nn.Module, graph_module: fx.GraphModule,
-                 plan_for: Callable[[list[Any]], tuple[ScheduleExecutor, Any]]) -> None:
+    def __init__(self, model: nn.Module, prepare: Callable[[tuple, dict], PreparedStep],
+                 eval_forward: Callable[[tuple, dict], Any]) -> None:
         super().__init__()
         for name, child in model._modules.items():
             self._modules[name] = child
@@ -74,22 +87,71 @@ class RecomputedModule(nn.Module):
             self._buffers[name] = buffer
         self._non_persistent_buffers_set = set(model._non_persistent_buffers_set)
         self.training = model.training
-        object.__setattr__(self, "_graph_module", graph_module)
-        object.__setattr__(self, "_plan_for", plan_for)
+        object.__setattr__(self, "_prepare", prepare)
+        object.__setattr__(self, "_eval_forward", eval_forward)
         object.__setattr__(self, "_plans", {})
         object.__setattr__(self, "_original_class", type(model).__name__)
         object.__setattr__(self, "_signature", inspect.signature(model.forward))
         object.__setattr__(self, "recompute_plan", None)
-        self._placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
+        object.__setattr__(self, "_original", model)
 
-    def _bind(self, args: tuple, kwargs: dict) -> list[Any]:
+    def train(self, mode: bool = True) -> "RecomputedModule":
+        """Set training mode here, in the shared submodules and on the original root module (whose own
+        ``forward`` may read ``self.training`` when it runs the plain forward)."""
+        super().train(mode)
+        self._original.training = mode
+        return self
+
+    def _check_call(self, args: tuple, kwargs: dict) -> None:
         try:
-            bound = self._signature.bind(*args, **kwargs)
+            self._signature.bind(*args, **kwargs)
         except TypeError as error:
             raise TypeError(f"{self._original_class}.forward: {error}") from None
+
+    def plan(self, *args: Any, **kwargs: Any) -> Any:
+        """Plan (or fetch the cached plan) for calls like this one; returns the plan."""
+        self._check_call(args, kwargs)
+        return self._prepared(args, kwargs).plan
+
+    def _prepared(self, args: tuple, kwargs: dict) -> PreparedStep:
+        key = _signature_key(args, kwargs)
+        if key not in self._plans:
+            self._plans[key] = self._prepare(args, kwargs)
+        step = self._plans[key]
+        object.__setattr__(self, "recompute_plan", step.plan)
+        return step
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_call(args, kwargs)
+        needs_grad = torch.is_grad_enabled() and (
+            any(p.requires_grad for p in self.parameters())
+            or any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten((args, kwargs))[0]))
+        if not (self.training and needs_grad):
+            return self._eval_forward(args, kwargs)
+        step = self._prepared(args, kwargs)
+        if step.executor.parameters_changed():
+            # Parameters were replaced since planning (assignment, ``requires_grad_``, FSDP2's unsharded
+            # parameters on its first all-gather): plan again, so gradients reach the tensors in use.
+            self._plans.clear()
+            step = self._prepared(args, kwargs)
+        return step.output_of(run_schedule(step.executor, step.inputs_of(args, kwargs)))
+
+    def extra_repr(self) -> str:
+        plan = self.recompute_plan
+        return f"{self._original_class}, plan: {plan.one_line() if plan is not None else 'on first call'}"
+
+
+def placeholder_binder(model: nn.Module, graph_module: fx.GraphModule) -> Callable[[tuple, dict], list[Any]]:
+    """``bind(args, kwargs)``: the values of ``graph_module``'s placeholders for the call
+    ``model(*args, **kwargs)`` (fx placeholders mirror ``model.forward``'s signature; defaults apply)."""
+    signature = inspect.signature(model.forward)
+    placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
+
+    def bind(args: tuple, kwargs: dict) -> list[Any]:
+        bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         values = []
-        for node in self._placeholders:
+        for node in placeholders:
             name = node.target.lstrip("*")
             if name in bound.arguments:
                 values.append(bound.arguments[name])
@@ -98,48 +160,15 @@ class RecomputedModule(nn.Module):
             else:  # pragma: no cover - fx placeholders mirror the signature
                 raise TypeError(f"missing argument {name!r}")
         return values
-
-    def plan(self, *args: Any, **kwargs: Any) -> Any:
-        """Plan (or fetch the cached plan) for inputs like these; returns the plan."""
-        return self._executor_and_plan(self._bind(args, kwargs))[1]
-
-    def _executor_and_plan(self, inputs: list[Any]) -> tuple[ScheduleExecutor, Any]:
-        key = _signature_key(inputs)
-        if key not in self._plans:
-            self._plans[key] = self._plan_for(inputs)
-        executor, plan = self._plans[key]
-        object.__setattr__(self, "recompute_plan", plan)
-        return executor, plan
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        inputs = self._bind(args, kwargs)
-        needs_grad = torch.is_grad_enabled() and (
-            any(p.requires_grad for p in self.parameters())
-            or any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs))
-        if not (self.training and needs_grad):
-            return self._graph_module(*inputs)
-        executor, _ = self._executor_and_plan(inputs)
-        if executor.parameters_changed():
-            executor = self._after_parameter_change(inputs)
-        return run_schedule(executor, inputs)
-
-    def _after_parameter_change(self, inputs: list[Any]) -> ScheduleExecutor:
-        """Parameters were replaced since planning (assignment, ``requires_grad_``, FSDP2's unsharded
-        parameters on its first all-gather): plan again, so gradients reach the tensors in use."""
-        self._plans.clear()
-        executor, _ = self._executor_and_plan(inputs)
-        return executor
-
-    def extra_repr(self) -> str:
-        plan = self.recompute_plan
-        return f"{self._original_class}, plan: {plan.one_line() if plan is not None else 'on first call'}"
+    return bind
 
 
-def _signature_key(inputs: list[Any]) -> tuple:
-    """Shapes, dtypes, devices and grad flags of the inputs, and the autocast settings (a plan priced in
-    float32 is not the plan for a bfloat16 step)."""
-    key: list[Any] = [autocast_state()]
-    for value in tree_flatten(inputs)[0]:
+def _signature_key(args: tuple, kwargs: dict) -> tuple:
+    """The call's structure, the shapes, dtypes, devices and grad flags of its tensors, its other values,
+    and the autocast settings (a plan priced in float32 is not the plan for a bfloat16 step)."""
+    leaves, spec = tree_flatten((args, kwargs))
+    key: list[Any] = [autocast_state(), str(spec)]
+    for value in leaves:
         if isinstance(value, torch.Tensor):
             key.append((tuple(value.shape), value.dtype, value.device.type, value.requires_grad))
         else:

@@ -164,11 +164,13 @@ def make_plan(graph: CostGraph, budget: Budget, solver: str = "auto", *, variant
     chosen = best_of(solutions, usable_bytes)
     if not chosen.fits(usable_bytes):
         smallest = min_feasible_budget(graph, solver, variant=variant)
+        store_all_budget = min_budget_for_peak(store_all.peak_bytes, loss_allowance_bytes(graph))
         raise InfeasibleBudgetError(
             f"no plan of {'any solver' if solver == 'auto' else repr(solver)} fits a budget of "
             f"{format_bytes(budget_bytes)} ({budget_bytes} bytes) for {graph.name!r}; the smallest feasible "
-            f"budget is {format_bytes(smallest)} ({smallest} bytes, {smallest / store_all.peak_bytes:.1%} of "
-            "the store-all peak). Raise the budget or try another solver.",
+            f"budget is {format_bytes(smallest)} ({smallest} bytes, the fraction "
+            f"{math.ceil(smallest / store_all_budget * 1000) / 1000:g} of what a store-all step needs). "
+            "Raise the budget or try another solver.",
             budget_bytes=budget_bytes, min_budget_bytes=smallest)
     return _plan(chosen, graph, budget_bytes, store_all, store_all_cost)
 

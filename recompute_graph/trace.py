@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_flatten
 
 from .errors import TraceError
 
-__all__ = ["TraceResult", "trace"]
+__all__ = ["TraceResult", "functionalize", "trace", "user_source_location"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 #: Tensor constructors that torch.fx cannot trace when a size comes from a traced shape
@@ -153,7 +153,7 @@ def trace(model: nn.Module) -> TraceResult:
         except Exception as error:  # noqa: BLE001
             raise _trace_error(model, "", error) from error
         graph_module = fx.GraphModule(tracer.root, graph, class_name=f"Traced{type(model).__name__}")
-        functionalized = _functionalize(graph_module)
+        functionalized = functionalize(graph_module)
         return TraceResult(graph_module, tuple(opaque), tuple(opaque.values()), functionalized)
     raise TraceError(f"tracing {type(model).__name__} did not converge")  # pragma: no cover
 
@@ -176,6 +176,9 @@ _VIEW_METHODS = frozenset({"view", "view_as", "reshape", "reshape_as", "permute"
 
 def _out_of_place_twin(gm: fx.GraphModule, node: fx.Node) -> Any:
     """How to rewrite ``node`` out of place: a callable applying the change, or None if not in place."""
+    if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+        twin = _out_of_place_aten_twin(node.target)
+        return None if twin is None else (lambda: setattr(node, "target", twin))
     if node.op == "call_function":
         if node.target in OUT_OF_PLACE_OPERATORS:
             twin = OUT_OF_PLACE_OPERATORS[node.target]
@@ -203,18 +206,32 @@ def _out_of_place_twin(gm: fx.GraphModule, node: fx.Node) -> Any:
     return None
 
 
+def _out_of_place_aten_twin(op: "torch._ops.OpOverload") -> Any:
+    """``aten.relu.default`` for ``aten.relu_.default``, ``aten.add.Tensor`` for ``aten.add_.Tensor``
+    (graphs from ``torch.export``); None when ``op`` is not in place or has no twin."""
+    namespace, _, name = op._schema.name.partition("::")
+    if not name.endswith("_") or name.startswith("_") or not op._schema.arguments:
+        return None
+    if not (op._schema.arguments[0].alias_info is not None and op._schema.arguments[0].alias_info.is_write):
+        return None
+    packet = getattr(getattr(torch.ops, namespace, None), name[:-1], None)
+    return getattr(packet, op._overloadname, None) if packet is not None else None
+
+
 def _writes_through_to_something_else(target: fx.Node) -> bool:
     if target.op in ("placeholder", "get_attr"):
         return True
     if target.op == "call_method" and target.target in _VIEW_METHODS:
         return True
+    if target.op == "call_function" and isinstance(target.target, torch._ops.OpOverload):
+        return target.target.is_view
     if target.op == "call_function" and (target.target is operator.getitem
                                          or getattr(target.target, "__name__", "") in _VIEW_METHODS):
         return True
     return False
 
 
-def _functionalize(gm: fx.GraphModule) -> tuple[str, ...]:
+def functionalize(gm: fx.GraphModule) -> tuple[str, ...]:
     """Rewrite in-place nodes out of place (see the module docstring); returns their names."""
     rewritten = []
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
@@ -237,12 +254,12 @@ def _functionalize(gm: fx.GraphModule) -> tuple[str, ...]:
 
 
 def _describe(error: BaseException) -> str:
-    location = _user_source_location(error)
+    location = user_source_location(error)
     first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     return f"{type(error).__name__}: {first_line}" + (f" at {location}" if location else "")
 
 
-def _user_source_location(error: BaseException) -> str:
+def user_source_location(error: BaseException) -> str:
     """``file:line`` of the innermost traceback frame in user code (outside torch and this library)."""
     location = ""
     for frame in traceback.extract_tb(error.__traceback__):
@@ -256,7 +273,7 @@ def _user_source_location(error: BaseException) -> str:
 
 
 def _trace_error(model: nn.Module, qualname: str, error: BaseException) -> TraceError:
-    location = _user_source_location(error)
+    location = user_source_location(error)
     module = f"{type(model).__name__}" + (f".{qualname}" if qualname else " (the root module)")
     message = (f"cannot trace {module}: {type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
                + (f"\n  at {location}" if location else "")

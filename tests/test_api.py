@@ -1,4 +1,6 @@
 """optimize(model, budget): the public entry point, end to end on small models."""
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -125,6 +127,11 @@ def test_infeasible_budget_names_the_smallest_feasible_one_and_changes_nothing()
     assert_unchanged(model, before)
     optimized = rg.optimize(model, error.min_budget_bytes, example_inputs=inputs, timing="flops")
     assert peak_memory(make_training_step(optimized, inputs)) <= error.min_budget_bytes
+    # the fraction the message names is a budget that fits, and a slightly smaller one does not
+    fraction = float(re.search(r"the fraction ([0-9.]+) of what a store-all step needs", str(error)).group(1))
+    assert rg.optimize(model, fraction, example_inputs=inputs, timing="flops").recompute_plan is not None
+    with pytest.raises(rg.InfeasibleBudgetError):
+        rg.optimize(model, fraction - 0.01, example_inputs=inputs, timing="flops")
 
 
 @pytest.mark.parametrize("budget", [0, -1, float("nan"), 1.5, "plenty", None])
@@ -145,9 +152,21 @@ def test_unknown_solver_and_option_are_rejected():
 def test_untraceable_model_raises_trace_error_and_stays_intact():
     model = UntraceableRoot()
     before = snapshot(model)
-    with pytest.raises(rg.TraceError, match="UntraceableRoot"):
-        rg.optimize(model, 0.5)
+    x = torch.randn(3, 4)
+    with pytest.raises(rg.TraceError, match="UntraceableRoot") as info:
+        rg.optimize(model, 0.5, example_inputs=(x,))
+    message = str(info.value)
+    assert "torch.fx" in message and "torch.export" in message and "test_trace.py" in message
     assert_unchanged(model, before)
+    # without an example call, fx fails now and export is tried (and fails) on the first training call
+    optimized = rg.optimize(model, 0.5)
+    with pytest.raises(rg.TraceError, match="UntraceableRoot"):
+        optimized(x)
+    assert_unchanged(model, before)
+    with pytest.raises(rg.TraceError, match="UntraceableRoot"):
+        rg.optimize(model, 0.5, tracer="fx")
+    with pytest.raises(ValueError, match="unknown tracer 'jit'"):
+        rg.optimize(model, 0.5, tracer="jit")
 
 
 @pytest.mark.parametrize("solver", ["store_all", "chen_sqrt", "chen_greedy"])

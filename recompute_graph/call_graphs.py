@@ -1,0 +1,107 @@
+"""From a model and a call to the graph the planner prices: torch.fx once, or torch.export per call.
+
+``CallGraphs(model, tracer)`` decides how the model is traced (the rule is in ``optimize()``'s
+docstring) and, for each call ``model(*args, **kwargs)``, gives a :class:`CallGraph`: the traced graph,
+how the call's values map onto its placeholders and how its output maps back to what the model returns.
+An fx graph serves every call (its placeholders mirror ``forward``'s signature); an exported graph serves
+one call structure (``export_trace.py``).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+from torch import nn
+
+from .errors import TraceError
+from .export_trace import export_trace, training_kwargs
+from .optimized_module import placeholder_binder
+from .trace import TraceResult, trace
+
+__all__ = ["TRACERS", "CallGraph", "CallGraphs", "training_mode"]
+
+TRACERS = ("auto", "fx", "export")
+
+
+@dataclass(frozen=True)
+class CallGraph:
+    """The graph for one call: ``trace``; ``inputs_of(args, kwargs)``, the placeholder values of a call;
+    ``output_of(output)``, the graph's output as the model returns it; ``exported``: from torch.export
+    (recorded in training mode already: such a graph module refuses ``train()``)."""
+
+    trace: TraceResult
+    inputs_of: Callable[[tuple, dict], list[Any]]
+    output_of: Callable[[Any], Any]
+    exported: bool
+
+
+class CallGraphs:
+    """Traces ``model`` with ``tracer`` ("auto", "fx" or "export"); see ``optimize()`` for the rule.
+
+    The fx trace is attempted now (a ``TraceError`` is raised now for ``tracer="fx"``); exports happen
+    per call in :meth:`graph_for`.
+    """
+
+    def __init__(self, model: nn.Module, tracer: str = "auto") -> None:
+        if tracer not in TRACERS:
+            raise ValueError(f"unknown tracer {tracer!r}; use one of {', '.join(TRACERS)}")
+        self.model = model
+        self.fx_trace: TraceResult | None = None
+        self.fx_error: TraceError | None = None
+        if tracer != "export":
+            try:
+                self.fx_trace = trace(model)
+            except TraceError as error:
+                if tracer == "fx":
+                    raise
+                self.fx_error = error
+        self.uses_export = (tracer == "export" or self.fx_error is not None
+                            or (tracer == "auto" and bool(self.fx_trace.opaque_modules)))
+        self._bind = placeholder_binder(model, self.fx_trace.graph_module) if self.fx_trace is not None else None
+
+    def graph_for(self, args: tuple, kwargs: dict) -> CallGraph:
+        """The graph for calls like ``model(*args, **kwargs)``: exported when export is in use (falling
+        back to the fx graph, if there is one, when export fails), else the fx graph."""
+        if not self.uses_export:
+            return self._fx_graph()
+        try:
+            with training_mode(self.model):
+                exported = export_trace(self.model, args, training_kwargs(self.model, kwargs))
+        except TraceError as export_error:
+            if self.fx_trace is not None:
+                return self._fx_graph()
+            if self.fx_error is None:
+                raise
+            raise TraceError(f"{self.fx_error}\n{export_error}", module_path=self.fx_error.module_path,
+                             source_location=self.fx_error.source_location) from export_error
+        model = self.model
+
+        def inputs_of(call_args: tuple, call_kwargs: dict) -> list[Any]:
+            return exported.inputs_of(call_args, training_kwargs(model, call_kwargs))
+        return CallGraph(exported.trace, inputs_of, exported.output_of, exported=True)
+
+    def eval_forward(self, args: tuple, kwargs: dict) -> Any:
+        """The plain forward: the fx graph, or the model itself when export is in use."""
+        if self.uses_export:
+            return self.model(*args, **kwargs)
+        return self.fx_trace.graph_module(*self._bind(args, kwargs))
+
+    def _fx_graph(self) -> CallGraph:
+        return CallGraph(self.fx_trace, self._bind, _unchanged, exported=False)
+
+
+def _unchanged(output: Any) -> Any:
+    return output
+
+
+@contextlib.contextmanager
+def training_mode(module: nn.Module) -> Iterator[None]:
+    """Trace and profile in training mode (what the plan is for), then put every submodule's mode back."""
+    modes = [(m, m.training) for m in module.modules()]
+    module.train()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training

@@ -1,0 +1,99 @@
+"""Tracing with ``torch.export`` for models that ``torch.fx`` cannot trace symbolically.
+
+Hugging Face ``transformers`` models are the common case: their ``forward`` takes keyword arguments
+through decorated ``**kwargs`` signatures, branches on configuration and returns ``ModelOutput`` dicts,
+none of which symbolic tracing handles. ``torch.export.export(model, args, kwargs, strict=False)`` runs
+the real Python code on fake tensors instead and records the aten operations it reaches, so every
+Python branch is resolved for the inputs at hand.
+
+The model this module gives the rest of the library:
+
+* **One graph per call structure.** An exported graph is specialised to its example call: which keyword
+  arguments were passed, the inputs' shapes and dtypes, non-tensor values (``return_dict=True``). A call
+  with another structure is exported again (``RecomputedModule`` caches one plan per structure).
+* **Placeholders are the flattened call.** ``tree_flatten((args, kwargs))`` lists the graph's
+  placeholder values in order (``ExportedTrace.inputs_of``); the graph returns the flat leaves of the
+  model's output, which ``ExportedTrace.output_of`` puts back into the model's own structure
+  (``transformers`` registers its ``ModelOutput`` classes with ``torch.utils._pytree``).
+* **Shared state.** The exported module's parameters and buffers are the model's own objects, so
+  gradients land in the user's parameters and an optimizer built on the original trains it.
+* **Training calls drop the key/value cache.** When ``forward`` accepts ``use_cache`` and the caller did
+  not pass it, ``use_cache=False`` is added (``training_kwargs``): a cache is never read in a training
+  step, costs memory, and ``DynamicCache`` is not a pytree type that export can return. ``transformers``
+  does the same when gradient checkpointing is on.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+
+from .errors import TraceError
+from .trace import TraceResult, functionalize, user_source_location
+
+__all__ = ["ExportedTrace", "export_trace", "training_kwargs"]
+
+
+@dataclass(frozen=True)
+class ExportedTrace:
+    """A model exported for one call structure: the graph (as a :class:`TraceResult`) and the pytree
+    specs of the call's ``(args, kwargs)`` and of the model's output."""
+
+    trace: TraceResult
+    in_spec: TreeSpec
+    out_spec: TreeSpec
+
+    def inputs_of(self, args: tuple, kwargs: dict) -> list[Any]:
+        """The graph's placeholder values for this call; TypeError if the call has another structure."""
+        leaves, spec = tree_flatten((tuple(args), dict(kwargs)))
+        if spec != self.in_spec:
+            raise TypeError(f"this call's structure {spec} is not the exported one {self.in_spec}")
+        return leaves
+
+    def output_of(self, flat_output: Any) -> Any:
+        """The graph's flat output in the model's own output structure (a ``ModelOutput``, a dict ...)."""
+        return tree_unflatten(list(flat_output), self.out_spec)
+
+    def __repr__(self) -> str:
+        nodes = sum(1 for n in self.trace.graph_module.graph.nodes if n.op not in ("placeholder", "output"))
+        return f"ExportedTrace({nodes} aten nodes, inputs {self.in_spec}, output {self.out_spec})"
+
+
+def training_kwargs(model: nn.Module, kwargs: dict) -> dict:
+    """``kwargs`` with ``use_cache=False`` added when ``model.forward`` accepts ``use_cache`` and the
+    caller did not pass it (see the module docstring)."""
+    if "use_cache" in kwargs:
+        return kwargs
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # pragma: no cover - builtins without a signature
+        return kwargs
+    return {**kwargs, "use_cache": False} if "use_cache" in parameters else kwargs
+
+
+def export_trace(model: nn.Module, args: tuple, kwargs: dict) -> ExportedTrace:
+    """Export ``model`` for the call ``model(*args, **kwargs)`` (non-strict ``torch.export``).
+
+    Raises :class:`TraceError` with export's own first line and the user code it points at when the
+    model cannot be exported either. The model is not modified.
+    """
+    try:
+        program = torch.export.export(model, tuple(args), dict(kwargs), strict=False)
+    except Exception as error:  # noqa: BLE001 - any failure of export is reported the same way
+        text = str(error).strip()
+        first_line = text.splitlines()[0] if text else type(error).__name__
+        location = user_source_location(error)
+        raise TraceError(
+            f"cannot export {type(model).__name__} with torch.export either: {type(error).__name__}: "
+            f"{first_line}" + (f"\n  at {location}" if location else "")
+            + "\n  Pass example inputs exactly as training calls the model (keyword arguments included); "
+            "if the model returns a custom object, register it with torch.utils._pytree.",
+            module_path="", source_location=location) from error
+    graph_module = program.module()
+    functionalized = functionalize(graph_module)
+    return ExportedTrace(TraceResult(graph_module, (), (), functionalized), program.call_spec.in_spec,
+                         program.call_spec.out_spec)

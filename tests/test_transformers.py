@@ -1,0 +1,204 @@
+"""Hugging Face ``transformers`` models (tiny configs, no downloads) and the torch.export tracer.
+
+``optimize()`` falls back to ``torch.export`` when ``torch.fx`` cannot trace a model; these tests check
+the fallback end to end: the usual call signatures (``input_ids``, ``attention_mask``, ``labels``), the
+models' own ``ModelOutput`` results, exact gradients with dropout on, measured peak within the budget and
+within 10 % of the prediction, one plan per call structure, and the plain forward in ``eval()``.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import models_zoo
+import recompute_graph as rg
+from recompute_graph.measure import default_loss, peak_memory
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+VOCABULARY = 97
+
+
+def tiny_gpt2():
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=4, vocab_size=VOCABULARY, n_positions=64, bos_token_id=0, eos_token_id=0))
+
+
+def tiny_bert():
+    return transformers.BertForMaskedLM(transformers.BertConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+        vocab_size=VOCABULARY, max_position_embeddings=64))
+
+
+def tiny_llama():
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64, vocab_size=VOCABULARY, max_position_embeddings=64, bos_token_id=0,
+        eos_token_id=0))
+
+
+MODELS = {"gpt2": tiny_gpt2, "bert": tiny_bert, "llama": tiny_llama}
+
+
+def batch(batch_size: int = 4, length: int = 32) -> dict:
+    generator = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, VOCABULARY, (batch_size, length), generator=generator)
+    mask = torch.ones(batch_size, length, dtype=torch.long)
+    mask[-1, length // 2:] = 0  # one padded sequence
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids}
+
+
+def train_step(model, kwargs, seed: int = 3):
+    """One seeded step; returns (output, measured peak bytes, gradients by name)."""
+    outputs = []
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(seed)
+        output = model(**kwargs)
+        output.loss.backward()
+        outputs.append(output)
+
+    peak = peak_memory(step)
+    return outputs[0], peak, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_transformers_models_train_exactly_within_the_budget(name):
+    torch.manual_seed(0)
+    model = MODELS[name]().train()
+    reference = copy.deepcopy(model)
+    kwargs = batch()
+    optimized = rg.optimize(model, 0.75, example_kwargs=kwargs, timing="flops")
+    plan = optimized.recompute_plan
+    assert plan.recomputed_nodes and plan.predicted_peak_bytes <= plan.budget_bytes
+    expected_output, _, expected_grads = train_step(reference, kwargs)
+    output, measured, grads = train_step(optimized, kwargs)
+    assert type(output) is type(expected_output)
+    # the same fields, less the key/value cache that training calls do not build
+    assert set(output.keys()) == {k for k in expected_output.keys() if "cache" not in k and "past" not in k}
+    torch.testing.assert_close(output.loss, expected_output.loss, rtol=0, atol=0)
+    torch.testing.assert_close(output.logits, expected_output.logits)
+    assert grads.keys() == expected_grads.keys()
+    for key in expected_grads:
+        torch.testing.assert_close(grads[key], expected_grads[key], rtol=1e-5, atol=1e-7)
+    assert measured <= plan.budget_bytes
+    assert abs(plan.predicted_peak_bytes - measured) <= 0.10 * measured
+
+
+def test_dropout_masks_are_reproduced_when_recomputed():
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=4, vocab_size=VOCABULARY, n_positions=64, bos_token_id=0,
+        eos_token_id=0, resid_pdrop=0.5, embd_pdrop=0.5, attn_pdrop=0.5)).train()
+    reference = copy.deepcopy(model)
+    kwargs = batch()
+    optimized = rg.optimize(model, 0.75, example_kwargs=kwargs, timing="flops")
+    graph = optimized.recompute_plan.graph
+    recomputed = {graph.nodes[i].name for i in optimized.recompute_plan.recomputed_nodes}
+    assert any(graph.nodes[i].random for i in optimized.recompute_plan.recomputed_nodes), recomputed
+    _, _, expected = train_step(reference, kwargs)
+    _, _, grads = train_step(optimized, kwargs)
+    for key in expected:
+        torch.testing.assert_close(grads[key], expected[key], rtol=1e-5, atol=1e-7)
+
+
+def test_plans_on_the_first_call_and_once_per_call_structure():
+    torch.manual_seed(0)
+    model = tiny_bert().train()
+    optimized = rg.optimize(model, 0.8, timing="flops")
+    assert optimized.recompute_plan is None
+    kwargs = batch()
+    optimized(**kwargs).loss.backward()
+    first = optimized.recompute_plan
+    without_mask = {"input_ids": kwargs["input_ids"], "labels": kwargs["labels"]}
+    optimized(**without_mask).loss.backward()
+    assert optimized.recompute_plan is not first and len(optimized._plans) == 2
+    optimized(**kwargs).loss.backward()
+    assert optimized.recompute_plan is first
+
+
+def test_eval_runs_the_original_forward_and_keeps_its_cache():
+    torch.manual_seed(0)
+    model = tiny_gpt2().train()
+    kwargs = batch()
+    optimized = rg.optimize(model, 0.8, example_kwargs=kwargs, timing="flops")
+    optimized.eval()
+    assert not model.training and not model.transformer.training
+    with torch.no_grad():
+        output = optimized(input_ids=kwargs["input_ids"], use_cache=True)
+        expected = model(input_ids=kwargs["input_ids"], use_cache=True)
+    torch.testing.assert_close(output.logits, expected.logits)
+    assert output.past_key_values is not None
+    optimized.train()
+    assert model.training
+
+
+@pytest.mark.parametrize("zoo_name", ["resnet18", "unet"])
+def test_the_export_tracer_trains_vision_models_exactly(zoo_name):
+    """torch.export graphs are aten-level: BatchNorm writes running statistics through ``get_attr``
+    buffers (updated exactly once per step) and ReLU is in place (functionalized)."""
+    model, inputs = models_zoo.get_model(zoo_name, "tiny")
+    reference = copy.deepcopy(model)
+    optimized = rg.optimize(model, 0.95, example_inputs=inputs, tracer="export", timing="flops")
+    plan = optimized.recompute_plan
+    assert plan.recomputed_nodes
+    assert any(node.stateful for node in plan.graph)
+
+    def step(module):
+        def run():
+            module.zero_grad(set_to_none=True)
+            default_loss(module(*inputs)).backward()
+        return run
+    measured = peak_memory(step(optimized))
+    step(reference)()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
+    for (name, b), c in zip(model.named_buffers(), reference.buffers()):
+        assert torch.equal(b, c), name
+    assert measured <= plan.budget_bytes
+    assert abs(plan.predicted_peak_bytes - measured) <= 0.10 * measured
+
+
+def test_bfloat16_autocast_trains_exactly_and_is_priced_in_bfloat16():
+    torch.manual_seed(0)
+    model = tiny_llama().train()
+    reference = copy.deepcopy(model)
+    kwargs = batch()
+    optimized = rg.optimize(model, 0.8, example_kwargs=kwargs, autocast=torch.bfloat16, timing="flops")
+    plan = optimized.recompute_plan
+    float32_plan = rg.optimize(copy.deepcopy(model), 0.8, example_kwargs=kwargs, timing="flops").recompute_plan
+    assert plan.store_all_peak_bytes < float32_plan.store_all_peak_bytes
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected_output, _, expected = train_step(reference, kwargs)
+        output, measured, grads = train_step(optimized, kwargs)
+    assert output.logits.dtype == torch.bfloat16
+    torch.testing.assert_close(output.loss, expected_output.loss, rtol=0, atol=0)
+    for key in expected:
+        torch.testing.assert_close(grads[key], expected[key], rtol=1e-5, atol=1e-7)
+    assert measured <= plan.budget_bytes
+    assert abs(plan.predicted_peak_bytes - measured) <= 0.10 * measured
+
+
+def test_a_plan_made_on_meta_tensors_is_reused_by_the_real_model(tmp_path, recwarn):
+    kwargs = batch()
+
+    def build():
+        return tiny_gpt2(), {"input_ids": kwargs["input_ids"], "labels": kwargs["labels"]}
+    plan = rg.plan_for(build, 0.8)
+    path = tmp_path / "gpt2.json"
+    plan.save(str(path))
+    torch.manual_seed(0)
+    model = tiny_gpt2().train()
+    real_kwargs = {"input_ids": kwargs["input_ids"], "labels": kwargs["labels"]}
+    optimized = rg.optimize(model, 0.8, example_kwargs=real_kwargs, plan=path, timing="flops")
+    assert not [w for w in recwarn if issubclass(w.category, rg.PlanMismatchWarning)]
+    assert optimized.recompute_plan.schedule == plan.schedule
+    reference = copy.deepcopy(model)
+    _, _, expected = train_step(reference, real_kwargs)
+    _, _, grads = train_step(optimized, real_kwargs)
+    for key in expected:
+        torch.testing.assert_close(grads[key], expected[key], rtol=1e-5, atol=1e-7)
