@@ -40,6 +40,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["CostNode", "CostGraph"]
 
+#: An output of at most this many bytes that requires grad is a scalar loss computed by the model itself.
+SCALAR_LOSS_BYTES = 8
+
 NODE_KINDS = ("module", "function", "method", "opaque", "loaded")
 
 
@@ -241,6 +244,19 @@ class CostGraph:
     def outputs(self) -> tuple[int, ...]:
         """Nodes whose values the model returns (the sinks when not given)."""
         return self.output_indices or self.sinks
+
+    @property
+    def gradient_outputs(self) -> tuple[int, ...]:
+        """The outputs whose gradients arrive at the start of backward (implicit backward): those that
+        require grad; in a traced graph, only the scalar ones among them (at most ``SCALAR_LOSS_BYTES``)
+        when there are any. A model that returns its own loss (a ``transformers`` model given
+        ``labels``) is trained by backpropagating that loss; its other outputs (the logits) get no
+        gradient from outside."""
+        differentiable = [o for o in self.outputs if self.nodes[o].requires_grad]
+        if self.source != "traced":  # graphs from files and tests: every output gets its gradient
+            return tuple(differentiable)
+        losses = tuple(o for o in differentiable if self.nodes[o].grad_bytes <= SCALAR_LOSS_BYTES)
+        return losses or tuple(differentiable)
 
     def storage_owner(self, index: int) -> int:
         """Index of the node that owns the storage of ``index``'s output (follows ``alias_of``)."""

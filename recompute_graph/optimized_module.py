@@ -34,6 +34,9 @@ class _ScheduleFunction(torch.autograd.Function):
         ctx.executor, ctx.state = executor, state
         ctx.input_positions = box["input_positions"]
         ctx.mark_non_differentiable(*[t for t in returned if not (t.is_floating_point() or t.is_complex())])
+        # Outputs the loss does not use (the logits beside a model's own loss) get no gradient rather
+        # than an output-sized tensor of zeros, as in the original model.
+        ctx.set_materialize_grads(False)
         return tuple(returned)
 
     @staticmethod

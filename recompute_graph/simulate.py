@@ -167,7 +167,7 @@ class _Simulation:
                                     "end of the forward ops")
         if not self.graph.implicit_backward:
             return
-        arriving = [o for o in self.graph.outputs if self.graph.nodes[o].requires_grad and o not in self.grad]
+        arriving = [o for o in self.graph.gradient_outputs if o not in self.grad]
         for o in arriving:
             self.grad.add(o)
             self._add(self.graph.nodes[o].grad_bytes)

@@ -1,10 +1,10 @@
 """Hugging Face ``transformers`` models (built from a config, no downloads) optimized end to end on CPU:
 measured peak and step time of store-all, of ``transformers``' own gradient checkpointing (per layer,
-``model.gradient_checkpointing_enable()``), and of our plans at a budget sweep; same inputs, same meter
+``activation_checkpointing_enable()``, non-reentrant), and of our plans at a budget sweep; same inputs, same meter
 (live tensor storage), one run per model.
 
     python scripts/hf_models.py [--models gpt2 bert llama] [--layers 6] [--width 256] [--seq-len 256]
-                                [--batch 4] [--budgets 0.7 0.5 0.4] [--repeats 3]
+                                [--batch 4] [--budgets 0.9 0.8 0.75 0.7] [--repeats 5]
 
 Needs ``pip install transformers`` (``recompute-graph[hf]``). Peak: bytes above what is live before the
 step, parameter gradients included (they are freed before each step); ratios are to store-all measured
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import statistics
 import time
 from typing import Any, Callable
 
@@ -57,8 +58,8 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--budgets", nargs="*", type=float, default=[0.7, 0.5, 0.4])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--budgets", nargs="*", type=float, default=[0.9, 0.8, 0.75, 0.7])
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     print("| model | parameters | run | plan | planning | peak | ratio | step time | ratio |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -71,7 +72,10 @@ def main() -> None:
         rows: list[tuple[str, str, str, Callable[[], Any]]] = [
             ("store-all (original)", "", "", training_step(model, kwargs))]
         checkpointed = copy.deepcopy(model)
-        checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(checkpointed, "activation_checkpointing_enable"):  # transformers >= 5.20
+            checkpointed.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         rows.append(("transformers gradient checkpointing", "every layer", "", training_step(checkpointed, kwargs)))
         for budget in args.budgets:
             start = time.perf_counter()
@@ -85,18 +89,27 @@ def main() -> None:
             rows.append((f"recompute_graph {budget:.0%}",
                          f"{plan.solver}, predicted {rg.format_bytes(plan.predicted_peak_bytes)}", planning,
                          training_step(optimized, kwargs)))
-        base_peak = base_time = None
+        measured = [row for row in rows if row[3] is not None]
+        peaks, seconds = _measure(measured, args.repeats)
         for label, plan_text, planning, step in rows:
             if step is None:
                 print(f"| {name} | {parameters} | {label} | {plan_text} | | | | | |", flush=True)
                 continue
-            step()  # warm up
-            peak = peak_memory(step)
-            seconds = time_step(step, repeats=args.repeats, warmup=0).median_seconds
-            base_peak, base_time = base_peak or peak, base_time or seconds
+            peak, time_seconds = peaks[label], seconds[label]
             print(f"| {name} | {parameters} | {label} | {plan_text} | {planning} | {rg.format_bytes(peak)} | "
-                  f"{peak / base_peak:.2f} | {seconds * 1e3:.0f} ms | x{seconds / base_time:.2f} |", flush=True)
+                  f"{peak / peaks[rows[0][0]]:.2f} | {time_seconds * 1e3:.0f} ms | "
+                  f"x{time_seconds / seconds[rows[0][0]]:.2f} |", flush=True)
 
+
+def _measure(rows: list, repeats: int) -> tuple[dict[str, int], dict[str, float]]:
+    """Peak of each row's step, and its median step time over ``repeats`` rounds that run every row
+    once in turn (after one warm-up round), so that drifts of the machine hit all rows alike."""
+    peaks = {label: peak_memory(step) for label, _, _, step in rows}  # also the warm-up round
+    times: dict[str, list[float]] = {label: [] for label, _, _, _ in rows}
+    for _ in range(repeats):
+        for label, _, _, step in rows:
+            times[label].append(time_step(step, repeats=1, warmup=0).median_seconds)
+    return peaks, {label: statistics.median(values) for label, values in times.items()}
 
 if __name__ == "__main__":
     main()

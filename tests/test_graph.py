@@ -94,3 +94,27 @@ def test_graph_module_and_package_import_without_torch():
     code = ("import sys, recompute_graph, recompute_graph.graph, recompute_graph.benchmark_graphs;"
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_gradient_outputs_are_the_scalar_loss_when_the_model_returns_one():
+    """A model returning its own loss (transformers with labels) gets its gradient there only: the logits
+    beside it get none, and no loss allowance is set aside for them; otherwise every output that
+    requires grad gets a gradient and the outputs' bytes are set aside."""
+    from recompute_graph.planner import loss_allowance_bytes
+    from recompute_graph.simulate import simulate
+    from recompute_graph.solvers import SOLVERS
+
+    def head(loss_bytes: int) -> CostGraph:
+        return CostGraph("head", (
+            CostNode(0, "hidden", output_bytes=100, grad_bytes=100),
+            CostNode(1, "logits", predecessors=(0,), output_bytes=1000, grad_bytes=1000, backward_needs=(0,)),
+            CostNode(2, "loss", predecessors=(1,), output_bytes=loss_bytes, grad_bytes=loss_bytes,
+                     saved_buffer_bytes=1000),
+        ), output_indices=(1, 2), source="traced")
+    with_loss, with_vector = head(4), head(400)
+    assert with_loss.gradient_outputs == (2,) and with_vector.gradient_outputs == (1, 2)
+    assert loss_allowance_bytes(with_loss) == 0 and loss_allowance_bytes(with_vector) == 1400
+    peak_with_loss = SOLVERS["store_all"](with_loss, None).peak_bytes
+    peak_with_vector = SOLVERS["store_all"](with_vector, None).peak_bytes
+    assert peak_with_vector - peak_with_loss >= 1000  # the logits' gradient arrives only without a loss
+    assert simulate(with_loss, SOLVERS["store_all"](with_loss, None).schedule).peak_bytes == peak_with_loss

@@ -237,7 +237,7 @@ class ExecutionModel:
         params = [node.param_grad_bytes for node in g.nodes]
         total_params = sum(params)
         self.params_after = [total_params - family.total(params, s) for s in family.sets]
-        held = sum(g.nodes[o].grad_bytes for o in g.outputs if g.nodes[o].requires_grad)
+        held = sum(g.nodes[o].grad_bytes for o in g.gradient_outputs)
         workspace = max((max(n.workspace_bytes, n.backward_workspace_bytes) for n in g.nodes), default=0)
         self.constant = held + workspace + 2 * max(self.grad, default=0)
 
