@@ -91,3 +91,4 @@ def _without_unread_recomputations(graph: CostGraph, sequence: list[Op | None], 
             needed.discard(op.node)
             needed.update(graph.nodes[op.node].predecessors)
     return [op for op, kept in zip(sequence, keep) if kept]
+

@@ -20,7 +20,8 @@ Memory model (bytes of tensor storage above what was live before the step; see d
   ``backward_workspace_bytes`` live on top while it runs (plus, for predecessors that already have a
   buffer, the incoming gradient and, the first time, the new sum), keeps its parameter gradients
   (``param_grad_bytes``, to the end of the step), then frees the node's tape and its output gradient
-  (first, when ``backward_aliases_grad`` says the buffer is handed on to the inputs).
+  (first, when ``backward_aliases_grad`` says the buffer is handed on to the inputs, which then share
+  it when they are as large: an addition's two inputs get one buffer, as autograd gives them).
 
 Time: ``forward_cost`` for every ``Forward`` and ``backward_cost`` for every ``Backward`` that ran;
 computations beyond the first of a node count as ``recompute_cost``.
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from .errors import ScheduleError
-from .graph import CostGraph
+from .graph import CostGraph, CostNode
 from .schedule import Backward, Forward, FreeValue, Op, Schedule
 
 __all__ = ["ScheduleError", "SimulationResult", "TimelinePoint", "simulate"]
@@ -71,6 +72,7 @@ class _Simulation:
         self.value: dict[int, int] = {}            # node -> storage id of its current value
         self.tape: dict[int, list[int]] = {}       # node -> storages its tape refers to
         self.grad: set[int] = set()                # nodes holding a gradient buffer
+        self.grad_storage: dict[int, int] = {}     # node -> storage id of its gradient buffer
         self.accumulated: set[int] = set()         # buffers already summed into once (owned since)
         self.backward_done: set[int] = set()
         self.computed: set[int] = set()
@@ -170,7 +172,7 @@ class _Simulation:
         arriving = [o for o in self.graph.gradient_outputs if o not in self.grad]
         for o in arriving:
             self.grad.add(o)
-            self._add(self.graph.nodes[o].grad_bytes)
+            self.grad_storage[o] = self._new_storage(self.graph.nodes[o].grad_bytes)
 
     def backward(self, op: Backward, where: str) -> None:
         if not self.graph.implicit_backward:
@@ -186,36 +188,58 @@ class _Simulation:
                 raise ScheduleError(f"{where}: runs before the backward of node {s} "
                                     f"({self.graph.nodes[s].name!r}), whose gradient it needs")
         if op.node in self.grad:
-            # the output gradient is released when the backward ends, except a model output's, which
-            # autograd holds until the whole model's backward returns; a pass-through backward hands its
-            # buffer on (no copy), so it is released before the inputs' buffers appear
-            releases = op.node not in self.graph.outputs
-            if releases and node.backward_aliases_grad:
-                self.live -= node.grad_bytes
-            accumulation = 0
-            for p in node.predecessors:
-                if not self.graph.nodes[p].requires_grad:
-                    continue
-                if p not in self.grad:
-                    self.grad.add(p)
-                    self._add(self.graph.nodes[p].grad_bytes)
-                    continue
-                # adding into an existing buffer: the incoming gradient (unless handed on) and, the
-                # first time, a new sum (the first buffer may alias another; later sums are in place)
-                incoming = 0 if node.backward_aliases_grad else self.graph.nodes[p].grad_bytes
-                first_sum = self.graph.nodes[p].grad_bytes if p not in self.accumulated else 0
-                accumulation += incoming + first_sum
-                self.accumulated.add(p)
-            self.op_peak = max(self.op_peak, self.live + node.backward_workspace_bytes + accumulation)
-            self.peak = max(self.peak, self.op_peak)
-            self._add(node.param_grad_bytes)
-            self.compute_cost += node.backward_cost
-            self.grad.discard(op.node)
-            if releases and not node.backward_aliases_grad:
-                self.live -= node.grad_bytes
+            self._propagate_gradient(op.node, node)
         for sid in self.tape.pop(op.node):
             self._unref(sid)
         self.backward_done.add(op.node)
+
+    def _propagate_gradient(self, index: int, node: CostNode) -> None:
+        """Backward of ``node`` from its output gradient buffer (see the module docstring).
+
+        The output gradient is released when the backward ends, except a model output's, which autograd
+        holds until the whole model's backward returns. A pass-through backward (``backward_aliases_grad``:
+        an addition, a view) hands its buffer on without a copy: every input that gets its first gradient
+        of the same size shares that one storage (an addition's two inputs), and when none does, the
+        buffer is released before the inputs' buffers appear."""
+        graph = self.graph
+        handed = self.grad_storage.pop(index)
+        held = index in graph.outputs
+        fresh = [p for p in node.predecessors if graph.nodes[p].requires_grad and p not in self.grad]
+        shared = ({p for p in fresh if graph.nodes[p].grad_bytes == node.grad_bytes}
+                  if node.backward_aliases_grad else set())
+        released = False
+        if node.backward_aliases_grad and not shared and not held:
+            self._unref(handed)
+            released = True
+        accumulation = 0
+        summed: list[int] = []
+        for p in node.predecessors:
+            if not graph.nodes[p].requires_grad:
+                continue
+            if p in fresh:
+                self.grad.add(p)
+                self.grad_storage[p] = (self._ref(handed) if p in shared
+                                        else self._new_storage(graph.nodes[p].grad_bytes))
+                continue
+            # adding into an existing buffer: the incoming gradient (unless handed on) and, the first
+            # time, a new sum (the first buffer may be shared with another; later sums are in place)
+            incoming = 0 if node.backward_aliases_grad else graph.nodes[p].grad_bytes
+            first_sum = graph.nodes[p].grad_bytes if p not in self.accumulated else 0
+            accumulation += incoming + first_sum
+            if first_sum:
+                summed.append(p)
+            self.accumulated.add(p)
+        self.op_peak = max(self.op_peak, self.live + node.backward_workspace_bytes + accumulation)
+        self.peak = max(self.peak, self.op_peak)
+        for p in summed:  # the sum replaces the first buffer, which lives on if shared
+            previous = self.grad_storage[p]
+            self.grad_storage[p] = self._new_storage(graph.nodes[p].grad_bytes)
+            self._unref(previous)
+        self._add(node.param_grad_bytes)
+        self.compute_cost += node.backward_cost
+        self.grad.discard(index)
+        if not released and not held:
+            self._unref(handed)
 
     def _propagates(self, successor: int, node: int) -> bool:
         return self.graph.nodes[successor].requires_grad and self.graph.nodes[node].requires_grad

@@ -126,3 +126,27 @@ def test_a_second_gradient_into_an_existing_buffer_is_charged_while_it_is_summed
     before = result.timeline[result.timeline.index(backward_1) - 1].live_bytes
     # incoming gradient and the new sum on top of what was live
     assert backward_1.peak_bytes == before + 100 + 100
+
+
+def test_an_additions_two_inputs_share_its_gradient_buffer_until_both_have_used_it():
+    """autograd hands an addition's output gradient to both inputs without a copy: one buffer, alive
+    until the second input's backward has run; the first sum into a shared buffer is a new buffer."""
+    g = CostGraph("residual", (
+        CostNode(0, "x", output_bytes=100, grad_bytes=100),
+        CostNode(1, "branch", predecessors=(0,), output_bytes=100, grad_bytes=100, backward_needs=(0,)),
+        CostNode(2, "add", predecessors=(0, 1), output_bytes=100, grad_bytes=100, backward_aliases_grad=True),
+        CostNode(3, "head", predecessors=(2,), output_bytes=10, grad_bytes=10, backward_needs=(2,)),
+    ), source="traced")
+    result = simulate(g, lower_segments(g, store_all_lower_sets(g)))
+    timeline = list(result.timeline)
+    before = {p.op: timeline[k - 1] for k, p in enumerate(timeline) if p.op is not None}
+    after = {p.op: p for p in timeline if p.op is not None}
+    # head's backward makes the add's gradient (100) and frees the add's value (its tape)
+    assert after[Backward(3)].live_bytes == before[Backward(3)].live_bytes + 100 - 100
+    # the add hands its buffer to x and branch: no new bytes, and the add's tape held nothing
+    assert after[Backward(2)].live_bytes == before[Backward(2)].live_bytes
+    # branch sums a second gradient into x's shared buffer: incoming and a new sum on top while it runs;
+    # then the shared buffer (branch's last user) and branch's tape (x's value) are released
+    assert after[Backward(1)].peak_bytes == before[Backward(1)].live_bytes + 100 + 100
+    assert after[Backward(1)].live_bytes == before[Backward(1)].live_bytes + 100 - 100 - 100
+    assert result.final_bytes == 10  # the output's gradient, held by autograd to the end

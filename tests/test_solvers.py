@@ -48,7 +48,11 @@ def test_chen_greedy_overhead_does_not_increase_with_the_budget(graph):
 @settings(max_examples=30, deadline=None)
 @given(cost_graphs())
 def test_solvers_are_deterministic(graph):
+    # ilp is left out: CP-SAT under a wall-clock limit with several workers may stop at different
+    # incumbents from run to run (on a loaded machine this test then fails while shrinking, slowly)
     for name in solvers_for(graph):
+        if name == "ilp":
+            continue
         assert SOLVERS[name](graph, None) == SOLVERS[name](graph, None)
 
 
