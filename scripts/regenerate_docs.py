@@ -41,6 +41,8 @@ COMMANDS = [
     ("compare_all", "python scripts/compare_solvers.py --family kusumoto2019 checkmate2020 --zoo mlp unet resnet18 "
                     "--fractions 0.6 0.8 0.9 --time-limit 20 --plot docs/img/compare_all.png", 60, "compare.md"),
     ("scale_meta", "python scripts/scale_meta.py", 5, "benchmarks.md"),
+    ("hf_models", "python scripts/hf_models.py", 15, "training.md"),
+    ("floor_resnet50", "python scripts/floor_check.py", 1, "schedules.md"),
     ("gruslys", "python scripts/bptt_gruslys.py --steps 1000 --batch 32 --hidden 256 --input 64 --memory 0.05",
      5, "benchmarks.md"),
 ]
