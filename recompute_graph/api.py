@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from .costs import profile_graph
-from .call_graphs import CallGraphs, training_mode
+from .call_graphs import CallGraphs, profile_call, training_mode
 from .optimized_module import PreparedStep, RecomputedModule
 from .errors import PlanMismatchWarning
 from .graph import CostGraph
@@ -115,10 +115,8 @@ def plan_for(build: "Callable[[], tuple[nn.Module, Any]]", budget: Budget, *, so
         return moved[id(value)] if isinstance(value, torch.Tensor) else value
     to_meta = functools.partial(tree_map, meta_tensor)
     args, kwargs = ((), to_meta(dict(inputs))) if isinstance(inputs, dict) else (to_meta(tuple(inputs)), {})
-    call = CallGraphs(model, tracer).graph_for(args, kwargs)
-    with training_mode(model if call.exported else call.trace.graph_module):
-        graph = profile_graph(call.trace, call.inputs_of(args, kwargs), name=type(model).__name__,
-                              timing="flops", device_profile=device_profile, progress=progress)
+    _, graph = profile_call(model, args, kwargs, tracer=tracer, name=type(model).__name__, timing="flops",
+                            device_profile=device_profile, progress=progress)
     return make_plan(graph, budget, solver)
 
 

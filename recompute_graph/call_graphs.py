@@ -14,12 +14,14 @@ from typing import Any, Callable, Iterator
 
 from torch import nn
 
+from .costs import profile_graph
 from .errors import TraceError
+from .graph import CostGraph
 from .export_trace import export_trace, training_kwargs
 from .optimized_module import placeholder_binder
 from .trace import TraceResult, trace
 
-__all__ = ["TRACERS", "CallGraph", "CallGraphs", "training_mode"]
+__all__ = ["TRACERS", "CallGraph", "CallGraphs", "profile_call", "training_mode"]
 
 TRACERS = ("auto", "fx", "export")
 
@@ -89,6 +91,16 @@ class CallGraphs:
 
     def _fx_graph(self) -> CallGraph:
         return CallGraph(self.fx_trace, self._bind, _unchanged, exported=False)
+
+
+def profile_call(model: nn.Module, args: tuple, kwargs: dict, *, tracer: str = "auto",
+                 **options: Any) -> tuple[CallGraph, CostGraph]:
+    """Trace ``model`` for the call ``model(*args, **kwargs)`` (``CallGraphs``) and price it in training
+    mode (``costs.profile_graph`` with ``options``): the model-agnostic form of ``costs.profile_model``."""
+    call = CallGraphs(model, tracer).graph_for(args, kwargs)
+    with training_mode(model if call.exported else call.trace.graph_module):
+        graph = profile_graph(call.trace, call.inputs_of(args, kwargs), **options)
+    return call, graph
 
 
 def _unchanged(output: Any) -> Any:

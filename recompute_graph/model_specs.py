@@ -1,5 +1,7 @@
 """What the command line accepts as a model: a zoo name (``resnet50``, ``unet``, ``gpt2``, ...) at a size
-preset, or ``package.module:factory``, a callable returning ``(model, example_inputs)``."""
+preset, or ``package.module:factory``, a callable returning ``(model, example_inputs)``, where
+``example_inputs`` is a tuple of positional inputs or a dict of keyword inputs (a ``transformers``
+batch: ``{"input_ids": ..., "labels": ...}``)."""
 from __future__ import annotations
 
 import importlib
@@ -30,8 +32,9 @@ def parse_sizes(items: list[str]) -> dict[str, Any]:
 
 
 def load_model(spec: str, preset: str = "small", sizes: dict[str, Any] | None = None
-               ) -> tuple[nn.Module, tuple[Any, ...], str]:
-    """``(model, example_inputs, label)`` for ``spec``; ValueError saying what is accepted otherwise."""
+               ) -> tuple[nn.Module, "tuple[Any, ...] | dict[str, Any]", str]:
+    """``(model, example_inputs, label)`` for ``spec``; ``example_inputs`` is a tuple, or a dict of
+    keyword inputs when the factory returned one. ValueError saying what is accepted otherwise."""
     sizes = dict(sizes or {})
     if ":" in spec:
         module_name, _, attribute = spec.partition(":")
@@ -46,7 +49,8 @@ def load_model(spec: str, preset: str = "small", sizes: dict[str, Any] | None = 
         if not (isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], nn.Module)):
             raise ValueError(f"{spec} must return (model, example_inputs); it returned {type(built).__name__}")
         model, inputs = built
-        inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+        if not isinstance(inputs, dict):
+            inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
         return model, inputs, attribute
     try:
         import models_zoo

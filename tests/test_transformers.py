@@ -19,36 +19,19 @@ from recompute_graph.measure import default_loss, peak_memory
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
-VOCABULARY = 97
+from models_zoo import hf  # noqa: E402 - after the importorskip
+
+MODELS = {"gpt2": hf.gpt2, "bert": hf.bert, "llama": hf.llama}
 
 
-def tiny_gpt2():
-    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_layer=2, n_embd=32, n_head=4, vocab_size=VOCABULARY, n_positions=64, bos_token_id=0, eos_token_id=0))
+def tiny(name: str, **config):
+    """A 2-layer, width-32 model of ``name`` (vocabulary 97, dropout as configured by default)."""
+    model, _ = MODELS[name](layers=2, width=32, **config)
+    return model
 
 
-def tiny_bert():
-    return transformers.BertForMaskedLM(transformers.BertConfig(
-        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
-        vocab_size=VOCABULARY, max_position_embeddings=64))
-
-
-def tiny_llama():
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=64, vocab_size=VOCABULARY, max_position_embeddings=64, bos_token_id=0,
-        eos_token_id=0))
-
-
-MODELS = {"gpt2": tiny_gpt2, "bert": tiny_bert, "llama": tiny_llama}
-
-
-def batch(batch_size: int = 4, length: int = 32) -> dict:
-    generator = torch.Generator().manual_seed(7)
-    ids = torch.randint(0, VOCABULARY, (batch_size, length), generator=generator)
-    mask = torch.ones(batch_size, length, dtype=torch.long)
-    mask[-1, length // 2:] = 0  # one padded sequence
-    return {"input_ids": ids, "attention_mask": mask, "labels": ids}
+def batch() -> dict:
+    return hf.batch_for(97, batch=4, seq_len=32)
 
 
 def train_step(model, kwargs, seed: int = 3):
@@ -69,7 +52,7 @@ def train_step(model, kwargs, seed: int = 3):
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_transformers_models_train_exactly_within_the_budget(name):
     torch.manual_seed(0)
-    model = MODELS[name]().train()
+    model = tiny(name).train()
     reference = copy.deepcopy(model)
     kwargs = batch()
     optimized = rg.optimize(model, 0.75, example_kwargs=kwargs, timing="flops")
@@ -91,9 +74,7 @@ def test_transformers_models_train_exactly_within_the_budget(name):
 
 def test_dropout_masks_are_reproduced_when_recomputed():
     torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_layer=2, n_embd=32, n_head=4, vocab_size=VOCABULARY, n_positions=64, bos_token_id=0,
-        eos_token_id=0, resid_pdrop=0.5, embd_pdrop=0.5, attn_pdrop=0.5)).train()
+    model = tiny("gpt2", resid_pdrop=0.5, embd_pdrop=0.5, attn_pdrop=0.5).train()
     reference = copy.deepcopy(model)
     kwargs = batch()
     optimized = rg.optimize(model, 0.75, example_kwargs=kwargs, timing="flops")
@@ -108,7 +89,7 @@ def test_dropout_masks_are_reproduced_when_recomputed():
 
 def test_plans_on_the_first_call_and_once_per_call_structure():
     torch.manual_seed(0)
-    model = tiny_bert().train()
+    model = tiny("bert").train()
     optimized = rg.optimize(model, 0.8, timing="flops")
     assert optimized.recompute_plan is None
     kwargs = batch()
@@ -123,7 +104,7 @@ def test_plans_on_the_first_call_and_once_per_call_structure():
 
 def test_eval_runs_the_original_forward_and_keeps_its_cache():
     torch.manual_seed(0)
-    model = tiny_gpt2().train()
+    model = tiny("gpt2").train()
     kwargs = batch()
     optimized = rg.optimize(model, 0.8, example_kwargs=kwargs, timing="flops")
     optimized.eval()
@@ -165,7 +146,7 @@ def test_the_export_tracer_trains_vision_models_exactly(zoo_name):
 
 def test_bfloat16_autocast_trains_exactly_and_is_priced_in_bfloat16():
     torch.manual_seed(0)
-    model = tiny_llama().train()
+    model = tiny("llama").train()
     reference = copy.deepcopy(model)
     kwargs = batch()
     optimized = rg.optimize(model, 0.8, example_kwargs=kwargs, autocast=torch.bfloat16, timing="flops")
@@ -187,12 +168,12 @@ def test_a_plan_made_on_meta_tensors_is_reused_by_the_real_model(tmp_path, recwa
     kwargs = batch()
 
     def build():
-        return tiny_gpt2(), {"input_ids": kwargs["input_ids"], "labels": kwargs["labels"]}
+        return tiny("gpt2"), {"input_ids": kwargs["input_ids"], "labels": kwargs["labels"]}
     plan = rg.plan_for(build, 0.8)
     path = tmp_path / "gpt2.json"
     plan.save(str(path))
     torch.manual_seed(0)
-    model = tiny_gpt2().train()
+    model = tiny("gpt2").train()
     real_kwargs = {"input_ids": kwargs["input_ids"], "labels": kwargs["labels"]}
     optimized = rg.optimize(model, 0.8, example_kwargs=real_kwargs, plan=path, timing="flops")
     assert not [w for w in recwarn if issubclass(w.category, rg.PlanMismatchWarning)]
@@ -202,3 +183,20 @@ def test_a_plan_made_on_meta_tensors_is_reused_by_the_real_model(tmp_path, recwa
     _, _, grads = train_step(optimized, real_kwargs)
     for key in expected:
         torch.testing.assert_close(grads[key], expected[key], rtol=1e-5, atol=1e-7)
+
+
+def test_the_plan_command_takes_a_factory_returning_keyword_inputs(tmp_path, capsys):
+    import json
+
+    from recompute_graph.cli import main
+    path = tmp_path / "gpt2.json"
+    code = main(["plan", "models_zoo.hf:gpt2", "--size", "width=32", "--budget", "0.8", "--timing", "flops",
+                 "-o", str(path), "--json", "-q"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0 and result["feasible"] and result["recomputed_nodes"] > 0
+    assert result["predicted_peak_bytes"] <= result["budget_bytes"]
+    plan = rg.RecomputePlan.load(str(path))
+    assert any("aten" in node.target for node in plan.graph)  # the exported, aten-level graph
+    # the measuring commands run positional calls only, and say so in one line
+    assert main(["bench", "models_zoo.hf:gpt2", "-q"]) == 2
+    assert "keyword inputs" in capsys.readouterr().err

@@ -54,6 +54,9 @@ def run(args: argparse.Namespace) -> int:
         if name != "auto":
             get_solver(name)
     model, inputs, label = load_model(args.model, args.preset, parse_sizes(args.size))
+    if isinstance(inputs, dict):
+        raise ValueError(f"{args.model} returns keyword inputs: `bench` takes models called with positional "
+                         "inputs; `recompute-graph plan` and optimize(..., example_kwargs=) take keyword inputs")
     model.train()
     traced, graph = profile_model(model, inputs, timing=args.timing, progress=not args.quiet, name=label)
     rows: list[dict[str, Any]] = []

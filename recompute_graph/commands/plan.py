@@ -31,7 +31,7 @@ def add_parser(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..costs import profile_model
+    from ..call_graphs import profile_call
     from ..errors import InfeasibleBudgetError
     from ..model_specs import load_model, parse_sizes
     from ..planner import make_plan
@@ -40,7 +40,9 @@ def run(args: argparse.Namespace) -> int:
         get_solver(args.solver)  # an unknown name fails before the model is built
     model, inputs, label = load_model(args.model, args.preset, parse_sizes(args.size))
     start = time.perf_counter()
-    _, graph = profile_model(model, inputs, timing=args.timing, progress=not args.quiet, name=label)
+    call_args, call_kwargs = ((), inputs) if isinstance(inputs, dict) else (inputs, {})
+    _, graph = profile_call(model, call_args, call_kwargs, timing=args.timing, progress=not args.quiet,
+                            name=label)
     profile_seconds = time.perf_counter() - start
     start = time.perf_counter()
     try:

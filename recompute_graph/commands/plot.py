@@ -50,6 +50,9 @@ def run(args: argparse.Namespace) -> int:
     for name in (args.solvers or []) + ([args.solver] if args.solver != "auto" else []):
         get_solver(name)
     model, inputs, label = load_model(args.model, args.preset, parse_sizes(args.size))
+    if isinstance(inputs, dict):
+        raise ValueError(f"{args.model} returns keyword inputs: `plot` takes models called with positional "
+                         "inputs; `recompute-graph plan` and optimize(..., example_kwargs=) take keyword inputs")
     model.train()
     traced, graph = profile_model(model, inputs, timing=args.timing, progress=not args.quiet, name=label)
     solvers = args.solvers or [s for s in solvers_for(graph) if s not in SLOW_SOLVERS]
