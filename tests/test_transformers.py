@@ -200,3 +200,26 @@ def test_the_plan_command_takes_a_factory_returning_keyword_inputs(tmp_path, cap
     # the measuring commands run positional calls only, and say so in one line
     assert main(["bench", "models_zoo.hf:gpt2", "-q"]) == 2
     assert "keyword inputs" in capsys.readouterr().err
+
+
+def test_three_optimizer_steps_follow_the_original_model_step_for_step():
+    torch.manual_seed(0)
+    model = tiny("llama").train()
+    reference = copy.deepcopy(model)
+    optimized = rg.optimize(model, 0.8, timing="flops")  # planned on the first call
+    kwargs = batch()
+    losses = {}
+    for name, module, params in (("optimized", optimized, model.parameters()),
+                                 ("original", reference, reference.parameters())):
+        optimizer = torch.optim.AdamW(params, lr=1e-2)
+        losses[name] = []
+        for step in range(3):
+            optimizer.zero_grad(set_to_none=True)
+            torch.manual_seed(step)
+            loss = module(**kwargs).loss
+            loss.backward()
+            optimizer.step()
+            losses[name].append(loss.item())
+    assert losses["optimized"] == pytest.approx(losses["original"], rel=1e-5)
+    assert losses["original"][2] < losses["original"][0]  # it trains
+    assert len(optimized._plans) == 1  # in-place parameter updates do not plan again
