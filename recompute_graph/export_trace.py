@@ -24,6 +24,7 @@ The model this module gives the rest of the library:
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 from typing import Any
@@ -66,13 +67,19 @@ class ExportedTrace:
 def training_kwargs(model: nn.Module, kwargs: dict) -> dict:
     """``kwargs`` with ``use_cache=False`` added when ``model.forward`` accepts ``use_cache`` and the
     caller did not pass it (see the module docstring)."""
-    if "use_cache" in kwargs:
+    if "use_cache" in kwargs or not _forward_takes_use_cache(type(model)):
         return kwargs
+    return {**kwargs, "use_cache": False}
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_takes_use_cache(model_class: type) -> bool:
+    """Whether ``model_class.forward`` has a ``use_cache`` parameter (asked once per class: training
+    calls ask on every step)."""
     try:
-        parameters = inspect.signature(model.forward).parameters
+        return "use_cache" in inspect.signature(model_class.forward).parameters
     except (TypeError, ValueError):  # pragma: no cover - builtins without a signature
-        return kwargs
-    return {**kwargs, "use_cache": False} if "use_cache" in parameters else kwargs
+        return False
 
 
 def export_trace(model: nn.Module, args: tuple, kwargs: dict) -> ExportedTrace:

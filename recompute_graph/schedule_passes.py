@@ -43,7 +43,6 @@ def keep_free_tapes(graph: CostGraph, schedule: Schedule) -> Schedule:
         return schedule
     free = free_tape_nodes(graph)
     sequence: list[Op | None] = [op for op in schedule.forward_ops if not isinstance(op, FreeValue)]
-    boundary = len(sequence)
     sequence.append(None)  # the end of the forward ops: reads the model outputs
     sequence += [op for op in schedule.backward_ops if not isinstance(op, FreeValue)]
     computed: set[int] = set()
