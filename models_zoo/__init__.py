@@ -55,7 +55,7 @@ _BUILDERS: dict[str, Callable[..., Any]] = {
     "resnet152": _resnet(152), "unet": _unet, "gpt2": _gpt2, "vgg19": _vgg19, "mlp": _mlp, "rnn": _rnn,
 }
 _RESNET = {"tiny": dict(batch=4, image_size=32, width=4, num_classes=10),
-           "small": dict(batch=8, image_size=64, width=32, num_classes=100),
+           "small": dict(batch=8, image_size=224, width=16, num_classes=100),
            "paper": dict(batch=32, image_size=224, width=64, num_classes=1000)}
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     **{name: _RESNET for name in ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152")},

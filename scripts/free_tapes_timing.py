@@ -2,7 +2,8 @@
 takes tapes out of the executor's fused backward runs (why the planner only uses it on schedules that
 do not fit).
 
-    python scripts/free_tapes_timing.py [--model resnet50] [--preset small] [--budget 0.8] [--solver chain_dp]
+    python scripts/free_tapes_timing.py [--model resnet50] [--preset small] [--size KEY=VALUE ...]
+                                        [--budget 0.8] [--solver chain_dp]
 
 Prints, for each schedule, the number of fused backward runs, the measured peak and the median of 5
 step times (after one warm-up step).
@@ -18,6 +19,7 @@ import torch
 import models_zoo
 from recompute_graph.costs import profile_model
 from recompute_graph.measure import default_loss, peak_memory
+from recompute_graph.model_specs import parse_sizes
 from recompute_graph.optimized_module import run_schedule
 from recompute_graph.planner import make_plan
 from recompute_graph.rewrite import ScheduleExecutor
@@ -28,10 +30,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="resnet50")
     parser.add_argument("--preset", default="small")
+    parser.add_argument("--size", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a size of the zoo model (repeatable), e.g. --size batch=16")
     parser.add_argument("--budget", type=float, default=0.8)
     parser.add_argument("--solver", default="chain_dp")
     args = parser.parse_args()
-    model, inputs = models_zoo.get_model(args.model, args.preset)
+    model, inputs = models_zoo.get_model(args.model, args.preset, **parse_sizes(args.size))
     traced, graph = profile_model(model, inputs, timing="flops")
     schedule = make_plan(graph, args.budget, args.solver).schedule
     for label, candidate in (("as solved", schedule), ("free tapes kept", keep_free_tapes(graph, schedule))):

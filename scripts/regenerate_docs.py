@@ -43,7 +43,10 @@ COMMANDS = [
     ("scale_meta", "python scripts/scale_meta.py", 5, "benchmarks.md"),
     ("hf_models", "python scripts/hf_models.py", 15, "training.md"),
     ("floor_resnet50", "python scripts/floor_check.py", 1, "schedules.md"),
-    ("free_tapes_timing", "python scripts/free_tapes_timing.py", 1, "schedules.md"),
+    ("floor_resnet50_small", "python scripts/floor_check.py --preset small --budget 0.3", 1, "schedules.md"),
+    ("free_tapes_timing", "python scripts/free_tapes_timing.py --size batch=8 --size image_size=64 --size width=32",
+     1, "schedules.md"),
+    ("free_tapes_timing_small", "python scripts/free_tapes_timing.py", 1, "schedules.md"),
     ("gruslys", "python scripts/bptt_gruslys.py --steps 1000 --batch 32 --hidden 256 --input 64 --memory 0.05",
      5, "benchmarks.md"),
 ]

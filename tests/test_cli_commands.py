@@ -37,6 +37,17 @@ def test_plan_json_reports_the_plan_and_its_file(tmp_path, capsys):
     assert result["recomputed_nodes"] > 0
 
 
+def test_the_readme_plan_command_fits_resnet50_in_three_tenths_of_its_store_all_step(tmp_path, capsys):
+    """The README's ``recompute-graph plan resnet50 --budget 0.3`` at the default (small) preset."""
+    path = tmp_path / "resnet50.json"
+    code = main(["plan", "resnet50", "--budget", "0.3", "-o", str(path), "--json", "-q"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0 and result["feasible"]
+    assert result["predicted_peak_bytes"] <= result["budget_bytes"]
+    assert result["predicted_peak_bytes"] <= 0.3 * result["store_all_peak_bytes"]
+    assert RecomputePlan.load(str(path)).predicted_peak_bytes == result["predicted_peak_bytes"]
+
+
 def test_plan_with_an_infeasible_budget_exits_1_and_names_the_smallest_budget(tmp_path, capsys):
     code = main(["plan", "mlp", "--preset", "tiny", "--budget", "1KiB", "--timing", "flops",
                  "-o", str(tmp_path / "x.json"), "--json", "-q"])
