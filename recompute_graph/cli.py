@@ -97,7 +97,8 @@ def _solve_ilp(args: argparse.Namespace, graph: Any) -> dict[str, Any]:
         simulation = simulate(graph, result.schedule)
         out.update(peak_bytes=simulation.peak_bytes, overhead=simulation.recompute_cost / base_cost,
                    recomputed_nodes=len(result.schedule.recomputed_nodes()),
-                   description=f"{result.status}, gap {result.gap or 0.0:.2%}")
+                   description=f"{result.status}, gap {result.gap or 0.0:.2%}"
+                   + (f" ({result.note})" if result.note else ""))
     return out
 
 

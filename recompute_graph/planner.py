@@ -59,9 +59,10 @@ def auto_solvers(graph: CostGraph) -> tuple[str, ...]:
     """``solver="auto"``: the baselines, plus dp_exact when the graph has at most
     ``lower_set_dp.AUTO_EXACT_LIMIT`` lower sets (else dp_approx), plus chain_dp when the graph
     linearizes into at least three stages. The baselines stay because the DPs' cost models for traced
-    graphs are estimates: the simulator picks the best plan."""
+    graphs are estimates: the simulator picks the best plan. Joint graphs (explicit backward nodes):
+    store_all and the two heuristics, evict and shave."""
     if not graph.implicit_backward:
-        return ("store_all", "evict")
+        return ("store_all", "evict", "shave")
     dp = dp_for(graph)
     chain = ("chain_dp",) if dp and len(split_candidates(graph)) >= 2 else ()
     return AUTO_SOLVERS + ((dp,) if dp else ()) + chain

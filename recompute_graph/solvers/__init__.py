@@ -114,4 +114,4 @@ def simulator_checked(plan: Callable[[float], "Solution | None"], budget_bytes: 
     return best
 
 
-from . import chain_dp, chen, evict, ilp, lower_set_dp, revolve, store_all  # noqa: E402,F401  (registers the solvers)
+from . import chain_dp, chen, evict, ilp, lower_set_dp, peak_shaving, revolve, store_all  # noqa: E402,F401  (registers the solvers)

@@ -11,12 +11,14 @@ point on graphs where CP-SAT alone finds none in its time limit, and is a DTR-li
 """
 from __future__ import annotations
 
+from typing import Callable
+
 from ..errors import SolverError
 from ..graph import CostGraph
 from ..schedule import Forward, insert_frees
 from . import Solution, register
 
-__all__ = ["evict", "evict_schedule", "working_sets", "RULES"]
+__all__ = ["evict", "evict_schedule", "working_sets", "lowest_peak", "RULES"]
 
 #: The eviction rules ``evict`` tries (it keeps the cheapest feasible schedule).
 RULES = ("belady", "dtr", "dtr_deep")
@@ -131,9 +133,11 @@ def working_sets(graph: CostGraph) -> list[int]:
             for node in graph.nodes]
 
 
-def _lowest_peak(graph: CostGraph) -> Solution:
-    """Without a budget: the schedule at the smallest budget the heuristic meets (bisection between the
-    largest single-node working set and the no-recomputation peak, to 0.1 %)."""
+def lowest_peak(graph: CostGraph, attempt: Callable[[int], Solution]) -> Solution:
+    """The schedule at the smallest budget a heuristic meets: bisection, to 0.1 %, between the largest
+    single-node working set and the no-recomputation peak. ``attempt(budget_bytes)`` returns a schedule
+    within the budget or raises SolverError. (Heuristics are not monotone in the budget: this is the
+    smallest budget the bisection meets, not a proven floor.)"""
     from .store_all import store_all
     high_solution = store_all(graph, None)
     low = max(working_sets(graph)) - 1
@@ -141,10 +145,14 @@ def _lowest_peak(graph: CostGraph) -> Solution:
     while high - low > max(1, high // 1000):
         middle = (low + high) // 2
         try:
-            best, high = evict(graph, middle, _searching=True), middle
+            best, high = attempt(middle), middle
         except SolverError:
             low = middle
-    return best if best is not None else evict(graph, high, _searching=True)
+    return best if best is not None else attempt(high)
+
+
+def _lowest_peak(graph: CostGraph) -> Solution:
+    return lowest_peak(graph, lambda budget_bytes: evict(graph, budget_bytes, _searching=True))
 
 
 @register("evict", graphs=("joint",))

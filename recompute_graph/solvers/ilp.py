@@ -49,6 +49,8 @@ __all__ = ["ILPResult", "ilp", "solve_ilp", "schedule_from_stages", "default_hin
 MEMORY_UNITS = 1_000_000
 #: Compute costs are scaled so that the largest node costs this many integer units.
 COST_UNITS = 10_000
+#: The least time CP-SAT gets after the model is built, even when building used up the time limit.
+MIN_SOLVE_SECONDS = 1.0
 
 
 @dataclass
@@ -70,6 +72,7 @@ class ILPResult:
     constraints: int = 0
     improvements: list[tuple[float, float]] = field(default_factory=list)  # (seconds, objective)
     backend: str = "cp-sat"
+    note: str = ""                          # why the model was not built, when it was not
 
     @property
     def gap(self) -> float | None:
@@ -91,7 +94,10 @@ def solve_ilp(graph: CostGraph, budget_bytes: int, *, time_limit: float = 60.0, 
               max_variables: int = 1_500_000) -> ILPResult:
     """Solve the stage model at ``budget_bytes`` with CP-SAT (module docstring).
 
-    ``time_limit`` in seconds, ``workers`` search threads, ``hint`` a feasible schedule to start from
+    ``time_limit`` in seconds, for building the model and solving it (when building takes over half of
+    it, building stops: with a fitting hint, the hint is returned as FEASIBLE with the every-node-once
+    bound and a ``note``; without one, SolverError), ``workers`` search threads,
+    ``hint`` a feasible schedule to start from
     (its stage form becomes the solution hint; the result is never worse than a hint that fits),
     ``progress`` prints each improving solution to ``log`` (stderr by default). ``passes``: recomputation
     sweeps between two first computations (1 is Checkmate's frontier-advancing model; k allows a node
@@ -101,13 +107,14 @@ def solve_ilp(graph: CostGraph, budget_bytes: int, *, time_limit: float = 60.0, 
     nodes with no stage of their own, computed (at least once, as their readers require) only in a
     stage that also computes their anchor, after it (the tapes of a joint view). ``backend``: "cp-sat"
     (default) or a MIP solver through pywraplp, "scip", "highs" or "cbc" (``ilp_backends.py``);
-    ``parameters`` are then solver-specific "name = value" settings. ``max_variables``: a SolverError
-    instead of a model larger than this (RL500 has about 0.8 M variables and takes minutes to build).
+    ``parameters`` are then solver-specific "name = value" settings. ``max_variables``: a model larger than
+    this is not built either (RL500 has about 0.8 M variables and takes minutes to build).
     """
     if graph.implicit_backward:
         raise SolverError(f"solve_ilp works on graphs whose every node is a computation, with backward "
                           f"nodes explicit (Checkmate joint graphs); {graph.name!r} has an implicit backward: "
                           "use the ilp solver (it goes through the graph's joint view), or dp_exact")
+    entered = time.perf_counter()  # the time limit covers building the model and solving it
     model = make_backend(backend)  # fails early when OR-Tools or the solver is missing
     n = len(graph)
     unit = max(1, budget_bytes // MEMORY_UNITS)
@@ -139,10 +146,21 @@ def solve_ilp(graph: CostGraph, budget_bytes: int, *, time_limit: float = 60.0, 
         seen |= set(allowed[sigma])
     size = sum(len(allowed[sigma]) + len(before[sigma]) + sum(len(predecessors[k]) for k in allowed[sigma])
                for sigma in range(count))
+    def unbuilt(reason: str) -> ILPResult:
+        """The hint, with the every-node-once bound, when the model is not built (SolverError without a
+        fitting hint)."""
+        hinted = simulate(graph, hint) if hint is not None else None
+        if hinted is None or hinted.peak_bytes > budget_bytes:
+            raise SolverError(f"{reason}; use the evict or shave solver, or pass max_variables= or a longer "
+                              "time_limit to solve_ilp")
+        return ILPResult(status="FEASIBLE", schedule=hint, objective=hinted.compute_cost,
+                         bound=sum(graph.nodes[i].forward_cost for i in fronts),
+                         solve_seconds=time.perf_counter() - entered, memory_unit_bytes=unit,
+                         note=f"{reason}: not built, the hint is returned")
+
     if size > max_variables:
-        raise SolverError(f"the stage model of {graph.name!r} would have about {size:,} variables (limit "
-                          f"{max_variables:,}: building it alone takes minutes here); use the evict solver, "
-                          "or pass max_variables= to solve_ilp")
+        return unbuilt(f"the stage model of {graph.name!r} would have about {size:,} variables (limit "
+                       f"{max_variables:,}: building it alone takes minutes here)")
     one, zero = model.one, model.zero
     # R[sigma][i]: stage sigma computes i; S[sigma][i]: value i is live when stage sigma starts
     R = [{i: model.bool_var(f"R{sigma}_{i}") for i in allowed[sigma]
@@ -158,6 +176,9 @@ def solve_ilp(graph: CostGraph, budget_bytes: int, *, time_limit: float = 60.0, 
 
     levels = []
     for sigma in range(count):
+        if time.perf_counter() - entered > time_limit / 2:
+            return unbuilt(f"building the stage model of {graph.name!r} ({size:,} variables) took over half "
+                           f"the time limit of {time_limit:g} s (stage {sigma} of {count})")
         here, after = allowed[sigma], S[sigma + 1]
         members = set(here)
         if sigma + 1 < count:  # S of the end is the constant 0
@@ -214,7 +235,8 @@ def solve_ilp(graph: CostGraph, budget_bytes: int, *, time_limit: float = 60.0, 
             print(f"  ilp {elapsed:7.1f} s  objective {objective:.6g}  bound {bound:.6g}  gap {gap:.2%}",
                   file=stream, flush=True)
 
-    status = model.solve(time_limit, workers, on_solution, parameters=parameters, progress=progress, log=log)
+    remaining = max(MIN_SOLVE_SECONDS, time_limit - (start - entered))
+    status = model.solve(remaining, workers, on_solution, parameters=parameters, progress=progress, log=log)
     # every node but the optional ones is computed at least once: a bound whatever the solver proved (a MIP
     # solver stopped before its first LP reports none)
     trivial_bound = sum(graph.nodes[i].forward_cost for i in fronts)
@@ -268,19 +290,24 @@ def _add_hint(model, hint: Schedule, R, frontier: list[int], first: list[bool]) 
 
 
 def default_hint(graph: CostGraph, budget_bytes: int) -> Schedule | None:
-    """A feasible start for CP-SAT: the no-recomputation schedule if it fits, else the ``evict``
-    heuristic's schedule if it finds one (None otherwise)."""
+    """A feasible start for CP-SAT: the no-recomputation schedule if it fits, else the cheaper of the
+    ``evict`` and ``shave`` heuristics' schedules (None when neither finds one)."""
     from .store_all import store_all
     baseline = store_all(graph, None)
     if baseline.fits(budget_bytes):
         return baseline.schedule
     from . import SOLVERS
-    try:
-        return SOLVERS["evict"](graph, budget_bytes).schedule
-    except SolverError:
-        return None
+    found = []
+    for name in HINT_HEURISTICS:
+        try:
+            found.append(SOLVERS[name](graph, budget_bytes))
+        except SolverError:
+            pass
+    return min(found, key=lambda solution: solution.recompute_cost).schedule if found else None
 
 
+#: The heuristics whose cheapest schedule seeds CP-SAT on joint graphs (``default_hint``).
+HINT_HEURISTICS = ("evict", "shave")
 #: Seconds a solve may take when the caller gives no limit (``optimize(..., solver="ilp")``, the CLI).
 DEFAULT_TIME_LIMIT = 60.0
 #: The back end used when the caller names none (see ``ilp_backends.BACKENDS``).
@@ -319,7 +346,8 @@ def ilp(graph: CostGraph, budget_bytes: int | None = None, *, time_limit: float 
                           f"{time_limit:g} s (status {result.status})")
     gap = result.gap
     description = (f"{result.status}, objective {result.objective:.6g}"
-                   + (f", gap {gap:.2%}" if gap is not None else "") + f", {result.solve_seconds:.1f} s")
+                   + (f", gap {gap:.2%}" if gap is not None else "") + f", {result.solve_seconds:.1f} s"
+                   + (" (model not built: the heuristics' schedule)" if result.note else ""))
     solution = Solution.of("ilp", graph, result.schedule, description)
     object.__setattr__(solution, "ilp_result", result)
     return solution
