@@ -30,10 +30,15 @@ def main() -> None:
     parser.add_argument("--backend", default="cp-sat", help="ilp's back end (cp-sat, scip, highs, cbc)")
     parser.add_argument("--plot", default=None, help="write a PNG/SVG of extra compute vs budget")
     parser.add_argument("--from-table", nargs="*", default=None, metavar="FILE",
-                        help="only plot: read the rows from tables this script printed before")
+                        help="only plot (and --pivot): read the rows from tables this script printed before")
+    parser.add_argument("--pivot", action="store_true",
+                        help="also print one row per (graph, budget) with a column per solver, the best in bold")
     args = parser.parse_args()
     if args.from_table is not None:
-        _plot(_read_tables(args.from_table), args.plot or "compare.png")
+        rows = _read_tables(args.from_table)
+        if args.pivot:
+            _print_pivot(rows)
+        _plot(rows, args.plot or "compare.png")
         return
     rows: list[ComparisonRow] = []
     print("| graph | nodes | solver | budget | extra compute | solve time | note |")
@@ -45,8 +50,35 @@ def main() -> None:
             shown = f"+{row.extra:.2%}" if row.extra is not None else "-"
             print(f"| {row.graph} | {row.nodes} | {row.solver} | {row.fraction:.0%} | {shown} | "
                   f"{row.seconds:.2f} s | {row.note} |", flush=True)
+    if args.pivot:
+        _print_pivot(rows)
     if args.plot:
         _plot(rows, args.plot)
+
+
+def _print_pivot(rows: list[ComparisonRow]) -> None:
+    """Extra compute per (graph, budget) and solver: "-" when the plan does not fit, empty when the solver
+    does not take the graph, bold for the least, "(opt)" where ilp proved its plan optimal."""
+    solvers = list(dict.fromkeys(row.solver for row in rows))
+    cells: dict[tuple[str, int, float], dict[str, ComparisonRow]] = {}
+    for row in rows:
+        cells.setdefault((row.graph, row.nodes, row.fraction), {})[row.solver] = row
+    print("\n| graph | nodes | budget | " + " | ".join(solvers) + " |")
+    print("|---|---|---|" + "---|" * len(solvers))
+    for (graph, nodes, fraction), by_solver in cells.items():
+        fitting = [row.extra for row in by_solver.values() if row.extra is not None]
+        best = min(fitting) if fitting else None
+        shown = []
+        for name in solvers:
+            row = by_solver.get(name)
+            if row is None or "takes no" in row.note:
+                shown.append("")
+            elif row.extra is None:
+                shown.append("-")
+            else:
+                text = f"+{row.extra:.2%}" + (" (opt)" if row.note.startswith("OPTIMAL") else "")
+                shown.append(f"**{text}**" if row.extra <= best + 1e-12 else text)
+        print(f"| {graph} | {nodes} | {fraction:.0%} | " + " | ".join(shown) + " |")
 
 
 def _graphs(args: argparse.Namespace):

@@ -37,6 +37,8 @@ COMMANDS = [
                    "--fractions 0.9 0.8 --time-limit 300", 40, "benchmarks.md"),
     ("ilp_scip", "python scripts/ilp_checkmate.py --graphs VGG19 vgg_unet fcn_8 segnet MobileNet ResNet50 "
                  "--fractions 0.9 0.8 --time-limit 300 --backend scip", 25, "benchmarks.md"),
+    ("ilp_large", "python scripts/ilp_checkmate.py --graphs ResNet50 random_layered_n500 random_layered_n1000 "
+                  "--fractions 0.9 0.8 --time-limit 300", 12, "benchmarks.md"),
     ("ilp_vs_dp", "python scripts/ilp_vs_dp.py --zoo mlp unet resnet18 --kusumoto vgg19 --time-limit 20", 3, "ilp.md"),
     ("compare_all", "python scripts/compare_solvers.py --family kusumoto2019 checkmate2020 --zoo mlp unet resnet18 "
                     "--fractions 0.6 0.8 0.9 --time-limit 20 --plot docs/img/compare_all.png", 60, "compare.md"),

@@ -152,13 +152,14 @@ def lowest_peak(graph: CostGraph, attempt: Callable[[int], Solution]) -> Solutio
 
 
 def _lowest_peak(graph: CostGraph) -> Solution:
-    return lowest_peak(graph, lambda budget_bytes: evict(graph, budget_bytes, _searching=True))
+    return lowest_peak(graph, lambda budget_bytes: evict(graph, budget_bytes, fallback=False))
 
 
 @register("evict", graphs=("joint",))
-def evict(graph: CostGraph, budget_bytes: int | None = None, *, _searching: bool = False) -> Solution:
+def evict(graph: CostGraph, budget_bytes: int | None = None, *, fallback: bool = True) -> Solution:
     """The heuristic in the registry's signature (joint graphs only; without a budget, the schedule with
-    the lowest peak it finds)."""
+    the lowest peak it finds). ``fallback``: when no rule fits the budget, try the lowest-peak schedule
+    (a bisection of a dozen runs: the heuristic is not monotone in the budget)."""
     if graph.implicit_backward:
         raise SolverError(f"evict works on joint graphs (explicit backward nodes); {graph.name!r} has an "
                           "implicit backward")
@@ -170,8 +171,7 @@ def evict(graph: CostGraph, budget_bytes: int | None = None, *, _searching: bool
         if order is not None:
             schedule = insert_frees(graph, [Forward(v, tape=False) for v in order], [], outputs=())
             found.append(Solution.of("evict", graph, schedule, f"{rule}, {len(order) - len(graph)} recomputations"))
-    if not found and not _searching:
-        # the heuristic is not monotone in the budget: the lowest-peak schedule may still fit
+    if not found and fallback:
         lowest = _lowest_peak(graph)
         if lowest.fits(budget_bytes):
             return lowest

@@ -51,6 +51,9 @@ MEMORY_UNITS = 1_000_000
 COST_UNITS = 10_000
 #: The least time CP-SAT gets after the model is built, even when building used up the time limit.
 MIN_SOLVE_SECONDS = 1.0
+#: The share of the time limit kept for reading the solution back (ResNet-50's 224 k variables: about
+#: 2 s after a 300 s solve).
+READBACK_SHARE = 0.02
 
 
 @dataclass
@@ -91,7 +94,7 @@ def solve_ilp(graph: CostGraph, budget_bytes: int, *, time_limit: float = 60.0, 
               hint: Schedule | None = None, progress: bool = False, log=None, passes: int = 1,
               parameters: dict | None = None, computed_once: "Iterable[int] | None" = None,
               optional_nodes: "dict[int, int] | None" = None, backend: str = "cp-sat",
-              max_variables: int = 1_500_000) -> ILPResult:
+              max_variables: int = 600_000) -> ILPResult:
     """Solve the stage model at ``budget_bytes`` with CP-SAT (module docstring).
 
     ``time_limit`` in seconds, for building the model and solving it (when building takes over half of
@@ -108,7 +111,8 @@ def solve_ilp(graph: CostGraph, budget_bytes: int, *, time_limit: float = 60.0, 
     stage that also computes their anchor, after it (the tapes of a joint view). ``backend``: "cp-sat"
     (default) or a MIP solver through pywraplp, "scip", "highs" or "cbc" (``ilp_backends.py``);
     ``parameters`` are then solver-specific "name = value" settings. ``max_variables``: a model larger than
-    this is not built either (RL500 has about 0.8 M variables and takes minutes to build).
+    this is not built either (RL500 has about 0.8 M variables: with a 300 s limit the call took about
+    400 s here, and CP-SAT did not improve its hint).
     """
     if graph.implicit_backward:
         raise SolverError(f"solve_ilp works on graphs whose every node is a computation, with backward "
@@ -235,7 +239,7 @@ def solve_ilp(graph: CostGraph, budget_bytes: int, *, time_limit: float = 60.0, 
             print(f"  ilp {elapsed:7.1f} s  objective {objective:.6g}  bound {bound:.6g}  gap {gap:.2%}",
                   file=stream, flush=True)
 
-    remaining = max(MIN_SOLVE_SECONDS, time_limit - (start - entered))
+    remaining = max(MIN_SOLVE_SECONDS, time_limit * (1 - READBACK_SHARE) - (start - entered))
     status = model.solve(remaining, workers, on_solution, parameters=parameters, progress=progress, log=log)
     # every node but the optional ones is computed at least once: a bound whatever the solver proved (a MIP
     # solver stopped before its first LP reports none)
@@ -299,8 +303,8 @@ def default_hint(graph: CostGraph, budget_bytes: int) -> Schedule | None:
     from . import SOLVERS
     found = []
     for name in HINT_HEURISTICS:
-        try:
-            found.append(SOLVERS[name](graph, budget_bytes))
+        try:  # evict without its lowest-peak fallback (minutes on RL500 when no rule fits)
+            found.append(SOLVERS[name](graph, budget_bytes, **({"fallback": False} if name == "evict" else {})))
         except SolverError:
             pass
     return min(found, key=lambda solution: solution.recompute_cost).schedule if found else None
@@ -330,6 +334,7 @@ def ilp(graph: CostGraph, budget_bytes: int | None = None, *, time_limit: float 
         return solve_implicit(graph, budget_bytes, time_limit=time_limit, workers=workers, progress=progress,
                               backend=backend)
     from . import SOLVERS
+    start = time.perf_counter()  # the time limit covers finding the hint too
     lowest = None
     if budget_bytes is None:
         # the registry's contract: the lowest peak known (evict's search), at the least compute there
@@ -337,7 +342,8 @@ def ilp(graph: CostGraph, budget_bytes: int | None = None, *, time_limit: float 
         budget_bytes, hint = lowest.peak_bytes, lowest.schedule
     if hint is None:
         hint = default_hint(graph, budget_bytes)
-    result = solve_ilp(graph, budget_bytes, time_limit=time_limit, workers=workers, hint=hint, progress=progress,
+    remaining = max(MIN_SOLVE_SECONDS, time_limit - (time.perf_counter() - start))
+    result = solve_ilp(graph, budget_bytes, time_limit=remaining, workers=workers, hint=hint, progress=progress,
                        backend=backend)
     if result.schedule is None:
         if lowest is not None:
