@@ -181,11 +181,20 @@ def make_plan(graph: CostGraph, budget: Budget, solver: str = "auto", *, variant
     store_all, budget_bytes = _store_all_and_budget(graph, budget)
     store_all_cost = store_all.simulation.compute_cost
     usable_bytes = usable_bytes_of(budget_bytes, loss_allowance_bytes(graph))
-    solutions = [store_all if name == "store_all" else run_solver(name, graph, usable_bytes, variant)
-                 for name in names]
-    chosen = best_of(solutions, usable_bytes)
-    if not chosen.fits(usable_bytes):
-        smallest = min_feasible_budget(graph, solver, variant=variant)
+    solutions, failure = [], None
+    for name in names:
+        try:
+            solutions.append(store_all if name == "store_all" else run_solver(name, graph, usable_bytes, variant))
+        except SolverError as error:  # e.g. a heuristic that finds nothing at this budget (evict, shave)
+            failure = error
+    chosen = best_of(solutions, usable_bytes) if solutions else None
+    if chosen is None or not chosen.fits(usable_bytes):
+        try:
+            smallest = min_feasible_budget(graph, solver, variant=variant)
+        except SolverError:
+            if failure is None:
+                raise
+            raise failure from None  # the solver cannot plan this graph at all: its own message
         store_all_budget = min_budget_for_peak(store_all.peak_bytes, loss_allowance_bytes(graph))
         raise InfeasibleBudgetError(
             f"no plan of {'any solver' if solver == 'auto' else repr(solver)} fits a budget of "

@@ -42,6 +42,8 @@ COMMANDS = [
     ("ilp_vs_dp", "python scripts/ilp_vs_dp.py --zoo mlp unet resnet18 --kusumoto vgg19 --time-limit 20", 3, "ilp.md"),
     ("compare_all", "python scripts/compare_solvers.py --family kusumoto2019 checkmate2020 --zoo mlp unet resnet18 "
                     "--fractions 0.6 0.8 0.9 --time-limit 20 --plot docs/img/compare_all.png", 60, "compare.md"),
+    ("compare_joint", "python scripts/compare_solvers.py --family checkmate2020 --fractions 0.6 0.8 0.9 "
+                      "--time-limit 20 --pivot --plot docs/img/compare_joint.png", 30, "compare.md"),
     ("scale_meta", "python scripts/scale_meta.py", 5, "benchmarks.md"),
     ("hf_models", "python scripts/hf_models.py", 15, "training.md"),
     ("floor_resnet50", "python scripts/floor_check.py", 1, "schedules.md"),

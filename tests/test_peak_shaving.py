@@ -12,7 +12,7 @@ from recompute_graph.schedule import Forward, insert_frees
 from recompute_graph.simulate import simulate
 from recompute_graph.solvers import get_solver
 from recompute_graph.solvers.evict import working_sets
-from recompute_graph.solvers.ilp import solve_ilp
+from recompute_graph.solvers.ilp import recomputation_lower_bound, solve_ilp
 from recompute_graph.solvers.peak_shaving import memory_profile
 
 from test_ilp import brute_force, random_joint_graph
@@ -87,7 +87,34 @@ def test_a_model_too_large_to_build_returns_the_hint_with_its_gap():
         result = solve_ilp(graph, budget, hint=hint.schedule, **options)
         assert result.status == "FEASIBLE" and result.schedule == hint.schedule and "not built" in result.note
         assert result.objective == hint.simulation.compute_cost
-        assert result.bound == sum(node.forward_cost for node in graph.nodes)
+        assert sum(node.forward_cost for node in graph.nodes) <= result.bound <= result.objective
         assert result.gap == pytest.approx((result.objective - result.bound) / result.objective)
     with pytest.raises(SolverError, match="time limit"):
         solve_ilp(graph, budget, time_limit=1e-9)
+
+
+def test_a_budget_shave_cannot_meet_is_an_infeasible_budget_naming_the_smallest_it_meets():
+    from recompute_graph import InfeasibleBudgetError
+    from recompute_graph.planner import make_plan
+    graph = load_graph(next((benchmark_dir() / "checkmate2020").glob("random_layered_n250_*.json")))
+    with pytest.raises(InfeasibleBudgetError) as raised:
+        make_plan(graph, 0.9, "shave")
+    smallest = raised.value.min_budget_bytes
+    assert raised.value.budget_bytes < smallest
+    assert make_plan(graph, smallest, "shave").predicted_peak_bytes <= smallest
+
+
+def test_the_recomputation_lower_bound_never_exceeds_the_optimum():
+    rng = random.Random(17)
+    tight = 0
+    for _ in range(120):
+        graph = random_joint_graph(rng, rng.randint(3, 7))
+        peak = get_solver("store_all")(graph, None).peak_bytes
+        budget = rng.randint(max(working_sets(graph)), peak)
+        optimum = brute_force(graph, budget)
+        bound = recomputation_lower_bound(graph, budget) + sum(node.forward_cost for node in graph.nodes)
+        if optimum is None:
+            continue
+        assert bound <= optimum + 1e-9
+        tight += bound > sum(node.forward_cost for node in graph.nodes)
+    assert tight >= 10  # the bound says something beyond "every node once"

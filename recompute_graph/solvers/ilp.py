@@ -42,7 +42,7 @@ from ..simulate import simulate
 from . import Solution, register
 from .ilp_backends import BACKENDS, make_backend
 
-__all__ = ["ILPResult", "ilp", "solve_ilp", "schedule_from_stages", "default_hint",
+__all__ = ["ILPResult", "ilp", "solve_ilp", "schedule_from_stages", "default_hint", "recomputation_lower_bound",
            "MEMORY_UNITS", "BACKENDS"]
 
 #: The budget is divided into at most this many memory units.
@@ -98,8 +98,9 @@ def solve_ilp(graph: CostGraph, budget_bytes: int, *, time_limit: float = 60.0, 
     """Solve the stage model at ``budget_bytes`` with CP-SAT (module docstring).
 
     ``time_limit`` in seconds, for building the model and solving it (when building takes over half of
-    it, building stops: with a fitting hint, the hint is returned as FEASIBLE with the every-node-once
-    bound and a ``note``; without one, SolverError), ``workers`` search threads,
+    it, building stops: with a fitting hint, the hint is returned as FEASIBLE with the bound "every node
+    once plus ``recomputation_lower_bound``" and a ``note``; without one, SolverError), ``workers``
+    search threads,
     ``hint`` a feasible schedule to start from
     (its stage form becomes the solution hint; the result is never worse than a hint that fits),
     ``progress`` prints each improving solution to ``log`` (stderr by default). ``passes``: recomputation
@@ -150,15 +151,20 @@ def solve_ilp(graph: CostGraph, budget_bytes: int, *, time_limit: float = 60.0, 
         seen |= set(allowed[sigma])
     size = sum(len(allowed[sigma]) + len(before[sigma]) + sum(len(predecessors[k]) for k in allowed[sigma])
                for sigma in range(count))
+
+    def drop_bound() -> float:
+        """``recomputation_lower_bound`` where it applies (every node has its own stage)."""
+        return 0.0 if optional else recomputation_lower_bound(graph, budget_bytes, once)
+
     def unbuilt(reason: str) -> ILPResult:
-        """The hint, with the every-node-once bound, when the model is not built (SolverError without a
-        fitting hint)."""
+        """The hint, with the every-node-once bound plus ``drop_bound``, when the model is not built
+        (SolverError without a fitting hint)."""
         hinted = simulate(graph, hint) if hint is not None else None
         if hinted is None or hinted.peak_bytes > budget_bytes:
             raise SolverError(f"{reason}; use the evict or shave solver, or pass max_variables= or a longer "
                               "time_limit to solve_ilp")
         return ILPResult(status="FEASIBLE", schedule=hint, objective=hinted.compute_cost,
-                         bound=sum(graph.nodes[i].forward_cost for i in fronts),
+                         bound=sum(graph.nodes[i].forward_cost for i in fronts) + drop_bound(),
                          solve_seconds=time.perf_counter() - entered, memory_unit_bytes=unit,
                          note=f"{reason}: not built, the hint is returned")
 
@@ -243,7 +249,7 @@ def solve_ilp(graph: CostGraph, budget_bytes: int, *, time_limit: float = 60.0, 
     status = model.solve(remaining, workers, on_solution, parameters=parameters, progress=progress, log=log)
     # every node but the optional ones is computed at least once: a bound whatever the solver proved (a MIP
     # solver stopped before its first LP reports none)
-    trivial_bound = sum(graph.nodes[i].forward_cost for i in fronts)
+    trivial_bound = sum(graph.nodes[i].forward_cost for i in fronts) + drop_bound()
     seconds = time.perf_counter() - start
     variables, constraints = model.size()
     result = ILPResult(status=status, schedule=None, objective=None, bound=None, solve_seconds=seconds,
@@ -267,6 +273,38 @@ def solve_ilp(graph: CostGraph, budget_bytes: int, *, time_limit: float = 60.0, 
                 result.bound = max(model.bound() / scale, trivial_bound)
             result.schedule, result.objective, result.model_peak_units = hint, hinted.compute_cost, None
     return result
+
+
+def recomputation_lower_bound(graph: CostGraph, budget_bytes: int, computed_once: "Iterable[int]" = ()) -> float:
+    """A lower bound on the recomputation any schedule of the stage model needs (first computations in
+    node order) to fit ``budget_bytes``, in the graph's cost unit.
+
+    When node ``t`` is first computed, its output, its inputs and every earlier value read after ``t``
+    either are live or must be computed again later (each such value at least once more). So the bytes
+    of the values given up there must cover the no-recomputation memory at ``t`` above the budget, and
+    the least cost of that cover (a fractional knapsack over the values not read at ``t``, cheapest per
+    byte first) bounds the recomputation. The bound is the largest over ``t``; ``inf`` when some ``t``
+    cannot fit at all."""
+    once = set(computed_once)
+    last_reader = [max(node.successors, default=-1) for node in graph.nodes]
+    bound = 0.0
+    for t, node in enumerate(graph.nodes):
+        reads = set(node.predecessors)
+        needed = [v for v in range(t) if last_reader[v] >= t]
+        excess = node.output_bytes + sum(graph.nodes[v].output_bytes for v in needed) - budget_bytes
+        if excess <= 0:
+            continue
+        items = sorted((graph.nodes[v].forward_cost / graph.nodes[v].output_bytes, graph.nodes[v].output_bytes)
+                       for v in needed if v not in reads and v not in once and graph.nodes[v].output_bytes > 0)
+        cost = 0.0
+        for per_byte, size in items:
+            taken = min(size, excess)
+            cost += per_byte * taken
+            excess -= taken
+            if excess <= 0:
+                break
+        bound = max(bound, cost if excess <= 0 else math.inf)
+    return bound
 
 
 def _add_hint(model, hint: Schedule, R, frontier: list[int], first: list[bool]) -> None:
