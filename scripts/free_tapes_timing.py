@@ -14,8 +14,6 @@ import argparse
 import statistics
 import time
 
-import torch
-
 import models_zoo
 from recompute_graph.costs import profile_model
 from recompute_graph.measure import default_loss, peak_memory

@@ -10,8 +10,8 @@ no-recomputation schedule (the simulator's) of the starting schedule and of the 
 solve time, wall time of the whole call (starting schedule, model, solve), model size, and the simulated
 peak as a fraction of the budget. CP-SAT starts from the no-recomputation schedule when it fits, else
 from the cheaper of the ``evict`` and ``shave`` heuristics' (``--no-hint``: from nothing). The time
-limit covers finding that schedule, building the model and solving it; a model too large to build returns the starting
-schedule with its gap to the every-node-once bound (docs/ilp.md).
+limit covers finding that schedule, building the model and solving it; a model too large to build
+returns the starting schedule with its gap to the bound of docs/ilp.md.
 """
 from __future__ import annotations
 

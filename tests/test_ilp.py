@@ -29,6 +29,16 @@ def random_joint_graph(rng: random.Random, n: int) -> CostGraph:
     return CostGraph(name="random", nodes=tuple(nodes), implicit_backward=False, cost_unit="test")
 
 
+def random_budgeted_graphs(seed: int, count: int):
+    """``count`` random joint graphs of 3 to 7 nodes, each with a budget between its largest working set
+    and its no-recomputation peak."""
+    rng = random.Random(seed)
+    for _ in range(count):
+        graph = random_joint_graph(rng, rng.randint(3, 7))
+        peak = get_solver("store_all")(graph, None).peak_bytes
+        yield graph, rng.randint(max(working_sets(graph)), peak)
+
+
 def brute_force(graph: CostGraph, budget: int) -> float | None:
     """Least total compute over every schedule whose first computations follow node order: any value may
     be computed (needs its inputs live, inputs + output + live values within the budget), freed and
@@ -217,13 +227,8 @@ def test_cli_backend_option_runs_a_mip_solver(capsys):
 
 
 def test_evict_heuristic_is_feasible_and_never_beats_the_optimum():
-    rng = random.Random(7)
     found = 0
-    for _ in range(80):
-        graph = random_joint_graph(rng, rng.randint(3, 7))
-        peak = get_solver("store_all")(graph, None).peak_bytes
-        floor = max(working_sets(graph))
-        budget = rng.randint(floor, peak)
+    for graph, budget in random_budgeted_graphs(7, 80):
         try:
             heuristic = get_solver("evict")(graph, budget)
         except SolverError:

@@ -15,7 +15,7 @@ from recompute_graph.solvers.evict import working_sets
 from recompute_graph.solvers.ilp import recomputation_lower_bound, solve_ilp
 from recompute_graph.solvers.peak_shaving import memory_profile
 
-from test_ilp import brute_force, random_joint_graph
+from test_ilp import brute_force, random_budgeted_graphs, random_joint_graph
 
 
 def first_computations(schedule) -> list[int]:
@@ -41,12 +41,8 @@ def test_the_memory_profile_peaks_where_the_simulator_does():
 
 
 def test_shave_fits_its_budget_keeps_node_order_and_never_beats_the_optimum():
-    rng = random.Random(11)
     found = 0
-    for _ in range(80):
-        graph = random_joint_graph(rng, rng.randint(3, 7))
-        peak = get_solver("store_all")(graph, None).peak_bytes
-        budget = rng.randint(max(working_sets(graph)), peak)
+    for graph, budget in random_budgeted_graphs(11, 80):
         try:
             solution = get_solver("shave")(graph, budget)
         except SolverError:
@@ -105,12 +101,8 @@ def test_a_budget_shave_cannot_meet_is_an_infeasible_budget_naming_the_smallest_
 
 
 def test_the_recomputation_lower_bound_never_exceeds_the_optimum():
-    rng = random.Random(17)
     tight = 0
-    for _ in range(120):
-        graph = random_joint_graph(rng, rng.randint(3, 7))
-        peak = get_solver("store_all")(graph, None).peak_bytes
-        budget = rng.randint(max(working_sets(graph)), peak)
+    for graph, budget in random_budgeted_graphs(17, 120):
         optimum = brute_force(graph, budget)
         bound = recomputation_lower_bound(graph, budget) + sum(node.forward_cost for node in graph.nodes)
         if optimum is None:
