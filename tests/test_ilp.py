@@ -322,3 +322,14 @@ def test_a_model_over_the_variable_limit_is_refused_before_it_is_built():
     graph = random_joint_graph(random.Random(3), 7)
     with pytest.raises(SolverError, match="variables.*evict"):
         solve_ilp(graph, 100, max_variables=10)
+
+
+def test_evict_gives_up_at_its_time_limit():
+    import time
+    graph = load_graph(next((benchmark_dir() / "checkmate2020").glob("random_layered_n250_*.json")))
+    store_all = get_solver("store_all")(graph, None)
+    start = time.perf_counter()
+    with pytest.raises(SolverError, match="could not keep"):
+        get_solver("evict")(graph, int(0.9 * store_all.peak_bytes), time_limit=0.0)
+    assert get_solver("evict")(graph, None, time_limit=0.0).peak_bytes == store_all.peak_bytes  # nothing lower in time
+    assert time.perf_counter() - start < 5

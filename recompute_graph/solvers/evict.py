@@ -11,6 +11,8 @@ point on graphs where CP-SAT alone finds none in its time limit, and is a DTR-li
 """
 from __future__ import annotations
 
+import math
+import time
 from typing import Callable
 
 from ..errors import SolverError
@@ -26,9 +28,12 @@ RULES = ("belady", "dtr", "dtr_deep")
 DEEP_LEVELS = 30
 #: A schedule longer than this many computations per node is abandoned (recomputation cascades).
 WORK_PER_NODE = 20
+#: Seconds ``evict`` may take when the caller gives no limit.
+DEFAULT_TIME_LIMIT = 60.0
 
 
-def evict_schedule(graph: CostGraph, budget_bytes: int, rule: str = "belady") -> list[int] | None:
+def evict_schedule(graph: CostGraph, budget_bytes: int, rule: str = "belady",
+                   deadline: float = math.inf) -> list[int] | None:
     """The order of computations (node indices, recomputations included), or None when the heuristic
     cannot keep the working set of some node within ``budget_bytes``. ``rule``: which live value to
     drop: "belady" (the farthest next reader), "dtr" (the least estimated recomputation cost per byte
@@ -81,8 +86,8 @@ def evict_schedule(graph: CostGraph, budget_bytes: int, rule: str = "belady") ->
         nonlocal used
         if v in live:
             return True
-        if depth > n or len(order) > work_limit:  # on-demand recomputation is running away: give up
-            return False
+        if depth > n or len(order) > work_limit or time.perf_counter() > deadline:
+            return False  # on-demand recomputation is running away (or out of time): give up
         held = set(pinned)
         # live inputs first (pinned at once), then the missing ones, the costliest to rebuild first while
         # fewer values are pinned
@@ -148,31 +153,41 @@ def lowest_peak(graph: CostGraph, attempt: Callable[[int], Solution]) -> Solutio
             best, high = attempt(middle), middle
         except SolverError:
             low = middle
-    return best if best is not None else attempt(high)
+    if best is not None:
+        return best
+    try:
+        return attempt(high)
+    except SolverError:  # out of time even at the no-recomputation peak
+        return high_solution
 
 
-def _lowest_peak(graph: CostGraph) -> Solution:
-    return lowest_peak(graph, lambda budget_bytes: evict(graph, budget_bytes, fallback=False))
+def _lowest_peak(graph: CostGraph, deadline: float) -> Solution:
+    return lowest_peak(graph, lambda budget_bytes: evict(graph, budget_bytes, fallback=False,
+                                                         time_limit=max(0.0, deadline - time.perf_counter())))
 
 
 @register("evict", graphs=("joint",))
-def evict(graph: CostGraph, budget_bytes: int | None = None, *, fallback: bool = True) -> Solution:
+def evict(graph: CostGraph, budget_bytes: int | None = None, *, fallback: bool = True,
+          time_limit: float | None = None) -> Solution:
     """The heuristic in the registry's signature (joint graphs only; without a budget, the schedule with
     the lowest peak it finds). ``fallback``: when no rule fits the budget, try the lowest-peak schedule
-    (a bisection of a dozen runs: the heuristic is not monotone in the budget)."""
+    (a bisection of a dozen runs: the heuristic is not monotone in the budget). ``time_limit``: seconds
+    for all of it (``DEFAULT_TIME_LIMIT`` when None); a rule still running then gives up (``dtr_deep``
+    can take minutes on RL1000)."""
     if graph.implicit_backward:
         raise SolverError(f"evict works on joint graphs (explicit backward nodes); {graph.name!r} has an "
                           "implicit backward")
+    deadline = time.perf_counter() + (DEFAULT_TIME_LIMIT if time_limit is None else time_limit)
     if budget_bytes is None:
-        return _lowest_peak(graph)
+        return _lowest_peak(graph, deadline)
     found = []
     for rule in RULES:
-        order = evict_schedule(graph, budget_bytes, rule)
+        order = evict_schedule(graph, budget_bytes, rule, deadline)
         if order is not None:
             schedule = insert_frees(graph, [Forward(v, tape=False) for v in order], [], outputs=())
             found.append(Solution.of("evict", graph, schedule, f"{rule}, {len(order) - len(graph)} recomputations"))
     if not found and fallback:
-        lowest = _lowest_peak(graph)
+        lowest = _lowest_peak(graph, deadline)
         if lowest.fits(budget_bytes):
             return lowest
     if not found:
