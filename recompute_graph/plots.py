@@ -197,21 +197,24 @@ def plot_comparison(rows: Sequence[Any], paths: Sequence[str]) -> list[str]:
     columns = min(4, len(graphs) + 1)
     lines = (len(graphs) + 1 + columns - 1) // columns
     figure, axes = plt.subplots(lines, columns, figsize=(4 * columns, 3 * lines), squeeze=False)
+    solvers = sorted({row.solver for row in rows})
+    color = {solver: f"C{i % 10}" for i, solver in enumerate(solvers)}  # one colour per solver in every panel
     for axis, graph in zip(axes.flat, graphs):
         for solver in sorted({row.solver for row in rows if row.graph == graph}):
             points = sorted((row.fraction, row.extra) for row in rows
                             if row.graph == graph and row.solver == solver and row.extra is not None)
             if points:
-                axis.plot([p[0] for p in points], [100 * p[1] for p in points], marker="o", ms=3, label=solver)
+                axis.plot([p[0] for p in points], [100 * p[1] for p in points], marker="o", ms=3, label=solver,
+                          color=color[solver])
         axis.set_title(graph[:40], fontsize=9)
         axis.set_xlabel("budget (fraction of no-recomputation peak)", fontsize=8)
         axis.set_ylabel("extra compute (%)", fontsize=8)
         if axis.get_legend_handles_labels()[0]:
             axis.legend(fontsize=6)
     timing = list(axes.flat)[len(graphs)]
-    for solver in sorted({row.solver for row in rows}):
+    for solver in solvers:
         points = [(row.nodes, max(row.seconds, 1e-4)) for row in rows if row.solver == solver]
-        timing.scatter([p[0] for p in points], [p[1] for p in points], s=10, label=solver)
+        timing.scatter([p[0] for p in points], [p[1] for p in points], s=10, label=solver, color=color[solver])
     timing.set_xscale("log")
     timing.set_yscale("log")
     timing.set_title("solve time vs graph size", fontsize=9)
