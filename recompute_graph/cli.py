@@ -76,17 +76,14 @@ def _parser() -> argparse.ArgumentParser:
 def _solve_ilp(args: argparse.Namespace, graph: Any) -> dict[str, Any]:
     from .planner import parse_budget
     from .solvers import store_all
-    from .solvers.ilp import MIN_SOLVE_SECONDS, default_hint, solve_ilp
+    from .solvers.ilp import solve_from_start
     if args.min_budget:
         raise ValueError("--min-budget is not available for ilp yet: give --budget")
     baseline = store_all.store_all(graph, None)
     kind, value = parse_budget(args.budget)
     budget_bytes = int(value * baseline.peak_bytes) if kind == "fraction" else int(value)
-    start = time.perf_counter()
-    hint = default_hint(graph, budget_bytes)
-    remaining = max(MIN_SOLVE_SECONDS, args.time_limit - (time.perf_counter() - start))  # the hint counts too
-    result = solve_ilp(graph, budget_bytes, time_limit=remaining, workers=args.workers, hint=hint,
-                       progress=not args.json, backend=args.backend)
+    result = solve_from_start(graph, budget_bytes, time_limit=args.time_limit, workers=args.workers,
+                              progress=not args.json, backend=args.backend)
     base_cost = baseline.simulation.compute_cost
     out: dict[str, Any] = {"graph": graph.name, "solver": "ilp", "backend": result.backend, "status": result.status,
                            "feasible": result.schedule is not None, "budget_bytes": budget_bytes,

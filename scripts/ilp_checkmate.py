@@ -22,7 +22,7 @@ from recompute_graph.benchmark_graphs import benchmark_graph_paths, load_graph
 from recompute_graph.errors import SolverError
 from recompute_graph.simulate import simulate
 from recompute_graph.solvers import get_solver
-from recompute_graph.solvers.ilp import MIN_SOLVE_SECONDS, default_hint, solve_ilp
+from recompute_graph.solvers.ilp import solve_from_start, solve_ilp
 from recompute_graph.solvers.ilp_backends import BACKENDS
 
 
@@ -52,17 +52,17 @@ def main() -> None:
             budget = int(fraction * store_all.peak_bytes)
             row = f"| {graph.name} | {len(graph)} / {len(graph.edges)} | {fraction:.0%} |"
             start = time.perf_counter()
-            hint = default_hint(graph, budget) if args.hint else None
-            started = f"+{simulate(graph, hint).recompute_cost / base:.2%}" if hint is not None else "none"
+            options = dict(workers=args.workers, passes=args.passes, backend=args.backend)
             try:
-                remaining = max(MIN_SOLVE_SECONDS, args.time_limit - (time.perf_counter() - start))
-                result = solve_ilp(graph, budget, time_limit=remaining, workers=args.workers, hint=hint,
-                                   passes=args.passes, backend=args.backend)
-            except SolverError as error:
-                print(f"{row} - | {started} | | | | {time.perf_counter() - start:.1f} s | | "
+                result = (solve_from_start(graph, budget, time_limit=args.time_limit, **options) if args.hint
+                          else solve_ilp(graph, budget, time_limit=args.time_limit, **options))
+            except SolverError as error:  # no starting schedule and no model
+                print(f"{row} - | none | | | | {time.perf_counter() - start:.1f} s | | "
                       f"{str(error).split(';')[0]} |", flush=True)
                 continue
             wall = time.perf_counter() - start
+            started = (f"+{simulate(graph, result.start).recompute_cost / base:.2%}" if result.start is not None
+                       else "none")
             if result.schedule is None:
                 print(f"{row} {result.status} | {started} | | | {result.solve_seconds:.1f} s | {wall:.1f} s | "
                       f"{result.variables:,} | |", flush=True)

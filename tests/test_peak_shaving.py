@@ -82,6 +82,7 @@ def test_a_model_too_large_to_build_returns_the_hint_with_its_gap():
     for options in ({"max_variables": 10}, {"time_limit": 1e-9}):
         result = solve_ilp(graph, budget, hint=hint.schedule, **options)
         assert result.status == "FEASIBLE" and result.schedule == hint.schedule and "not built" in result.note
+        assert result.start == hint.schedule
         assert result.objective == hint.simulation.compute_cost
         assert sum(node.forward_cost for node in graph.nodes) <= result.bound <= result.objective
         assert result.gap == pytest.approx((result.objective - result.bound) / result.objective)

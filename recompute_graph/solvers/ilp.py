@@ -42,7 +42,8 @@ from ..simulate import simulate
 from . import Solution, register
 from .ilp_backends import BACKENDS, make_backend
 
-__all__ = ["ILPResult", "ilp", "solve_ilp", "schedule_from_stages", "default_hint", "recomputation_lower_bound",
+__all__ = ["ILPResult", "ilp", "solve_ilp", "solve_from_start", "schedule_from_stages", "default_hint",
+           "recomputation_lower_bound",
            "MEMORY_UNITS", "BACKENDS"]
 
 #: The budget is divided into at most this many memory units.
@@ -76,6 +77,7 @@ class ILPResult:
     improvements: list[tuple[float, float]] = field(default_factory=list)  # (seconds, objective)
     backend: str = "cp-sat"
     note: str = ""                          # why the model was not built, when it was not
+    start: Schedule | None = None           # the hint the solve started from
 
     @property
     def gap(self) -> float | None:
@@ -163,7 +165,7 @@ def solve_ilp(graph: CostGraph, budget_bytes: int, *, time_limit: float = 60.0, 
         if hinted is None or hinted.peak_bytes > budget_bytes:
             raise SolverError(f"{reason}; use the evict or shave solver, or pass max_variables= or a longer "
                               "time_limit to solve_ilp")
-        return ILPResult(status="FEASIBLE", schedule=hint, objective=hinted.compute_cost,
+        return ILPResult(status="FEASIBLE", schedule=hint, start=hint, objective=hinted.compute_cost,
                          bound=sum(graph.nodes[i].forward_cost for i in fronts) + drop_bound(),
                          solve_seconds=time.perf_counter() - entered, memory_unit_bytes=unit,
                          note=f"{reason}: not built, the hint is returned")
@@ -252,7 +254,7 @@ def solve_ilp(graph: CostGraph, budget_bytes: int, *, time_limit: float = 60.0, 
     trivial_bound = sum(graph.nodes[i].forward_cost for i in fronts) + drop_bound()
     seconds = time.perf_counter() - start
     variables, constraints = model.size()
-    result = ILPResult(status=status, schedule=None, objective=None, bound=None, solve_seconds=seconds,
+    result = ILPResult(status=status, schedule=None, start=hint, objective=None, bound=None, solve_seconds=seconds,
                        memory_unit_bytes=unit, variables=variables, constraints=constraints,
                        improvements=improvements, backend=model.name)
     if status in ("OPTIMAL", "FEASIBLE"):
@@ -348,6 +350,18 @@ def default_hint(graph: CostGraph, budget_bytes: int) -> Schedule | None:
     return min(found, key=lambda solution: solution.recompute_cost).schedule if found else None
 
 
+def solve_from_start(graph: CostGraph, budget_bytes: int, *, time_limit: float, hint: Schedule | None = None,
+                     started_at: float | None = None, **options) -> ILPResult:
+    """``solve_ilp`` from ``hint``, or from ``default_hint`` when None, within ``time_limit`` seconds
+    counted from ``started_at`` (now when None): the time spent finding the start comes off the
+    solve's share. ``options`` go to ``solve_ilp``."""
+    started_at = time.perf_counter() if started_at is None else started_at
+    if hint is None:
+        hint = default_hint(graph, budget_bytes)
+    remaining = max(MIN_SOLVE_SECONDS, time_limit - (time.perf_counter() - started_at))
+    return solve_ilp(graph, budget_bytes, time_limit=remaining, hint=hint, **options)
+
+
 #: The heuristics whose cheapest schedule seeds CP-SAT on joint graphs (``default_hint``).
 HINT_HEURISTICS = ("evict", "shave")
 #: Seconds a solve may take when the caller gives no limit (``optimize(..., solver="ilp")``, the CLI).
@@ -378,11 +392,8 @@ def ilp(graph: CostGraph, budget_bytes: int | None = None, *, time_limit: float 
         # the registry's contract: the lowest peak known (evict's search), at the least compute there
         lowest = SOLVERS["evict"](graph, None)
         budget_bytes, hint = lowest.peak_bytes, lowest.schedule
-    if hint is None:
-        hint = default_hint(graph, budget_bytes)
-    remaining = max(MIN_SOLVE_SECONDS, time_limit - (time.perf_counter() - start))
-    result = solve_ilp(graph, budget_bytes, time_limit=remaining, workers=workers, hint=hint, progress=progress,
-                       backend=backend)
+    result = solve_from_start(graph, budget_bytes, time_limit=time_limit, hint=hint, started_at=start,
+                              workers=workers, progress=progress, backend=backend)
     if result.schedule is None:
         if lowest is not None:
             return Solution("ilp", lowest.schedule, lowest.simulation, f"evict's lowest-peak plan ({result.status})")
