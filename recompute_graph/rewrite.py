@@ -34,6 +34,7 @@ values have the dtypes of the originals.
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
@@ -58,6 +59,7 @@ class _Tape:
     parameters: list[nn.Parameter]
     freed_shapes: list[torch.Size] | None = None
     connected: list[torch.Tensor] = field(default_factory=list)  # producer tensors read with their edge
+    identity: bool = False  # every output is one of the input leaves: backward hands gradients on as is
 
 
 @dataclass
@@ -129,6 +131,11 @@ class ScheduleExecutor:
                                for i, n in enumerate(self.fx_of)]
         self._random = [node.random for node in graph]
         self._modules: dict[str, nn.Module] = {}
+        # getitem nodes with a constant integer index into another node's value: (producer, index)
+        self._tuple_items = [(self.cost_index[n.args[0].name], n.args[1])
+                             if n.op == "call_function" and n.target is operator.getitem and not n.kwargs
+                             and isinstance(n.args[0], fx.Node) and n.args[0].name in self.cost_index
+                             and type(n.args[1]) is int else None for n in self.fx_of]
         self._cost_inputs = [[self.cost_index[a.name] for a in n.all_input_nodes if a.name in self.cost_index]
                              for n in self.fx_of]
         self._fused_runs: dict[int, int] = {}          # first backward position of a fused run -> its end
@@ -265,22 +272,23 @@ class ScheduleExecutor:
             raise RewriteError(f"unknown op {op!r}")
 
     def _forward(self, state: _StepState, index: int, tape: bool, connect: frozenset[int] | None = None) -> None:
+        if tape and connect is None and self._tuple_items[index] is not None and self._taped_item(state, index):
+            return
         node = self.fx_of[index]
         leaves: list[tuple[Any, int, torch.Tensor]] = []
         connected: list[torch.Tensor] = []
         args, kwargs = fx.node.map_arg((node.args, node.kwargs),
                                        lambda a: self._input(state, a, leaves if tape else None, connect, connected))
         recompute = index in state.computed
-        restore = [(t, t.clone()) for t in self._state_tensors[index]] if recompute else []
-        saved: set[int] = set()
+        restore = [(t, t.clone()) for t in self._state_tensors[index]] if recompute and self._state_tensors[index] \
+            else ()
+        saved: list[torch.Tensor] = []
         try:
             if self._random[index]:
                 with _replayed_rng(state, index, True, recompute, args):
-                    with torch.set_grad_enabled(tape), _SavedStorages(saved, active=tape):
-                        out = self._call(node, args, kwargs)
+                    out = self._call_taped(node, args, kwargs, saved) if tape else self._call_untaped(node, args, kwargs)
             else:
-                with torch.set_grad_enabled(tape), _SavedStorages(saved, active=tape):
-                    out = self._call(node, args, kwargs)
+                out = self._call_taped(node, args, kwargs, saved) if tape else self._call_untaped(node, args, kwargs)
         except Exception as error:  # noqa: BLE001
             raise RewriteError(f"node {node.format_node()} failed: {type(error).__name__}: {error}") from error
         finally:
@@ -294,14 +302,38 @@ class ScheduleExecutor:
             flat = _leaves(out)
             positions = [k for k, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
             if positions:
-                state.tapes[index] = _Tape([flat[k] for k in positions], positions, leaves,
-                                           self._node_parameters[index], connected=connected)
+                roots = [flat[k] for k in positions]
+                identity = not connected and all(any(t is leaf for _, _, leaf in leaves) for t in roots)
+                state.tapes[index] = _Tape(roots, positions, leaves, self._node_parameters[index],
+                                           connected=connected, identity=identity)
             # The local graph holds its input leaves; release the storage of those its backward does not
-            # read (saved tensors are separate aliases, see _SavedStorages).
+            # read (saved tensors are separate aliases, see _call_taped).
             outputs = {id(t) for t in flat}
-            for _, _, leaf in leaves:
-                if id(leaf) not in outputs and storage_key(leaf) not in saved:
-                    leaf.data = torch.empty(0, dtype=leaf.dtype, device=leaf.device)
+            released = [leaf for _, _, leaf in leaves if id(leaf) not in outputs]
+            if released:
+                saved_keys = set(saved)
+                for leaf in released:
+                    if storage_key(leaf) not in saved_keys:
+                        leaf.data = torch.empty(0, dtype=leaf.dtype, device=leaf.device)
+
+    def _taped_item(self, state: _StepState, index: int) -> bool:
+        """Fast path of a taped ``value[k]`` on a tuple or list of tensors: the element as a detached leaf,
+        with an identity tape (what the general path makes, without leaves for the other elements and
+        without an autograd call in backward). False when the value is not such a container."""
+        source, k = self._tuple_items[index]
+        container = state.values.get(source)
+        if type(container) not in (tuple, list) or not all(isinstance(t, torch.Tensor) for t in container):
+            return False
+        k = k % len(container)
+        item = container[k]
+        needs_grad = item.requires_grad or (self.graph.nodes[source].requires_grad
+                                            and (item.is_floating_point() or item.is_complex()))
+        leaf = item.detach().requires_grad_(True) if needs_grad else item.detach()
+        state.computed.add(index)
+        state.values[index] = leaf
+        if needs_grad:
+            state.tapes[index] = _Tape([leaf], [0], [(source, k, leaf)], [], identity=True)
+        return True
 
     def _free(self, state: _StepState, index: int) -> None:
         value = state.values.pop(index)
@@ -329,6 +361,12 @@ class ScheduleExecutor:
             return
         pairs = [(t, grads[k]) for t, k in zip(tape.outputs, tape.positions) if k in grads]
         if not pairs:
+            return
+        if tape.identity:  # the outputs are input leaves (a getitem on a tuple): hand the gradients on
+            for source, position, leaf in tape.leaves:
+                incoming = [g for t, g in pairs if t is leaf]
+                if incoming:
+                    self._accumulate(state, source, position, incoming[0] if len(incoming) == 1 else sum(incoming))
             return
         if tape.freed_shapes is not None:
             for t, shape in zip(tape.outputs, tape.freed_shapes):
@@ -421,21 +459,22 @@ class ScheduleExecutor:
         if connect is not None and self.cost_index.get(a.name) in connect:
             # same fused run: keep the autograd edge, through an alias so that pass-through ops never
             # return the producer's own tensor object (its .data may be emptied on FreeValue)
-            with torch.enable_grad():  # Function.forward runs under no_grad
-                if isinstance(value, torch.Tensor):
-                    if not value.requires_grad:
-                        return value
-                    connected.append(value)
+            if isinstance(value, torch.Tensor):
+                if not value.requires_grad:
+                    return value
+                connected.append(value)
+                with torch.enable_grad():  # Function.forward runs under no_grad
                     return value.view_as(value)
-                flat, spec = tree_flatten(value)
-                aliased = []
+            flat, spec = (list(value), None) if type(value) is tuple else tree_flatten(value)
+            aliased = []
+            with torch.enable_grad():
                 for item in flat:
                     if isinstance(item, torch.Tensor) and item.requires_grad:
                         connected.append(item)
                         aliased.append(item.view_as(item))
                     else:
                         aliased.append(item)
-            return tree_unflatten(aliased, spec)
+            return tuple(aliased) if spec is None else tree_unflatten(aliased, spec)
         source = self.cost_index.get(a.name, ("input", a.name))
         # values computed without tape do not require grad at run time: ask the cost graph instead
         node_needs_grad = a.name in self.cost_index and self.graph.nodes[self.cost_index[a.name]].requires_grad
@@ -490,6 +529,29 @@ class ScheduleExecutor:
         if a.name in self.cost_index:
             return self.cost_index[a.name] in state.values
         return a.name in state.static or a.op == "get_attr"
+
+    def _call_taped(self, node: fx.Node, args: Any, kwargs: Any, saved: list[torch.Tensor]) -> Any:
+        """Call with grad enabled, appending every tensor autograd saves to ``saved`` and packing it as a
+        separate alias, so that emptying ``.data`` of an input leaf or an output never touches what the
+        backward reads."""
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            saved.append(storage_key(tensor))
+            return tensor.detach()
+        previous = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(True)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+                return self._call(node, args, kwargs)
+        finally:
+            torch._C._set_grad_enabled(previous)
+
+    def _call_untaped(self, node: fx.Node, args: Any, kwargs: Any) -> Any:
+        previous = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            return self._call(node, args, kwargs)
+        finally:
+            torch._C._set_grad_enabled(previous)
 
     def _call(self, node: fx.Node, args: Any, kwargs: Any) -> Any:
         if node.op == "call_module":
@@ -574,29 +636,6 @@ class _InjectGradient(torch.autograd.Function):
         grad = ctx.box.pop()
         ctx.box = None
         return grad, None
-
-
-class _SavedStorages:
-    """While active, record the storages autograd saves and pack each saved tensor as a separate alias,
-    so that emptying ``.data`` of an input leaf or an output never touches what the backward reads."""
-
-    def __init__(self, saved: set[int], active: bool) -> None:
-        self.saved = saved
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack) if active else None
-
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        key = storage_key(tensor)
-        if key is not None:
-            self.saved.add(key)
-        return tensor.detach()
-
-    def __enter__(self) -> None:
-        if self.hooks is not None:
-            self.hooks.__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.hooks is not None:
-            self.hooks.__exit__(*exc)
 
 
 def _unpack(tensor: torch.Tensor) -> torch.Tensor:

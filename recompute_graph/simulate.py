@@ -20,8 +20,9 @@ Memory model (bytes of tensor storage above what was live before the step; see d
   ``backward_workspace_bytes`` live on top while it runs (plus, for predecessors that already have a
   buffer, the incoming gradient and, the first time, the new sum), keeps its parameter gradients
   (``param_grad_bytes``, to the end of the step), then frees the node's tape and its output gradient
-  (first, when ``backward_aliases_grad`` says the buffer is handed on to the inputs, which then share
-  it when they are as large: an addition's two inputs get one buffer, as autograd gives them).
+  (first, when ``backward_aliases_grad`` says the buffer is handed on to the inputs: the inputs getting
+  their first gradient share it, as the views autograd gives them do: an addition's two inputs, the
+  slices ``cat`` hands to its inputs).
 
 Time: ``forward_cost`` for every ``Forward`` and ``backward_cost`` for every ``Backward`` that ran;
 computations beyond the first of a node count as ``recompute_cost``.
@@ -198,15 +199,14 @@ class _Simulation:
 
         The output gradient is released when the backward ends, except a model output's, which autograd
         holds until the whole model's backward returns. A pass-through backward (``backward_aliases_grad``:
-        an addition, a view) hands its buffer on without a copy: every input that gets its first gradient
-        of the same size shares that one storage (an addition's two inputs), and when none does, the
-        buffer is released before the inputs' buffers appear."""
+        an addition, a view, ``cat``) hands its buffer on without a copy: every input that gets its first
+        gradient shares that one storage (an addition's two inputs; the slices of ``cat``), and when none
+        does, the buffer is released before the inputs' buffers appear."""
         graph = self.graph
         handed = self.grad_storage.pop(index)
         held = index in graph.outputs
         fresh = [p for p in node.predecessors if graph.nodes[p].requires_grad and p not in self.grad]
-        shared = ({p for p in fresh if graph.nodes[p].grad_bytes == node.grad_bytes}
-                  if node.backward_aliases_grad else set())
+        shared = set(fresh) if node.backward_aliases_grad else set()
         released = False
         if node.backward_aliases_grad and not shared and not held:
             self._unref(handed)

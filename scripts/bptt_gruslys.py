@@ -1,10 +1,16 @@
 """The BPTT setting of Gruslys et al. 2016: an LSTM unrolled over T steps, one cell reused at every step.
 
     python scripts/bptt_gruslys.py [--steps 1000] [--batch 64] [--hidden 512] [--input 128] [--memory 0.05]
+                                   [--solver chain_dp] [--device cpu|cuda]
 
 Plans the unrolled model with chain_dp (rotor) for an activation budget of ``--memory`` times the
 store-all activation memory, then measures one training step of the original model and of the plan:
 activation memory = measured peak minus parameter gradients (as in the paper), step time = median of 3.
+Also prints beta, the original step's backward time over its forward time: below about 5 % of the
+activations not even every hidden state fits, so every step is computed at least twice, and no plan can
+take less than ``(2 + beta) / (1 + beta)`` times the original step.
+On ``--device cuda`` the model runs on the GPU and the peak is the CUDA allocator's
+(``torch.cuda.max_memory_allocated`` above what was live before the step).
 """
 from __future__ import annotations
 
@@ -15,7 +21,7 @@ import torch
 
 import models_zoo
 from recompute_graph import format_bytes, optimize
-from recompute_graph.measure import make_training_step, peak_memory, time_step
+from recompute_graph.measure import default_loss, make_training_step, peak_memory, time_step
 
 
 def main() -> None:
@@ -26,13 +32,19 @@ def main() -> None:
     parser.add_argument("--input", type=int, default=128)
     parser.add_argument("--memory", type=float, default=0.05)
     parser.add_argument("--solver", default="chain_dp")
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
+    device = torch.device(args.device)
+    meter = device if device.type == "cuda" else None
     model, inputs = models_zoo.get_model("rnn", "paper", steps=args.steps, batch=args.batch,
                                          hidden_size=args.hidden, input_size=args.input)
+    model, inputs = model.to(device), tuple(t.to(device) for t in inputs)
     parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     original = make_training_step(model, inputs)
-    original_peak = peak_memory(original)
-    original_time = time_step(original, repeats=3, warmup=1).median_seconds
+    original_peak = peak_memory(original, device=meter)
+    original_time = time_step(original, repeats=3, warmup=1, device=meter).median_seconds
+    forward_time = time_step(lambda: default_loss(model(*inputs)), repeats=3, warmup=1, device=meter).median_seconds
+    beta = (original_time - forward_time) / forward_time
     original_activations = original_peak - parameter_bytes
     budget = parameter_bytes + int(args.memory * original_activations)
     start = time.perf_counter()
@@ -40,15 +52,18 @@ def main() -> None:
     plan_seconds = time.perf_counter() - start
     plan = optimized.recompute_plan
     step = make_training_step(optimized, inputs)
-    peak = peak_memory(step)
-    seconds = time_step(step, repeats=3, warmup=1).median_seconds
+    peak = peak_memory(step, device=meter)
+    seconds = time_step(step, repeats=3, warmup=1, device=meter).median_seconds
     activations = peak - parameter_bytes
-    print(f"LSTM T={args.steps} batch {args.batch} hidden {args.hidden}: {plan.solver} ({plan.description}), "
+    print(f"LSTM T={args.steps} batch {args.batch} hidden {args.hidden} on {device.type}: {plan.solver} "
+          f"({plan.description}), "
           f"planned in {plan_seconds:.0f} s")
     print(f"activations: store-all {format_bytes(original_activations)}, plan {format_bytes(activations)} "
           f"(predicted {format_bytes(plan.predicted_peak_bytes - parameter_bytes)}): "
           f"{1 - activations / original_activations:.1%} saved")
     print(f"step time: store-all {original_time:.2f} s, plan {seconds:.2f} s: x{seconds / original_time:.2f}")
+    print(f"backward / forward of the original step: beta = {beta:.2f}; a plan that recomputes every step once "
+          f"takes at least x{(2 + beta) / (1 + beta):.2f}")
 
 
 if __name__ == "__main__":

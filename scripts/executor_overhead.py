@@ -1,0 +1,70 @@
+"""The executor's own cost per op: models with tiny tensors, where a step is almost all Python.
+
+    python scripts/executor_overhead.py [--rounds 30] [--models rnn gpt2 mlp]
+
+For each model (sizes below, chosen so that kernels take microseconds), one training step (forward,
+`sum of squares` loss, backward) of the original model and of plans through the executor: `store_all`
+(no recomputation) and `auto` at half of the store-all budget. The steps are timed in turn, ``--rounds``
+times, on one thread; the fastest time of each is kept (the least disturbed by other work on the
+machine). Prints the step times and the executor's extra time per executed schedule op,
+``(plan step - original step) / ops``. On a GPU that is what the executor adds to every op; on CPU at
+real sizes it hides behind the kernels.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import models_zoo
+from recompute_graph import optimize
+from recompute_graph.measure import make_training_step
+
+#: Tiny sizes per zoo model: a step takes milliseconds, kernels microseconds.
+TINY_SIZES = {
+    "rnn": dict(preset="tiny", steps=200, batch=2, input_size=8, hidden_size=8),
+    "gpt2": dict(preset="tiny", layers=6, batch=2, seq_len=64, width=16, heads=2),
+    "mlp": dict(preset="tiny", depth=100, batch=64, width=8),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=list(TINY_SIZES), choices=list(TINY_SIZES))
+    parser.add_argument("--rounds", type=int, default=30)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    print("| model | graph nodes | run | ops per step | step time | extra per op |")
+    print("|---|---|---|---|---|---|")
+    for name in args.models:
+        sizes = dict(TINY_SIZES[name])
+        model, inputs = models_zoo.get_model(name, sizes.pop("preset"), **sizes)
+        runs = [("original", make_training_step(model, inputs), 0, 0)]
+        for solver, budget in (("store_all", 1.0), ("auto", 0.5)):
+            optimized = optimize(model, budget, example_inputs=inputs, solver=solver, timing="flops")
+            plan = optimized.recompute_plan
+            ops = len(plan.schedule.forward_ops) + len(plan.schedule.backward_ops)
+            runs.append((f"{plan.solver} @ {budget:.0%}", make_training_step(optimized, inputs), ops, len(plan.graph)))
+        fastest = fastest_times([step for _, step, _, _ in runs], args.rounds)
+        original = fastest[0]
+        print(f"| {name} | {runs[1][3]} | original | | {original * 1e3:.2f} ms | |")
+        for (label, _, ops, _), seconds in zip(runs[1:], fastest[1:]):
+            print(f"| {name} | | {label} | {ops} | {seconds * 1e3:.2f} ms | "
+                  f"{(seconds - original) / ops * 1e6:.1f} µs |", flush=True)
+
+
+def fastest_times(steps: list, rounds: int) -> list[float]:
+    """Each step run ``rounds`` times, in turn with the others (after three warm-up rounds); the fastest."""
+    best = [float("inf")] * len(steps)
+    for round_index in range(rounds + 3):
+        for k, step in enumerate(steps):
+            start = time.perf_counter()
+            step()
+            if round_index >= 3:
+                best[k] = min(best[k], time.perf_counter() - start)
+    return best
+
+if __name__ == "__main__":
+    main()
