@@ -28,7 +28,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["StorageTracker", "peak_memory", "saved_tensor_bytes", "time_step", "StepTiming", "make_training_step",
+__all__ = ["StorageTracker", "peak_memory", "saved_tensor_bytes", "time_step", "time_steps_in_turn", "StepTiming",
+           "make_training_step",
            "default_loss", "sum_loss"]
 
 
@@ -163,6 +164,25 @@ def time_step(step: Callable[[], Any], *, repeats: int = 5, warmup: int = 1,
             torch.cuda.synchronize(device)
         seconds.append(time.perf_counter() - start)
     return StepTiming(tuple(seconds))
+
+
+def time_steps_in_turn(steps: Sequence[Callable[[], Any]], *, rounds: int = 5, warmup: int = 1,
+                       device: str | torch.device | None = None) -> list[StepTiming]:
+    """Time several steps in turn, ``rounds`` times (after ``warmup`` rounds), so that a slow spell of the
+    machine hits all of them alike; one :class:`StepTiming` per step. Compare ``min(timing.seconds)``
+    (the least disturbed run) or the medians."""
+    seconds: list[list[float]] = [[] for _ in steps]
+    for round_index in range(warmup + rounds):
+        for k, step in enumerate(steps):
+            if _is_cuda(device):
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            step()
+            if _is_cuda(device):
+                torch.cuda.synchronize(device)
+            if round_index >= warmup:
+                seconds[k].append(time.perf_counter() - start)
+    return [StepTiming(tuple(times)) for times in seconds]
 
 
 def _floating_tensors(output: Any) -> list[torch.Tensor]:

@@ -1,14 +1,15 @@
 """The BPTT setting of Gruslys et al. 2016: an LSTM unrolled over T steps, one cell reused at every step.
 
     python scripts/bptt_gruslys.py [--steps 1000] [--batch 64] [--hidden 512] [--input 128] [--memory 0.05]
-                                   [--solver chain_dp] [--device cpu|cuda]
+                                   [--solver chain_dp] [--device cpu|cuda] [--rounds 5]
 
 Plans the unrolled model with chain_dp (rotor) for an activation budget of ``--memory`` times the
 store-all activation memory, then measures one training step of the original model and of the plan:
-activation memory = measured peak minus parameter gradients (as in the paper), step time = median of 3.
-Also prints beta, the original step's backward time over its forward time: below about 5 % of the
-activations not even every hidden state fits, so every step is computed at least twice, and no plan can
-take less than ``(2 + beta) / (1 + beta)`` times the original step.
+activation memory = measured peak minus parameter gradients (as in the paper); step times: the original
+step, its forward alone and the plan's step are timed in turn ``--rounds`` times, the fastest of each kept.
+Also prints beta, the original step's backward time over its forward time: at a few per cent of the
+activations only a few steps' internal states fit, so almost every step is computed twice, and no plan
+takes much less than ``(2 + beta) / (1 + beta)`` times the original step.
 On ``--device cuda`` the model runs on the GPU and the peak is the CUDA allocator's
 (``torch.cuda.max_memory_allocated`` above what was live before the step).
 """
@@ -21,7 +22,7 @@ import torch
 
 import models_zoo
 from recompute_graph import format_bytes, optimize
-from recompute_graph.measure import default_loss, make_training_step, peak_memory, time_step
+from recompute_graph.measure import default_loss, make_training_step, peak_memory, time_steps_in_turn
 
 
 def main() -> None:
@@ -33,6 +34,7 @@ def main() -> None:
     parser.add_argument("--memory", type=float, default=0.05)
     parser.add_argument("--solver", default="chain_dp")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     device = torch.device(args.device)
     meter = device if device.type == "cuda" else None
@@ -42,9 +44,6 @@ def main() -> None:
     parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     original = make_training_step(model, inputs)
     original_peak = peak_memory(original, device=meter)
-    original_time = time_step(original, repeats=3, warmup=1, device=meter).median_seconds
-    forward_time = time_step(lambda: default_loss(model(*inputs)), repeats=3, warmup=1, device=meter).median_seconds
-    beta = (original_time - forward_time) / forward_time
     original_activations = original_peak - parameter_bytes
     budget = parameter_bytes + int(args.memory * original_activations)
     start = time.perf_counter()
@@ -53,7 +52,10 @@ def main() -> None:
     plan = optimized.recompute_plan
     step = make_training_step(optimized, inputs)
     peak = peak_memory(step, device=meter)
-    seconds = time_step(step, repeats=3, warmup=1, device=meter).median_seconds
+    timings = time_steps_in_turn([original, lambda: default_loss(model(*inputs)), step], rounds=args.rounds,
+                                 device=meter)
+    original_time, forward_time, seconds = (min(timing.seconds) for timing in timings)
+    beta = (original_time - forward_time) / forward_time
     activations = peak - parameter_bytes
     print(f"LSTM T={args.steps} batch {args.batch} hidden {args.hidden} on {device.type}: {plan.solver} "
           f"({plan.description}), "

@@ -13,13 +13,12 @@ real sizes it hides behind the kernels.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 import models_zoo
 from recompute_graph import optimize
-from recompute_graph.measure import make_training_step
+from recompute_graph.measure import make_training_step, time_steps_in_turn
 
 #: Tiny sizes per zoo model: a step takes milliseconds, kernels microseconds.
 TINY_SIZES = {
@@ -47,24 +46,14 @@ def main() -> None:
             plan = optimized.recompute_plan
             ops = len(plan.schedule.forward_ops) + len(plan.schedule.backward_ops)
             runs.append((f"{plan.solver} @ {budget:.0%}", make_training_step(optimized, inputs), ops, len(plan.graph)))
-        fastest = fastest_times([step for _, step, _, _ in runs], args.rounds)
+        timings = time_steps_in_turn([step for _, step, _, _ in runs], rounds=args.rounds, warmup=3)
+        fastest = [min(timing.seconds) for timing in timings]
         original = fastest[0]
         print(f"| {name} | {runs[1][3]} | original | | {original * 1e3:.2f} ms | |")
         for (label, _, ops, _), seconds in zip(runs[1:], fastest[1:]):
             print(f"| {name} | | {label} | {ops} | {seconds * 1e3:.2f} ms | "
                   f"{(seconds - original) / ops * 1e6:.1f} µs |", flush=True)
 
-
-def fastest_times(steps: list, rounds: int) -> list[float]:
-    """Each step run ``rounds`` times, in turn with the others (after three warm-up rounds); the fastest."""
-    best = [float("inf")] * len(steps)
-    for round_index in range(rounds + 3):
-        for k, step in enumerate(steps):
-            start = time.perf_counter()
-            step()
-            if round_index >= 3:
-                best[k] = min(best[k], time.perf_counter() - start)
-    return best
 
 if __name__ == "__main__":
     main()

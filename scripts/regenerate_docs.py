@@ -53,6 +53,13 @@ COMMANDS = [
     ("free_tapes_timing_small", "python scripts/free_tapes_timing.py", 1, "schedules.md"),
     ("gruslys", "python scripts/bptt_gruslys.py --steps 1000 --batch 32 --hidden 256 --input 64 --memory 0.05",
      5, "benchmarks.md"),
+    ("gruslys_200", "python scripts/bptt_gruslys.py --steps 200 --batch 32 --hidden 256 --input 64 --memory 0.12",
+     1, "benchmarks.md"),
+    ("gruslys_200_revolve", "python scripts/bptt_gruslys.py --steps 200 --batch 32 --hidden 256 --input 64 "
+                            "--memory 0.12 --solver revolve", 1, "benchmarks.md"),
+    ("gruslys_200_store_all", "python scripts/bptt_gruslys.py --steps 200 --batch 32 --hidden 256 --input 64 "
+                              "--memory 1.1 --solver store_all", 1, "benchmarks.md"),
+    ("executor_overhead", "python scripts/executor_overhead.py", 2, "benchmarks.md"),
 ]
 
 
