@@ -1,6 +1,6 @@
 """The executor's own cost per op: models with tiny tensors, where a step is almost all Python.
 
-    python scripts/executor_overhead.py [--rounds 30] [--models rnn gpt2 mlp]
+    python scripts/executor_overhead.py [--rounds 30] [--models rnn gpt2 mlp] [--device cpu|cuda]
 
 For each model (sizes below, chosen so that kernels take microseconds), one training step (forward,
 `sum of squares` loss, backward) of the original model and of plans through the executor: `store_all`
@@ -32,7 +32,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(TINY_SIZES), choices=list(TINY_SIZES))
     parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
+    device = torch.device(args.device)
     torch.manual_seed(0)
     torch.set_num_threads(1)
     print("| model | graph nodes | run | ops per step | step time | extra per op |")
@@ -40,13 +42,15 @@ def main() -> None:
     for name in args.models:
         sizes = dict(TINY_SIZES[name])
         model, inputs = models_zoo.get_model(name, sizes.pop("preset"), **sizes)
+        model, inputs = model.to(device), tuple(t.to(device) for t in inputs)
         runs = [("original", make_training_step(model, inputs), 0, 0)]
         for solver, budget in (("store_all", 1.0), ("auto", 0.5)):
             optimized = optimize(model, budget, example_inputs=inputs, solver=solver, timing="flops")
             plan = optimized.recompute_plan
             ops = len(plan.schedule.forward_ops) + len(plan.schedule.backward_ops)
             runs.append((f"{plan.solver} @ {budget:.0%}", make_training_step(optimized, inputs), ops, len(plan.graph)))
-        timings = time_steps_in_turn([step for _, step, _, _ in runs], rounds=args.rounds, warmup=3)
+        timings = time_steps_in_turn([step for _, step, _, _ in runs], rounds=args.rounds, warmup=3,
+                                     device=device if device.type == "cuda" else None)
         fastest = [min(timing.seconds) for timing in timings]
         original = fastest[0]
         print(f"| {name} | {runs[1][3]} | original | | {original * 1e3:.2f} ms | |")
