@@ -12,6 +12,8 @@ its ``backward`` the backward ops, node by node (the Rotor/Rockmate model, docs/
 * ``Backward(v)`` calls ``torch.autograd.grad`` on the node's local graph with the accumulated gradient
   of its output, adds the gradients of the detached inputs into their producers' buffers, and collects
   parameter gradients, which ``backward`` returns to autograd (so parameter hooks and DDP work as usual).
+* A taped ``value[k]`` on a tuple or list of tensors is the element as a detached leaf with an identity
+  tape (``_taped_item``): its ``Backward`` hands the gradient on to the producer without autograd.
 
 Fused backward runs (``fuse=True``, the default without an observer): a maximal run of consecutive
 ``Backward``/``FreeValue`` ops with several ``Backward`` ops is executed as one ``autograd.grad`` call.
