@@ -154,16 +154,7 @@ def time_step(step: Callable[[], Any], *, repeats: int = 5, warmup: int = 1,
         raise ValueError("repeats must be >= 1")
     for _ in range(warmup):
         step()
-    seconds = []
-    for _ in range(repeats):
-        if _is_cuda(device):
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        step()
-        if _is_cuda(device):
-            torch.cuda.synchronize(device)
-        seconds.append(time.perf_counter() - start)
-    return StepTiming(tuple(seconds))
+    return StepTiming(tuple(_timed_seconds(step, device) for _ in range(repeats)))
 
 
 def time_steps_in_turn(steps: Sequence[Callable[[], Any]], *, rounds: int = 5, warmup: int = 1,
@@ -171,18 +162,26 @@ def time_steps_in_turn(steps: Sequence[Callable[[], Any]], *, rounds: int = 5, w
     """Time several steps in turn, ``rounds`` times (after ``warmup`` rounds), so that a slow spell of the
     machine hits all of them alike; one :class:`StepTiming` per step. Compare ``min(timing.seconds)``
     (the least disturbed run) or the medians."""
+    if rounds < 1:
+        raise ValueError("rounds must be >= 1")
     seconds: list[list[float]] = [[] for _ in steps]
     for round_index in range(warmup + rounds):
         for k, step in enumerate(steps):
-            if _is_cuda(device):
-                torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            step()
-            if _is_cuda(device):
-                torch.cuda.synchronize(device)
+            elapsed = _timed_seconds(step, device)
             if round_index >= warmup:
-                seconds[k].append(time.perf_counter() - start)
+                seconds[k].append(elapsed)
     return [StepTiming(tuple(times)) for times in seconds]
+
+
+def _timed_seconds(step: Callable[[], Any], device: str | torch.device | None) -> float:
+    """Wall-clock seconds of one ``step()``, with CUDA synchronised before and after on a CUDA device."""
+    if _is_cuda(device):
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    step()
+    if _is_cuda(device):
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
 
 
 def _floating_tensors(output: Any) -> list[torch.Tensor]:

@@ -284,7 +284,7 @@ class ScheduleExecutor:
         recompute = index in state.computed
         restore = [(t, t.clone()) for t in self._state_tensors[index]] if recompute and self._state_tensors[index] \
             else ()
-        saved: list[torch.Tensor] = []
+        saved: list[int | None] = []
         try:
             if self._random[index]:
                 with _replayed_rng(state, index, True, recompute, args):
@@ -324,7 +324,8 @@ class ScheduleExecutor:
         without an autograd call in backward). False when the value is not such a container."""
         source, k = self._tuple_items[index]
         container = state.values.get(source)
-        if type(container) not in (tuple, list) or not all(isinstance(t, torch.Tensor) for t in container):
+        if type(container) not in (tuple, list) or not container \
+                or not all(isinstance(t, torch.Tensor) for t in container):
             return False
         k = k % len(container)
         item = container[k]
@@ -532,10 +533,10 @@ class ScheduleExecutor:
             return self.cost_index[a.name] in state.values
         return a.name in state.static or a.op == "get_attr"
 
-    def _call_taped(self, node: fx.Node, args: Any, kwargs: Any, saved: list[torch.Tensor]) -> Any:
-        """Call with grad enabled, appending every tensor autograd saves to ``saved`` and packing it as a
-        separate alias, so that emptying ``.data`` of an input leaf or an output never touches what the
-        backward reads."""
+    def _call_taped(self, node: fx.Node, args: Any, kwargs: Any, saved: list[int | None]) -> Any:
+        """Call with grad enabled, appending the storage key of every tensor autograd saves to ``saved``
+        and packing it as a separate alias, so that emptying ``.data`` of an input leaf or an output never
+        touches what the backward reads."""
         def pack(tensor: torch.Tensor) -> torch.Tensor:
             saved.append(storage_key(tensor))
             return tensor.detach()

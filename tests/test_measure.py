@@ -12,7 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 import models_zoo
 from recompute_graph.measure import (StorageTracker, default_loss, make_training_step, peak_memory,
-                                     saved_tensor_bytes, sum_loss, time_step)
+                                     saved_tensor_bytes, sum_loss, time_step, time_steps_in_turn)
 
 D, W, B, O, K = 8, 64, 2048, 4, 2
 ACT = B * W * 4
@@ -90,6 +90,15 @@ def test_time_step_runs_warmup_then_repeats():
     assert "4 runs" in repr(timing)
     with pytest.raises(ValueError, match="repeats"):
         time_step(lambda: None, repeats=0)
+
+
+def test_steps_timed_in_turn_interleave_rounds_after_warmup():
+    calls = []
+    timings = time_steps_in_turn([lambda: calls.append("a"), lambda: calls.append("b")], rounds=3, warmup=1)
+    assert calls == ["a", "b"] * 4
+    assert [len(t.seconds) for t in timings] == [3, 3] and all(min(t.seconds) >= 0 for t in timings)
+    with pytest.raises(ValueError, match="rounds"):
+        time_steps_in_turn([lambda: None], rounds=0)
 
 
 def test_losses_cover_every_floating_tensor_of_nested_outputs():
