@@ -13,7 +13,9 @@ Two passes over the traced graph, both with the model in its current train/eval 
 2. **Compute pass**: each node is run again in isolation on detached copies of its inputs, forward and
    backward, under ``torch.utils.flop_counter.FlopCounterMode`` (FLOPs, deterministic) and, when
    ``timing="measure"``, timed on the model's device (warm-up, ``repeats`` runs, median). The storage
-   tracker around the isolated backward gives ``backward_workspace_bytes``.
+   tracker around the isolated backward gives ``backward_workspace_bytes``. The isolated backward
+   computes the gradients the step's backward computes: of the parameters and of the inputs produced
+   by nodes that require grad (a first layer does not compute its input image's gradient).
 
 ``timing="flops"`` (forced on the ``meta`` device) prices time from FLOPs and bytes moved with a
 :class:`DeviceProfile` roofline: ``seconds = max(flops / flops_per_second, bytes / bytes_per_second)``.
@@ -103,13 +105,14 @@ def profile_graph(traced: TraceResult, example_inputs: Sequence[Any], *, timing:
     on_meta = any(isinstance(t, torch.Tensor) and t.is_meta for t in tree_flatten(inputs)[0])
     if on_meta:
         timing = "flops"
-    passes = (_MemoryPass(gm), _ComputePass(gm, timing, repeats, warmup))
+    memory, compute = passes = (_MemoryPass(gm), _ComputePass(gm, timing, repeats, warmup))
     with progress_bar(len(gm.graph.nodes) * len(passes), f"profiling {name or 'model'}", progress) as bar:
         for interpreter in passes:
             _count_nodes(interpreter, bar)
             with _preserved_state(gm):
                 interpreter.run(*inputs)
-    memory, compute = passes
+            if interpreter is memory:
+                compute.grad_nodes = {name for name, record in memory.records.items() if record.requires_grad}
     return _build_cost_graph(gm, traced, memory, compute, timing, device_profile, name or "model", inputs)
 
 
@@ -327,6 +330,8 @@ class _ComputePass(fx.Interpreter):
         super().__init__(gm)
         self.timing, self.repeats, self.warmup = timing, repeats, warmup
         self.records: dict[str, _NodeCompute] = {}
+        #: Nodes whose output requires grad in training (from the memory pass); None: every input does.
+        self.grad_nodes: set[str] | None = None
 
     def run(self, *args: Any) -> "_ComputePass":
         super().run(*args)
@@ -345,17 +350,19 @@ class _ComputePass(fx.Interpreter):
             raise _node_error(n, error) from error
         return result
 
-    def _fresh_inputs(self, args: Any, kwargs: Any, buffers: list[torch.Tensor]
-                      ) -> tuple[Any, Any, list[torch.Tensor]]:
-        """Detached copies of the tensor arguments: floating-point ones as leaves requiring grad, except
-        ``buffers`` (module state such as running statistics, copied without grad)."""
+    def _fresh_inputs(self, n: fx.Node, args: Any, kwargs: Any) -> tuple[Any, Any, list[torch.Tensor]]:
+        """Detached copies of the tensor arguments: as leaves requiring grad the floating-point ones that
+        require grad in training (outputs of nodes that do, parameters, inputs given with grad), so that
+        the isolated backward computes the gradients the step's backward computes and no others."""
         leaves: list[torch.Tensor] = []
-        buffer_ids = {id(b) for b in buffers}
+        buffer_ids = {id(b) for b in _buffer_arguments(n, self.env)}
+        grad_ids = self._grad_argument_ids(n)
 
         def fresh(value: Any) -> Any:
             if not isinstance(value, torch.Tensor):
                 return value
-            if (value.is_floating_point() or value.is_complex()) and id(value) not in buffer_ids:
+            if (value.is_floating_point() or value.is_complex()) and id(value) not in buffer_ids \
+                    and (grad_ids is None or id(value) in grad_ids):
                 leaf = value.detach().clone().requires_grad_(True)
                 leaves.append(leaf)
                 return leaf.clone()  # non-leaf, so in-place ops on it are allowed
@@ -363,6 +370,16 @@ class _ComputePass(fx.Interpreter):
 
         new_args, new_kwargs = tree_map(fresh, (args, kwargs))
         return new_args, new_kwargs, leaves
+
+    def _grad_argument_ids(self, n: fx.Node) -> set[int] | None:
+        """ids of the argument tensors of ``n`` that require grad in training; None when unknown."""
+        if self.grad_nodes is None:
+            return None
+        ids: set[int] = set()
+        for a in n.all_input_nodes:
+            produced_with_grad = a.name in self.grad_nodes
+            ids.update(id(t) for t in _tensors(self.env[a]) if produced_with_grad or t.requires_grad)
+        return ids
 
     def _forward(self, n: fx.Node, fresh_args: Any, fresh_kwargs: Any) -> Any:
         with torch.enable_grad():
@@ -389,7 +406,7 @@ class _ComputePass(fx.Interpreter):
     def _measure(self, n: fx.Node, args: Any, kwargs: Any) -> _NodeCompute:
         record = _NodeCompute()
         record.forward_bytes_moved = sum(t.numel() * t.element_size() for t in _tensors((args, kwargs)))
-        fresh_args, fresh_kwargs, leaves = self._fresh_inputs(args, kwargs, _buffer_arguments(n, self.env))
+        fresh_args, fresh_kwargs, leaves = self._fresh_inputs(n, args, kwargs)
         with FlopCounterMode(display=False) as counter:
             out = self._forward(n, fresh_args, fresh_kwargs)
         record.forward_flops = int(counter.get_total_flops())
@@ -411,7 +428,7 @@ class _ComputePass(fx.Interpreter):
             device = next((t.device for t in _tensors((args, kwargs))), torch.device("cpu"))
             forward_times, total_times = [], []
             for i in range(self.warmup + self.repeats):
-                fresh_args, fresh_kwargs, leaves = self._fresh_inputs(args, kwargs, _buffer_arguments(n, self.env))
+                fresh_args, fresh_kwargs, leaves = self._fresh_inputs(n, args, kwargs)
                 _synchronize(device)
                 start = time.perf_counter()
                 out = self._forward(n, fresh_args, fresh_kwargs)
