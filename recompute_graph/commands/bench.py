@@ -9,7 +9,7 @@ import argparse
 from typing import Any, Callable
 
 from ..units import format_bytes
-from .common import add_model_arguments, add_output_flags, print_json
+from .common import add_model_arguments, add_output_flags, print_json, profile_positional_model
 
 __all__ = ["add_parser", "run"]
 
@@ -41,24 +41,13 @@ def _training_step(module: Any, inputs: tuple) -> Callable[[], None]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..costs import profile_model
     from ..errors import InfeasibleBudgetError, SolverError
     from ..measure import default_loss, profiler_peak_memory, time_step
-    from ..model_specs import load_model, parse_sizes
     from ..optimized_module import run_schedule
     from ..planner import make_plan
     from ..progress import progress_bar
     from ..rewrite import ScheduleExecutor
-    from ..solvers import get_solver
-    for name in args.solvers:
-        if name != "auto":
-            get_solver(name)
-    model, inputs, label = load_model(args.model, args.preset, parse_sizes(args.size))
-    if isinstance(inputs, dict):
-        raise ValueError(f"{args.model} returns keyword inputs: `bench` takes models called with positional "
-                         "inputs; `recompute-graph plan` and optimize(..., example_kwargs=) take keyword inputs")
-    model.train()
-    traced, graph = profile_model(model, inputs, timing=args.timing, progress=not args.quiet, name=label)
+    model, inputs, label, traced, graph = profile_positional_model(args, "bench", args.solvers)
     rows: list[dict[str, Any]] = []
 
     def measure(row_label: str, step: Callable[[], None], predicted: int | None = None, note: str = "",

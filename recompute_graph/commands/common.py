@@ -5,7 +5,7 @@ import argparse
 import json
 from typing import Any
 
-__all__ = ["budget_argument", "add_model_arguments", "add_output_flags", "print_json"]
+__all__ = ["budget_argument", "add_model_arguments", "add_output_flags", "print_json", "profile_positional_model"]
 
 
 def budget_argument(text: str) -> Any:
@@ -49,3 +49,22 @@ def add_output_flags(parser: argparse.ArgumentParser) -> None:
 
 def print_json(result: dict[str, Any]) -> None:
     print(json.dumps(result))
+
+
+def profile_positional_model(args: argparse.Namespace, command: str, solvers: list[str]
+                             ) -> tuple[Any, Any, str, Any, Any]:
+    """For ``bench`` and ``plot``: check the solver names (``auto`` aside), load MODEL (which must take
+    positional inputs), put it in training mode and profile it; ``(model, inputs, label, traced, graph)``."""
+    from ..costs import profile_model
+    from ..model_specs import load_model, parse_sizes
+    from ..solvers import get_solver
+    for name in solvers:
+        if name != "auto":
+            get_solver(name)
+    model, inputs, label = load_model(args.model, args.preset, parse_sizes(args.size))
+    if isinstance(inputs, dict):
+        raise ValueError(f"{args.model} returns keyword inputs: `{command}` takes models called with positional "
+                         "inputs; `recompute-graph plan` and optimize(..., example_kwargs=) take keyword inputs")
+    model.train()
+    traced, graph = profile_model(model, inputs, timing=args.timing, progress=not args.quiet, name=label)
+    return model, inputs, label, traced, graph

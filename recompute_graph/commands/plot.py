@@ -7,7 +7,7 @@ import argparse
 import os
 from typing import Any
 
-from .common import add_model_arguments, add_output_flags, budget_argument, print_json
+from .common import add_model_arguments, add_output_flags, budget_argument, print_json, profile_positional_model
 
 __all__ = ["add_parser", "run"]
 
@@ -40,21 +40,12 @@ def add_parser(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..costs import profile_model
-    from ..model_specs import load_model, parse_sizes
     from ..planner import make_plan
     from ..plots import pyplot, plot_pareto, plot_strategy, plot_timeline
-    from ..solvers import get_solver, solvers_for
+    from ..solvers import solvers_for
     from ..sweeps import budget_sweep
     pyplot()  # fail early without matplotlib
-    for name in (args.solvers or []) + ([args.solver] if args.solver != "auto" else []):
-        get_solver(name)
-    model, inputs, label = load_model(args.model, args.preset, parse_sizes(args.size))
-    if isinstance(inputs, dict):
-        raise ValueError(f"{args.model} returns keyword inputs: `plot` takes models called with positional "
-                         "inputs; `recompute-graph plan` and optimize(..., example_kwargs=) take keyword inputs")
-    model.train()
-    traced, graph = profile_model(model, inputs, timing=args.timing, progress=not args.quiet, name=label)
+    model, inputs, label, traced, graph = profile_positional_model(args, "plot", (args.solvers or []) + [args.solver])
     solvers = args.solvers or [s for s in solvers_for(graph) if s not in SLOW_SOLVERS]
     points = budget_sweep(graph, solvers, args.fractions, progress=not args.quiet)
     plan = make_plan(graph, args.budget, args.solver)
