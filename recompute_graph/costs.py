@@ -105,27 +105,27 @@ def profile_graph(traced: TraceResult, example_inputs: Sequence[Any], *, timing:
     on_meta = any(isinstance(t, torch.Tensor) and t.is_meta for t in tree_flatten(inputs)[0])
     if on_meta:
         timing = "flops"
-    memory, compute = passes = (_MemoryPass(gm), _ComputePass(gm, timing, repeats, warmup))
-    with progress_bar(len(gm.graph.nodes) * len(passes), f"profiling {name or 'model'}", progress) as bar:
-        for interpreter in passes:
-            _count_nodes(interpreter, bar)
-            with _preserved_state(gm):
-                interpreter.run(*inputs)
-            if interpreter is memory:
-                compute.grad_nodes = {name for name, record in memory.records.items() if record.requires_grad}
+    with progress_bar(len(gm.graph.nodes) * 2, f"profiling {name or 'model'}", progress) as bar:
+        memory = _run_counted(_MemoryPass(gm), inputs, bar)
+        grad_nodes = {node for node, record in memory.records.items() if record.requires_grad}
+        compute = _run_counted(_ComputePass(gm, timing, repeats, warmup, grad_nodes), inputs, bar)
     return _build_cost_graph(gm, traced, memory, compute, timing, device_profile, name or "model", inputs)
 
 
 # --------------------------------------------------------------------------------------------- helpers
-def _count_nodes(interpreter: fx.Interpreter, bar: Any) -> None:
-    """Advance ``bar`` after every node ``interpreter`` runs."""
+def _run_counted(interpreter: Any, inputs: tuple, bar: Any) -> Any:
+    """Run a profiling pass on ``inputs``, advancing ``bar`` after every node and leaving the module's
+    buffers and the RNG states as they were; returns the pass."""
     run_node = interpreter.run_node
 
     def counted(n: fx.Node) -> Any:
         result = run_node(n)
         bar.update()
         return result
-    interpreter.run_node = counted  # type: ignore[method-assign]
+    interpreter.run_node = counted
+    with _preserved_state(interpreter.module):
+        interpreter.run(*inputs)
+    return interpreter
 
 
 @contextlib.contextmanager
@@ -326,12 +326,12 @@ class _NodeCompute:
 class _ComputePass(fx.Interpreter):
     """Runs each node alone, forward and backward, counting FLOPs and (optionally) timing it."""
 
-    def __init__(self, gm: fx.GraphModule, timing: str, repeats: int, warmup: int) -> None:
+    def __init__(self, gm: fx.GraphModule, timing: str, repeats: int, warmup: int, grad_nodes: set[str]) -> None:
+        """``grad_nodes``: the nodes whose output requires grad in training (from the memory pass)."""
         super().__init__(gm)
         self.timing, self.repeats, self.warmup = timing, repeats, warmup
+        self.grad_nodes = grad_nodes
         self.records: dict[str, _NodeCompute] = {}
-        #: Nodes whose output requires grad in training (from the memory pass); None: every input does.
-        self.grad_nodes: set[str] | None = None
 
     def run(self, *args: Any) -> "_ComputePass":
         super().run(*args)
@@ -350,19 +350,28 @@ class _ComputePass(fx.Interpreter):
             raise _node_error(n, error) from error
         return result
 
-    def _fresh_inputs(self, n: fx.Node, args: Any, kwargs: Any) -> tuple[Any, Any, list[torch.Tensor]]:
-        """Detached copies of the tensor arguments: as leaves requiring grad the floating-point ones that
-        require grad in training (outputs of nodes that do, parameters, inputs given with grad), so that
-        the isolated backward computes the gradients the step's backward computes and no others."""
-        leaves: list[torch.Tensor] = []
+    def _trainable_argument_ids(self, n: fx.Node) -> set[int]:
+        """ids of the argument tensors of ``n`` that require grad in training: outputs of nodes that do,
+        parameters, model inputs given with grad; never module buffers (running statistics)."""
         buffer_ids = {id(b) for b in _buffer_arguments(n, self.env)}
-        grad_ids = self._grad_argument_ids(n)
+        ids: set[int] = set()
+        for a in n.all_input_nodes:
+            produced_with_grad = a.name in self.grad_nodes
+            ids.update(id(t) for t in _tensors(self.env[a])
+                       if (produced_with_grad or t.requires_grad) and id(t) not in buffer_ids)
+        return ids
+
+    @staticmethod
+    def _fresh_inputs(args: Any, kwargs: Any, trainable_ids: set[int]) -> tuple[Any, Any, list[torch.Tensor]]:
+        """Detached copies of the tensor arguments; the floating-point ones in ``trainable_ids`` as leaves
+        requiring grad, so that the isolated backward computes the gradients the step's backward computes
+        and no others."""
+        leaves: list[torch.Tensor] = []
 
         def fresh(value: Any) -> Any:
             if not isinstance(value, torch.Tensor):
                 return value
-            if (value.is_floating_point() or value.is_complex()) and id(value) not in buffer_ids \
-                    and (grad_ids is None or id(value) in grad_ids):
+            if (value.is_floating_point() or value.is_complex()) and id(value) in trainable_ids:
                 leaf = value.detach().clone().requires_grad_(True)
                 leaves.append(leaf)
                 return leaf.clone()  # non-leaf, so in-place ops on it are allowed
@@ -370,16 +379,6 @@ class _ComputePass(fx.Interpreter):
 
         new_args, new_kwargs = tree_map(fresh, (args, kwargs))
         return new_args, new_kwargs, leaves
-
-    def _grad_argument_ids(self, n: fx.Node) -> set[int] | None:
-        """ids of the argument tensors of ``n`` that require grad in training; None when unknown."""
-        if self.grad_nodes is None:
-            return None
-        ids: set[int] = set()
-        for a in n.all_input_nodes:
-            produced_with_grad = a.name in self.grad_nodes
-            ids.update(id(t) for t in _tensors(self.env[a]) if produced_with_grad or t.requires_grad)
-        return ids
 
     def _forward(self, n: fx.Node, fresh_args: Any, fresh_kwargs: Any) -> Any:
         with torch.enable_grad():
@@ -406,7 +405,8 @@ class _ComputePass(fx.Interpreter):
     def _measure(self, n: fx.Node, args: Any, kwargs: Any) -> _NodeCompute:
         record = _NodeCompute()
         record.forward_bytes_moved = sum(t.numel() * t.element_size() for t in _tensors((args, kwargs)))
-        fresh_args, fresh_kwargs, leaves = self._fresh_inputs(n, args, kwargs)
+        trainable_ids = self._trainable_argument_ids(n)
+        fresh_args, fresh_kwargs, leaves = self._fresh_inputs(args, kwargs, trainable_ids)
         with FlopCounterMode(display=False) as counter:
             out = self._forward(n, fresh_args, fresh_kwargs)
         record.forward_flops = int(counter.get_total_flops())
@@ -428,7 +428,7 @@ class _ComputePass(fx.Interpreter):
             device = next((t.device for t in _tensors((args, kwargs))), torch.device("cpu"))
             forward_times, total_times = [], []
             for i in range(self.warmup + self.repeats):
-                fresh_args, fresh_kwargs, leaves = self._fresh_inputs(n, args, kwargs)
+                fresh_args, fresh_kwargs, leaves = self._fresh_inputs(args, kwargs, trainable_ids)
                 _synchronize(device)
                 start = time.perf_counter()
                 out = self._forward(n, fresh_args, fresh_kwargs)

@@ -282,15 +282,11 @@ class ScheduleExecutor:
         args, kwargs = fx.node.map_arg((node.args, node.kwargs),
                                        lambda a: self._input(state, a, leaves if tape else None, connect, connected))
         recompute = index in state.computed
-        restore = [(t, t.clone()) for t in self._state_tensors[index]] if recompute and self._state_tensors[index] \
-            else ()
-        saved: list[int | None] = []
+        restore = [(t, t.clone()) for t in self._state_tensors[index]] if recompute else []
+        saved: list[int | None] | None = [] if tape else None
         try:
-            if self._random[index]:
-                with _replayed_rng(state, index, True, recompute, args):
-                    out = self._call_taped(node, args, kwargs, saved) if tape else self._call_untaped(node, args, kwargs)
-            else:
-                out = self._call_taped(node, args, kwargs, saved) if tape else self._call_untaped(node, args, kwargs)
+            with _replayed_rng(state, index, recompute, args) if self._random[index] else contextlib.nullcontext():
+                out = self._call_in_grad_mode(node, args, kwargs, saved)
         except Exception as error:  # noqa: BLE001
             raise RewriteError(f"node {node.format_node()} failed: {type(error).__name__}: {error}") from error
         finally:
@@ -309,7 +305,7 @@ class ScheduleExecutor:
                 state.tapes[index] = _Tape(roots, positions, leaves, self._node_parameters[index],
                                            connected=connected, identity=identity)
             # The local graph holds its input leaves; release the storage of those its backward does not
-            # read (saved tensors are separate aliases, see _call_taped).
+            # read (saved tensors are separate aliases, see _call_in_grad_mode).
             outputs = {id(t) for t in flat}
             released = [leaf for _, _, leaf in leaves if id(leaf) not in outputs]
             if released:
@@ -533,26 +529,20 @@ class ScheduleExecutor:
             return self.cost_index[a.name] in state.values
         return a.name in state.static or a.op == "get_attr"
 
-    def _call_taped(self, node: fx.Node, args: Any, kwargs: Any, saved: list[int | None]) -> Any:
-        """Call with grad enabled, appending the storage key of every tensor autograd saves to ``saved``
-        and packing it as a separate alias, so that emptying ``.data`` of an input leaf or an output never
-        touches what the backward reads."""
+    def _call_in_grad_mode(self, node: fx.Node, args: Any, kwargs: Any, saved: list[int | None] | None) -> Any:
+        """Call without grad (``saved`` None), or with grad, appending the storage key of every tensor
+        autograd saves to ``saved`` and packing it as a separate alias, so that emptying ``.data`` of an
+        input leaf or an output never touches what the backward reads."""
         def pack(tensor: torch.Tensor) -> torch.Tensor:
             saved.append(storage_key(tensor))
             return tensor.detach()
         previous = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(True)
+        torch._C._set_grad_enabled(saved is not None)  # cheaper than a grad-mode context object (hot path)
         try:
+            if saved is None:
+                return self._call(node, args, kwargs)
             with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
                 return self._call(node, args, kwargs)
-        finally:
-            torch._C._set_grad_enabled(previous)
-
-    def _call_untaped(self, node: fx.Node, args: Any, kwargs: Any) -> Any:
-        previous = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)
-        try:
-            return self._call(node, args, kwargs)
         finally:
             torch._C._set_grad_enabled(previous)
 
@@ -649,16 +639,13 @@ class _replayed_rng:
     """First computation of a random node: record the RNG states. Recomputation: replay them and put the
     generators back afterwards, so the rest of the step draws the same numbers as without recomputation."""
 
-    def __init__(self, state: _StepState, index: int, random: bool, recompute: bool, args: Any) -> None:
-        self.state, self.index, self.active = state, index, random
-        self.recompute = recompute
-        self.devices = (sorted({t.device.index or 0 for t in tree_flatten(args)[0]
-                                if isinstance(t, torch.Tensor) and t.device.type == "cuda"}) if random else [])
+    def __init__(self, state: _StepState, index: int, recompute: bool, args: Any) -> None:
+        self.state, self.index, self.recompute = state, index, recompute
+        self.devices = sorted({t.device.index or 0 for t in tree_flatten(args)[0]
+                               if isinstance(t, torch.Tensor) and t.device.type == "cuda"})
         self.saved: tuple[torch.Tensor, list[tuple[int, torch.Tensor]]] | None = None
 
     def __enter__(self) -> None:
-        if not self.active:
-            return
         current = (torch.get_rng_state(), [(d, torch.cuda.get_rng_state(d)) for d in self.devices])
         if not self.recompute or self.index not in self.state.rng_states:
             self.state.rng_states[self.index] = current
