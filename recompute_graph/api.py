@@ -30,7 +30,9 @@ PROFILE_OPTIONS = ("timing", "repeats", "warmup", "device_profile", "progress")
 def optimize(model: nn.Module, budget: Budget, *, example_inputs: Sequence[Any] | None = None,
              example_kwargs: dict[str, Any] | None = None, solver: str = "auto",
              plan: Union[str, "os.PathLike[str]", RecomputePlan, None] = None,
-             autocast: "torch.dtype | None" = None, tracer: str = "auto", **options: Any) -> RecomputedModule:
+             autocast: "torch.dtype | None" = None, tracer: str = "auto",
+             loss_fn: "Callable[[Any], torch.Tensor] | None" = None, cost_graph: CostGraph | None = None,
+             **options: Any) -> RecomputedModule:
     """Return a module that trains like ``model`` with its step's peak memory within ``budget``.
 
     ``budget``: bytes (int), a size string (``"1.5GiB"``, ``"800MB"``) or a float in (0, 1] = that fraction
@@ -47,6 +49,15 @@ def optimize(model: nn.Module, budget: Budget, *, example_inputs: Sequence[Any] 
     now from the example call is priced with the dtypes autocast produces; a plan made on the first call
     is priced under whatever autocast is active then. Plans are cached per call signature and autocast
     setting.
+
+    ``loss_fn``: the loss training computes on the model's output, ``loss_fn(output) -> scalar``; its
+    forward and backward are priced by the allocator on the example call and kept free beside the
+    plan (``losses.py``). Default: ``losses.default_training_loss``, the README loop's loss (the model's
+    own ``loss`` when it returns one, else the mean square of its floating-point outputs).
+
+    ``cost_graph``: a graph already priced for this model and call (a previous plan's ``.graph``), to
+    plan from instead of profiling again (sweeps over budgets or solvers); it must come from the same
+    model, call structure and tracer, else a ``RewriteError`` names the nodes that do not match.
 
     ``tracer``: ``"fx"`` traces the model once with ``torch.fx`` (module-level nodes, one graph for every
     input shape); ``"export"`` uses ``torch.export`` (aten-level nodes, one graph per call structure; see
@@ -69,9 +80,11 @@ def optimize(model: nn.Module, budget: Budget, *, example_inputs: Sequence[Any] 
 
     def prepare(args: tuple, kwargs: dict) -> PreparedStep:
         call = graphs.graph_for(args, kwargs)
-        with contextlib.nullcontext() if call.exported else training_mode(call.trace.graph_module):
-            graph = profile_graph(call.trace, call.inputs_of(args, kwargs), name=type(model).__name__,
-                                  **options)
+        graph = cost_graph
+        if graph is None:
+            with contextlib.nullcontext() if call.exported else training_mode(call.trace.graph_module):
+                graph = profile_graph(call.trace, call.inputs_of(args, kwargs), name=type(model).__name__,
+                                      loss_fn=loss_fn, output_of=call.output_of, **options)
         chosen = _reuse(saved, graph, budget) if saved is not None else None
         if chosen is None:
             chosen = make_plan(graph, budget, solver)
@@ -95,7 +108,8 @@ def _autocast_for(dtype: "torch.dtype | None", inputs: Sequence[Any]) -> Any:
 
 
 def plan_for(build: "Callable[[], tuple[nn.Module, Any]]", budget: Budget, *, solver: str = "auto",
-             device_profile: str = "cpu", progress: bool = False, tracer: str = "auto") -> RecomputePlan:
+             device_profile: str = "cpu", progress: bool = False, tracer: str = "auto",
+             loss_fn: "Callable[[Any], torch.Tensor] | None" = None) -> RecomputePlan:
     """Plan a model without the device and without its weights: ``build()`` runs under
     ``torch.device("meta")`` and returns ``(model, example_inputs)``, where ``example_inputs`` is a
     sequence of positional inputs or a dict of keyword arguments (``{"input_ids": ..., "labels": ...}``
@@ -103,7 +117,7 @@ def plan_for(build: "Callable[[], tuple[nn.Module, Any]]", budget: Budget, *, so
     FLOP-based times for ``device_profile`` (``costs.DEVICE_PROFILES``: "cpu", "h100", "h200", ...) and
     planned at ``budget``. Save the plan (``plan.save(path)``) and apply it to the real model later with
     ``optimize(model, budget, example_inputs=..., plan=path)``: the graph of the real model has the same
-    structure fingerprint, so the plan is reused as is. ``tracer`` as in ``optimize()``.
+    structure fingerprint, so the plan is reused as is. ``tracer`` and ``loss_fn`` as in ``optimize()``.
     """
     with torch.device("meta"):
         model, inputs = build()
@@ -116,7 +130,7 @@ def plan_for(build: "Callable[[], tuple[nn.Module, Any]]", budget: Budget, *, so
     to_meta = functools.partial(tree_map, meta_tensor)
     args, kwargs = ((), to_meta(dict(inputs))) if isinstance(inputs, dict) else (to_meta(tuple(inputs)), {})
     _, graph = profile_call(model, args, kwargs, tracer=tracer, name=type(model).__name__, timing="flops",
-                            device_profile=device_profile, progress=progress)
+                            device_profile=device_profile, progress=progress, loss_fn=loss_fn)
     return make_plan(graph, budget, solver)
 
 

@@ -58,8 +58,15 @@ class CallGraphs:
                 if tracer == "fx":
                     raise
                 self.fx_error = error
+        if self.fx_trace is not None and self.fx_trace.unsafe_mutations and tracer == "fx":
+            raise TraceError(
+                f"cannot plan {type(model).__name__} from its torch.fx graph: it writes into an activation "
+                f"through one view while another view of it is read later: {self.fx_trace.unsafe_mutations[0]}."
+                " Use tracer='export' (or 'auto'), whose functionalization makes the write a data dependency,"
+                " or make the write out of place.", module_path="")
         self.uses_export = (tracer == "export" or self.fx_error is not None
-                            or (tracer == "auto" and bool(self.fx_trace.opaque_modules)))
+                            or (tracer == "auto" and bool(self.fx_trace.opaque_modules
+                                                          or self.fx_trace.unsafe_mutations)))
         self._bind = placeholder_binder(model, self.fx_trace.graph_module) if self.fx_trace is not None else None
 
     def graph_for(self, args: tuple, kwargs: dict) -> CallGraph:
@@ -71,8 +78,14 @@ class CallGraphs:
             with training_mode(self.model):
                 exported = export_trace(self.model, args, training_kwargs(self.model, kwargs))
         except TraceError as export_error:
-            if self.fx_trace is not None:
+            if self.fx_trace is not None and not self.fx_trace.unsafe_mutations:
                 return self._fx_graph()
+            if self.fx_trace is not None:
+                raise TraceError(
+                    f"{type(self.model).__name__} writes into an activation through a view that another view "
+                    f"reads later ({self.fx_trace.unsafe_mutations[0]}), which only torch.export's "
+                    f"functionalization plans exactly, and export failed:\n{export_error}",
+                    module_path="", source_location=export_error.source_location) from export_error
             if self.fx_error is None:
                 raise
             raise TraceError(f"{self.fx_error}\n{export_error}", module_path=self.fx_error.module_path,
@@ -99,7 +112,7 @@ def profile_call(model: nn.Module, args: tuple, kwargs: dict, *, tracer: str = "
     mode (``costs.profile_graph`` with ``options``): the model-agnostic form of ``costs.profile_model``."""
     call = CallGraphs(model, tracer).graph_for(args, kwargs)
     with training_mode(model if call.exported else call.trace.graph_module):
-        graph = profile_graph(call.trace, call.inputs_of(args, kwargs), **options)
+        graph = profile_graph(call.trace, call.inputs_of(args, kwargs), output_of=call.output_of, **options)
     return call, graph
 
 

@@ -30,16 +30,17 @@ import operator
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import fx, nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.flop_counter import FlopCounterMode
 
 from .errors import ProfileError
 from .graph import CostGraph, CostNode
-from .measure import StorageTracker, storage_key
+from .losses import LossFunction, default_training_loss
+from .measure import AllocatorRecorder, StorageTracker, storage_key
 from .progress import progress_bar
 from .trace import TraceResult, trace
 
@@ -86,13 +87,17 @@ def profile_model(model: nn.Module, example_inputs: Sequence[Any], *, timing: st
 
 def profile_graph(traced: TraceResult, example_inputs: Sequence[Any], *, timing: str = "measure",
                   repeats: int = 5, warmup: int = 2, device_profile: DeviceProfile | str = "cpu",
-                  name: str | None = None, progress: bool = False) -> CostGraph:
+                  name: str | None = None, progress: bool = False, loss_fn: "LossFunction | None" = None,
+                  output_of: "Callable[[Any], Any] | None" = None) -> CostGraph:
     """Price the nodes of a traced model on ``example_inputs`` (see the module docstring).
 
     ``timing``: ``"measure"`` (wall clock on the inputs' device, the default) or ``"flops"``
     (deterministic estimate from FLOPs with ``device_profile``). On ``meta`` tensors timing is always
     ``"flops"``. Raises :class:`ProfileError` naming the node when a node cannot run. ``progress``: a
-    progress bar on stderr over the two passes.
+    progress bar on stderr over the passes. ``loss_fn`` (default ``losses.default_training_loss``) is
+    run on the store-all output, put in the model's own structure by ``output_of`` (default: the
+    graph's output as it is): the transient bytes of its forward and backward become the graph's
+    ``loss_bytes`` and the outputs it sends gradients to its ``loss_gradient_outputs``.
     """
     if timing not in ("measure", "flops"):
         raise ValueError(f"timing must be 'measure' or 'flops', got {timing!r}")
@@ -105,14 +110,95 @@ def profile_graph(traced: TraceResult, example_inputs: Sequence[Any], *, timing:
     on_meta = any(isinstance(t, torch.Tensor) and t.is_meta for t in tree_flatten(inputs)[0])
     if on_meta:
         timing = "flops"
-    with progress_bar(len(gm.graph.nodes) * 2, f"profiling {name or 'model'}", progress) as bar:
-        memory = _run_counted(_MemoryPass(gm), inputs, bar)
+    passes = 3 if timing == "measure" else 2
+    with progress_bar(len(gm.graph.nodes) * passes, f"profiling {name or 'model'}", progress) as bar:
+        with _allocator_windows(on_meta) as memory_windows:
+            memory = _run_counted(_MemoryPass(gm), inputs, bar)
+        memory.add_allocator_workspace(memory_windows())
+        loss = _price_loss(gm, memory, loss_fn or default_training_loss, output_of or (lambda value: value))
         grad_nodes = {node for node, record in memory.records.items() if record.requires_grad}
-        compute = _run_counted(_ComputePass(gm, timing, repeats, warmup, grad_nodes), inputs, bar)
-    return _build_cost_graph(gm, traced, memory, compute, timing, device_profile, name or "model", inputs)
+        with _allocator_windows(on_meta) as compute_windows:
+            compute = _run_counted(_ComputePass(gm, "flops", repeats, warmup, grad_nodes), inputs, bar)
+        compute.add_allocator_workspace(compute_windows())
+        if timing == "measure":  # timed apart: the profiler's per-op cost would distort the times
+            timed = _run_counted(_ComputePass(gm, timing, repeats, warmup, grad_nodes), inputs, bar)
+            for node_name, record in compute.records.items():
+                record.forward_seconds = timed.records[node_name].forward_seconds
+                record.backward_seconds = timed.records[node_name].backward_seconds
+    return _build_cost_graph(gm, traced, memory, compute, timing, device_profile, name or "model", inputs, loss)
 
 
 # --------------------------------------------------------------------------------------------- helpers
+#: ``torch.profiler.record_function`` names around each node's priced run: prefix + node name.
+WINDOW_PREFIX = "recompute_graph.node::"
+
+
+@contextlib.contextmanager
+def _allocator_windows(on_meta: bool) -> Iterator[Callable[[], dict[str, tuple[int, int, int]]]]:
+    """Record the CPU allocator's events (off on meta, where nothing is allocated); yields a function
+    giving each node's ``(level at start, peak, level at end)`` once the block has ended."""
+    if on_meta:
+        yield dict
+        return
+    with AllocatorRecorder() as recorder:
+        yield lambda: recorder.window_peaks(WINDOW_PREFIX)
+
+
+def _window(name: str) -> Any:
+    return torch.profiler.record_function(WINDOW_PREFIX + name)
+
+
+@dataclass(frozen=True)
+class _LossPrice:
+    transient_bytes: int
+    gradient_outputs: tuple[str, ...]  # names of the output nodes the loss sends a gradient to
+
+
+def _price_loss(gm: fx.GraphModule, memory: "_MemoryPass", loss_fn: "LossFunction",
+                output_of: "Callable[[Any], Any]") -> _LossPrice:
+    """Run ``loss_fn`` on the store-all output (detached leaves), forward and backward, and measure its
+    transient bytes (peak above what is left at the end: the output gradients, which the simulator
+    counts) by the allocator and by the storage tracker, keeping the larger."""
+    output_node = next(n for n in gm.graph.nodes if n.op == "output")
+    value = fx.node.map_arg(output_node.args[0], lambda n: memory.env[n])
+    leaves, spec = tree_flatten(value)
+    detached = [t.detach().requires_grad_(True) if isinstance(t, torch.Tensor) and t.requires_grad else t
+                for t in leaves]
+    structured = output_of(tree_unflatten(detached, spec))
+    trainable = [t for t in detached if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not trainable:
+        return _LossPrice(0, ())
+    grads: list[Any] = []
+
+    def run() -> None:
+        with torch.enable_grad():
+            loss = loss_fn(structured)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise ProfileError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
+                                   + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""))
+            grads.extend(torch.autograd.grad(loss, trainable, allow_unused=True))
+    on_meta = any(t.is_meta for t in trainable)
+    with StorageTracker() as tracker:
+        if on_meta:
+            run()
+        else:
+            with AllocatorRecorder() as recorder, _window("loss"):
+                run()
+    kept = sum(g.untyped_storage().nbytes() for g in _unique_storages([g for g in grads if g is not None]))
+    transient = max(0, tracker.peak_bytes - kept)
+    if not on_meta:
+        start, peak, end = recorder.window_peaks(WINDOW_PREFIX)["loss"]
+        transient = max(transient, peak - max(start, end))
+    got_grad = {id(t) for t, g in zip(trainable, grads) if g is not None}
+    names = []
+    for node in output_node.all_input_nodes:
+        node_leaves = [id(d) for d, o in zip(detached, leaves) if isinstance(o, torch.Tensor)
+                       and any(o is t for t in _tensors(memory.env[node]))]
+        if any(i in got_grad for i in node_leaves):
+            names.append(node.name)
+    return _LossPrice(transient, tuple(names))
+
+
 def _run_counted(interpreter: Any, inputs: tuple, bar: Any) -> Any:
     """Run a profiling pass on ``inputs``, advancing ``bar`` after every node and leaving the module's
     buffers and the RNG states as they were; returns the pass."""
@@ -214,7 +300,8 @@ class _MemoryPass(fx.Interpreter):
         live_before = self.tracker.live_bytes
         self.tracker.reset_peak()
         try:
-            result = getattr(self, n.op)(n.target, args, kwargs)
+            with _window(n.name):
+                result = getattr(self, n.op)(n.target, args, kwargs)
         except Exception as error:  # noqa: BLE001
             raise _node_error(n, error) from error
         finally:
@@ -223,6 +310,14 @@ class _MemoryPass(fx.Interpreter):
                                             buffer_versions, live_before, buffer_values)
         self.whole_step_saved.update(self._saved_now)
         return result
+
+    def add_allocator_workspace(self, windows: dict[str, tuple[int, int, int]]) -> None:
+        """Raise each node's ``workspace_bytes`` to what the allocator saw: its peak inside the node above
+        the larger of the levels before and after it (kernel temporaries no tensor holds)."""
+        for name, (start, peak, end) in windows.items():
+            if name in self.records:
+                record = self.records[name]
+                record.workspace_bytes = max(record.workspace_bytes, peak - max(start, end))
 
     def _record(self, n: fx.Node, result: Any, input_tensors: list[torch.Tensor], versions: list[int],
                 module: nn.Module | None, buffers: list[torch.Tensor], buffer_versions: list[int],
@@ -350,6 +445,14 @@ class _ComputePass(fx.Interpreter):
             raise _node_error(n, error) from error
         return result
 
+    def add_allocator_workspace(self, windows: dict[str, tuple[int, int, int]]) -> None:
+        """Raise each node's ``backward_workspace_bytes`` to what the allocator saw in its isolated
+        backward: the peak above the level at its end (the input gradients it returns)."""
+        for name, (start, peak, end) in windows.items():
+            record = self.records.get(name)
+            if record is not None and (record.backward_flops or record.backward_workspace_bytes or peak > start):
+                record.backward_workspace_bytes = max(record.backward_workspace_bytes, peak - max(start, end))
+
     def _trainable_argument_ids(self, n: fx.Node) -> set[int]:
         """ids of the argument tensors of ``n`` that require grad in training: outputs of nodes that do,
         parameters, model inputs given with grad; never module buffers (running statistics)."""
@@ -412,7 +515,7 @@ class _ComputePass(fx.Interpreter):
         record.forward_flops = int(counter.get_total_flops())
         record.forward_bytes_moved += sum(t.numel() * t.element_size() for t in _tensors(out))
         seeds = [torch.ones_like(t) for t in _tensors(out) if t.requires_grad]
-        with FlopCounterMode(display=False) as counter, StorageTracker() as tracker:
+        with FlopCounterMode(display=False) as counter, StorageTracker() as tracker, _window(n.name):
             input_grads = self._backward(n, out, leaves, seeds)
         record.backward_flops = int(counter.get_total_flops())
         has_backward = input_grads is not None
@@ -453,7 +556,8 @@ def _synchronize(device: torch.device) -> None:
 
 
 def _build_cost_graph(gm: fx.GraphModule, traced: TraceResult, memory: _MemoryPass, compute: _ComputePass,
-                      timing: str, device_profile: DeviceProfile, name: str, inputs: tuple) -> CostGraph:
+                      timing: str, device_profile: DeviceProfile, name: str, inputs: tuple,
+                      loss: _LossPrice) -> CostGraph:
     compute_nodes = [n for n in gm.graph.nodes
                      if n.op not in ("placeholder", "get_attr", "output") and memory.records[n.name].has_tensor_output]
     index_of = {n.name: i for i, n in enumerate(compute_nodes)}
@@ -509,20 +613,18 @@ def _build_cost_graph(gm: fx.GraphModule, traced: TraceResult, memory: _MemoryPa
         cost_source=f"{source} ({device_profile.name})" if timing == "flops" else source,
         input_bytes=sum(input_storages.values()), parameter_bytes=sum(parameters.values()),
         buffer_bytes=sum(buffers.values()), implicit_backward=True, source="traced", output_indices=tuple(outputs),
+        loss_bytes=loss.transient_bytes,
+        loss_gradient_outputs=tuple(sorted(index_of[o] for o in loss.gradient_outputs if o in index_of)),
     )
 
 
-#: Reading these from a tensor uses its metadata only, never its values.
-_METADATA_ATTRIBUTES = frozenset({"shape", "dtype", "device", "ndim", "is_cuda", "layout", "requires_grad"})
-_METADATA_METHODS = frozenset({"size", "dim", "numel", "type", "get_device", "is_contiguous", "stride"})
-
-
 def _data_predecessors(n: fx.Node, tensor_nodes: dict[str, int]) -> set[str]:
-    """Tensor-producing nodes whose *values* ``n`` depends on.
+    """Tensor-producing nodes that must have run before ``n``: those whose values it reads, and those
+    whose *shape* it reads (``class_token.expand(x.shape[0], -1, -1)``).
 
-    Non-tensor intermediates (shape arithmetic) are looked through; a dependence that only reads
-    metadata (``x.shape``, ``x.size()``, ``x.dtype``) is not a data dependence, so ``torch.zeros(x.shape[0])``
-    does not need ``x`` alive to be recomputed.
+    Non-tensor intermediates (shape arithmetic) are looked through to the tensors they were read from.
+    A shape read is an edge like any other, so no solver can schedule ``n`` before the tensor it sizes
+    itself by (the executor evaluates such values once per step, but only after their source exists).
     """
     found: set[str] = set()
     stack = list(n.all_input_nodes)
@@ -534,10 +636,6 @@ def _data_predecessors(n: fx.Node, tensor_nodes: dict[str, int]) -> set[str]:
         seen.add(a.name)
         if a.name in tensor_nodes:
             found.add(a.name)
-        elif a.op == "call_function" and a.target is getattr and a.args[1] in _METADATA_ATTRIBUTES:
-            continue
-        elif a.op == "call_method" and a.target in _METADATA_METHODS:
-            continue
         else:
             stack.extend(a.all_input_nodes)
     return found

@@ -100,7 +100,16 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict) -> ExportedTrace:
             + "\n  Pass example inputs exactly as training calls the model (keyword arguments included); "
             "if the model returns a custom object, register it with torch.utils._pytree.",
             module_path="", source_location=location) from error
+    in_spec, out_spec = program.call_spec.in_spec, program.call_spec.out_spec
+    try:
+        program = program.run_decompositions({})  # functionalized: writes through views become data edges
+    except Exception as error:  # noqa: BLE001
+        raise TraceError(f"cannot functionalize the exported graph of {type(model).__name__}: "
+                         f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}",
+                         module_path="") from error
     graph_module = program.module()
-    functionalized = functionalize(graph_module)
-    return ExportedTrace(TraceResult(graph_module, (), (), functionalized), program.call_spec.in_spec,
-                         program.call_spec.out_spec)
+    functionalized, unsafe = functionalize(graph_module)
+    if unsafe:
+        raise TraceError(f"the exported graph of {type(model).__name__} still writes into activations "
+                         f"through views after functionalization: {unsafe[0]}", module_path="")
+    return ExportedTrace(TraceResult(graph_module, (), (), functionalized, unsafe), in_spec, out_spec)

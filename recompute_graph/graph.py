@@ -140,6 +140,11 @@ class CostGraph:
 
     ``output_indices``: the nodes whose values the model returns (default: the sinks).
 
+    ``loss_bytes``: transient bytes of the loss the graph was priced with (its forward and backward,
+    beyond the output gradients it hands back), measured by the allocator; ``loss_gradient_outputs``:
+    the outputs that loss sends a gradient to. None when no loss was priced (graphs from files, older
+    saved plans): then the planner guesses (``planner.loss_allowance_bytes``).
+
     ``implicit_backward``: True (traced models, Kusumoto graphs) when every node is a forward operation
     whose backward is described by its ``backward_*`` fields. False for plain scheduling DAGs whose nodes
     already are every computation to schedule: Checkmate's joint forward+backward graphs (nodes with
@@ -156,6 +161,8 @@ class CostGraph:
     implicit_backward: bool = True
     source: str = ""
     output_indices: tuple[int, ...] = ()
+    loss_bytes: int | None = None
+    loss_gradient_outputs: tuple[int, ...] | None = None
     _index_by_name: dict[str, int] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -174,6 +181,10 @@ class CostGraph:
         )
         object.__setattr__(self, "nodes", rebuilt)
         object.__setattr__(self, "output_indices", tuple(self.output_indices))
+        if self.loss_gradient_outputs is not None:
+            object.__setattr__(self, "loss_gradient_outputs", tuple(self.loss_gradient_outputs))
+        if self.loss_bytes is not None and self.loss_bytes < 0:
+            raise GraphError(f"CostGraph {self.name!r}: loss_bytes is negative")
         for o in self.output_indices:
             if not 0 <= o < len(nodes):
                 raise GraphError(f"CostGraph {self.name!r}: output {o} is not a node")
@@ -253,6 +264,8 @@ class CostGraph:
         ``labels``) is trained by backpropagating that loss; its other outputs (the logits) get no
         gradient from outside."""
         differentiable = [o for o in self.outputs if self.nodes[o].requires_grad]
+        if self.loss_gradient_outputs is not None:
+            return tuple(o for o in self.loss_gradient_outputs if self.nodes[o].requires_grad)
         if self.source != "traced":  # graphs from files and tests: every output gets its gradient
             return tuple(differentiable)
         losses = tuple(o for o in differentiable if self.nodes[o].grad_bytes <= SCALAR_LOSS_BYTES)
@@ -312,6 +325,9 @@ class CostGraph:
             "input_bytes": self.input_bytes, "parameter_bytes": self.parameter_bytes,
             "buffer_bytes": self.buffer_bytes, "implicit_backward": self.implicit_backward, "source": self.source,
             "output_indices": list(self.output_indices),
+            "loss_bytes": self.loss_bytes,
+            "loss_gradient_outputs": (None if self.loss_gradient_outputs is None
+                                      else list(self.loss_gradient_outputs)),
             "nodes": [{k: v for k, v in n.to_dict().items() if k != "successors"} for n in self.nodes],
         }
 
@@ -333,6 +349,9 @@ class CostGraph:
         kwargs = {k: data[k] for k in ("name", "cost_unit", "cost_source", "input_bytes", "parameter_bytes",
                                        "buffer_bytes", "implicit_backward", "source") if k in data}
         kwargs["output_indices"] = tuple(data.get("output_indices", ()))
+        kwargs["loss_bytes"] = data.get("loss_bytes")
+        gradient_outputs = data.get("loss_gradient_outputs")
+        kwargs["loss_gradient_outputs"] = None if gradient_outputs is None else tuple(gradient_outputs)
         return cls(nodes=tuple(nodes), **kwargs)
 
     def save(self, path: str) -> None:

@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["StorageTracker", "peak_memory", "saved_tensor_bytes", "time_step", "time_steps_in_turn", "StepTiming",
+__all__ = ["StorageTracker", "AllocatorRecorder", "allocator_peak_memory", "peak_memory", "METERS", "saved_tensor_bytes", "time_step", "time_steps_in_turn", "StepTiming",
            "make_training_step",
            "default_loss", "sum_loss"]
 
@@ -95,12 +95,25 @@ def _is_cuda(device: str | torch.device | None) -> bool:
     return device is not None and torch.device(device).type == "cuda"
 
 
-def peak_memory(step: Callable[[], Any], *, device: str | torch.device | None = None) -> int:
-    """Peak bytes of tensor storage allocated while ``step()`` runs, above what was live before it.
+METERS = ("allocator", "storage")
 
-    ``device``: a CUDA device to read the CUDA allocator's statistics; anything else (default) uses the
-    :class:`StorageTracker`, which works on every device.
+
+def peak_memory(step: Callable[[], Any], *, device: str | torch.device | None = None,
+                meter: str = "allocator") -> int:
+    """Peak bytes allocated while ``step()`` runs, above what was allocated before it.
+
+    ``meter="allocator"`` (default) reads the allocator: on a CUDA ``device`` the caching allocator's
+    ``max_memory_allocated()``; elsewhere ``torch.profiler``'s memory events (:func:`allocator_peak_memory`),
+    which see kernel temporaries no tensor holds (mkldnn buffers, attention workspaces). This is the meter
+    that decides whether a plan fits its budget. ``meter="storage"`` is the :class:`StorageTracker`
+    (tensor storages only): it attributes bytes to nodes but is blind to allocations inside kernels.
     """
+    if meter not in METERS:
+        raise ValueError(f"unknown meter {meter!r}; use one of {', '.join(METERS)}")
+    if meter == "storage":
+        with StorageTracker() as tracker:
+            step()
+        return tracker.peak_bytes
     if _is_cuda(device):
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -108,9 +121,78 @@ def peak_memory(step: Callable[[], Any], *, device: str | torch.device | None = 
         step()
         torch.cuda.synchronize(device)
         return int(torch.cuda.max_memory_allocated(device) - before)
-    with StorageTracker() as tracker:
+    return allocator_peak_memory(step)
+
+
+class AllocatorRecorder:
+    """``torch.profiler`` memory events of the CPU allocator while the context is active.
+
+    After exit, :meth:`peak_bytes` is the largest rise of the running total of allocations minus frees:
+    its highest value above the lowest value reached before it (0 at entry). A step that first frees
+    memory allocated before it (``zero_grad(set_to_none=True)`` dropping last step's gradients) and then
+    allocates is charged for what it allocates, as the storage tracker charges it; the CUDA meter
+    (``max_memory_allocated`` minus the level before the step) would net the two. And :meth:`window_peaks` gives, for each ``torch.profiler.record_function`` range whose name starts
+    with ``prefix``, ``(level at start, peak inside, level at end)`` of that running total. Memory of
+    other devices is ignored (a CUDA step is metered by the caching allocator instead).
+    """
+
+    def __init__(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+        self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._events: list[Any] = []
+
+    def __enter__(self) -> "AllocatorRecorder":
+        self._profile.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._profile.__exit__(*exc)
+        self._events = list(self._profile.profiler.kineto_results.events())
+
+    def _memory_steps(self) -> tuple[list[int], list[int]]:
+        """Times (ns) and running totals after each CPU memory event, in time order."""
+        memory = sorted((e.start_ns(), e.nbytes()) for e in self._events
+                        if e.name() == "[memory]" and str(e.device_type()).endswith("CPU"))
+        times, totals, running = [], [], 0
+        for time_ns, nbytes in memory:
+            running += nbytes
+            times.append(time_ns)
+            totals.append(running)
+        return times, totals
+
+    def peak_bytes(self) -> int:
+        _, totals = self._memory_steps()
+        lowest, rise = 0, 0
+        for total in totals:
+            lowest = min(lowest, total)
+            rise = max(rise, total - lowest)
+        return rise
+
+    def window_peaks(self, prefix: str) -> dict[str, tuple[int, int, int]]:
+        import bisect
+        times, totals = self._memory_steps()
+        windows: dict[str, tuple[int, int, int]] = {}
+        for e in self._events:
+            name = e.name()
+            if not name.startswith(prefix) or name == "[memory]":
+                continue
+            start, end = e.start_ns(), e.start_ns() + e.duration_ns()
+            first, last = bisect.bisect_left(times, start), bisect.bisect_right(times, end)
+            level_start = totals[first - 1] if first > 0 else 0
+            level_end = totals[last - 1] if last > 0 else 0
+            peak = max([level_start, *totals[first:last]])
+            windows[name[len(prefix):]] = (level_start, peak, level_end)
+        return windows
+
+
+def allocator_peak_memory(step: Callable[[], Any]) -> int:
+    """Peak bytes the CPU allocator hands out while ``step()`` runs, above what was allocated before,
+    from ``torch.profiler`` memory events (:class:`AllocatorRecorder`): every allocation, those made
+    inside kernels included. Also the meter for ``torch.compile``d steps, which a dispatch mode would
+    push back to eager."""
+    with AllocatorRecorder() as recorder:
         step()
-    return tracker.peak_bytes
+    return recorder.peak_bytes()
 
 
 def saved_tensor_bytes(run: Callable[[], Any]) -> int:
@@ -224,28 +306,5 @@ def make_training_step(model: nn.Module, inputs: Sequence[Any],
 
 
 def profiler_peak_memory(step: Callable[[], Any]) -> int:
-    """Peak bytes of CPU memory allocated while ``step()`` runs, read from ``torch.profiler``'s memory
-    timeline (allocator events) instead of a dispatch mode: the meter for code a dispatch mode cannot
-    watch, such as ``torch.compile``d steps (a mode makes dynamo fall back to eager). On eager steps it
-    agrees with :func:`peak_memory` to a few bytes, or sees more (kernel workspaces no tensor holds).
-    Run ``step`` once before, so that one-time allocations (compilation, optimizer state) are not
-    counted, and free what the step would free first (``zero_grad(set_to_none=True)``): the profiler
-    does not see the release of storage allocated before it started, which shifts its baseline."""
-    import json
-    import os
-    import tempfile
-    import warnings
-
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
-                 with_stack=True) as prof:
-        step()
-    with tempfile.TemporaryDirectory() as folder:
-        path = os.path.join(folder, "timeline.json")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            prof.export_memory_timeline(path, device="cpu")
-        with open(path, encoding="utf-8") as f:
-            _, sizes = json.load(f)
-    totals = [sum(categories) for categories in sizes]
-    return max(totals) - totals[0] if totals else 0
+    """The CPU allocator's peak during ``step()`` (:func:`allocator_peak_memory`); kept under its old name."""
+    return allocator_peak_memory(step)

@@ -31,9 +31,12 @@ __all__ = ["PLAN_FORMAT", "structure_fingerprint", "mismatch_reason", "plan_to_d
 
 PLAN_FORMAT = "recompute_graph.RecomputePlan/1"
 #: Node fields that are times, not structure (left out of the fingerprint).
-_TIME_FIELDS = ("forward_cost", "backward_cost", "forward_flops", "backward_flops")
+_TIME_FIELDS = ("forward_cost", "backward_cost", "forward_flops", "backward_flops",
+                # kernel temporaries as the allocator sees them: they differ between devices (none on
+                # meta) and are re-priced when a plan is reused, like times
+                "workspace_bytes", "backward_workspace_bytes")
 #: Graph fields left out of the fingerprint.
-_GRAPH_FIELDS_IGNORED = ("name", "cost_source", "source", "nodes", "format")
+_GRAPH_FIELDS_IGNORED = ("name", "cost_source", "source", "nodes", "format", "loss_bytes")
 
 
 def _structure(graph: CostGraph) -> dict[str, Any]:

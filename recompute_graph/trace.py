@@ -11,8 +11,11 @@ In-place operations are *functionalized* after tracing (``relu_`` -> ``relu``, `
 -> a copy with ``inplace=False``, ``x += y`` -> ``x + y``) and later readers of the mutated tensor read the
 in-place node's result, which is what they saw in the original program. A recomputation schedule can
 then keep, free and recompute every value independently; the price is one transient activation where
-the original wrote in place. In-place writes into model inputs, parameters, buffers or views are kept
-as they are (functionalizing them would change what the program does).
+the original wrote in place. A write through a view (``x.flatten(1)`` then an in-place dropout, ``x[:, :4].zero_()``) is
+functionalized the same way when no other alias of the storage (the base, another view) is read after
+it; otherwise it is an *unsafe mutation* (``TraceResult.unsafe_mutations``) and the model is traced with
+``torch.export`` instead. In-place writes into model inputs, parameters and buffers are kept as they are
+(functionalizing them would change what the program does).
 
 Tracing never modifies the user's model: torch.fx only patches functions for the duration of the trace
 and the returned ``GraphModule`` refers to the user's submodules and parameters without changing them.
@@ -46,13 +49,17 @@ _THIS_FILE = os.path.abspath(__file__)
 @dataclass(frozen=True)
 class TraceResult:
     """A traced model: the fx ``graph_module``, the qualified names of the submodules that had to be kept
-    opaque (each one is a single node) with the reason tracing them failed, and the names of the nodes
-    whose in-place operation was functionalized."""
+    opaque (each one is a single node) with the reason tracing them failed, the names of the nodes
+    whose in-place operation was functionalized, and ``unsafe_mutations``: writes into activations
+    that could not be functionalized exactly (another view of the same storage is read after the
+    write), described with their source lines. A graph with unsafe mutations is not planned from: the
+    tracer falls back to ``torch.export``, whose functionalization turns them into data dependencies."""
 
     graph_module: fx.GraphModule
     opaque_modules: tuple[str, ...]
     opaque_reasons: tuple[str, ...]
     functionalized: tuple[str, ...] = ()
+    unsafe_mutations: tuple[str, ...] = ()
 
     def __repr__(self) -> str:
         nodes = sum(1 for n in self.graph_module.graph.nodes if n.op not in ("placeholder", "output"))
@@ -89,6 +96,7 @@ class _ModuleLevelTracer(fx.Tracer):
     def __init__(self, opaque: frozenset[str]) -> None:
         super().__init__()
         self.opaque = opaque
+        self.record_stack_traces = True  # so that errors can name the user's source line
 
     def trace(self, root: Any, concrete_args: Any = None) -> fx.Graph:
         originals = {name: getattr(torch, name) for name in SHAPE_DEPENDENT_CONSTRUCTORS}
@@ -153,8 +161,8 @@ def trace(model: nn.Module) -> TraceResult:
         except Exception as error:  # noqa: BLE001
             raise _trace_error(model, "", error) from error
         graph_module = fx.GraphModule(tracer.root, graph, class_name=f"Traced{type(model).__name__}")
-        functionalized = functionalize(graph_module)
-        return TraceResult(graph_module, tuple(opaque), tuple(opaque.values()), functionalized)
+        functionalized, unsafe = functionalize(graph_module)
+        return TraceResult(graph_module, tuple(opaque), tuple(opaque.values()), functionalized, unsafe)
     raise TraceError(f"tracing {type(model).__name__} did not converge")  # pragma: no cover
 
 
@@ -218,29 +226,69 @@ def _out_of_place_aten_twin(op: "torch._ops.OpOverload") -> Any:
     return getattr(packet, op._overloadname, None) if packet is not None else None
 
 
-def _writes_through_to_something_else(target: fx.Node) -> bool:
-    if target.op in ("placeholder", "get_attr"):
-        return True
-    if target.op == "call_method" and target.target in _VIEW_METHODS:
-        return True
-    if target.op == "call_function" and isinstance(target.target, torch._ops.OpOverload):
-        return target.target.is_view
-    if target.op == "call_function" and (target.target is operator.getitem
-                                         or getattr(target.target, "__name__", "") in _VIEW_METHODS):
-        return True
+def _is_view_of_argument(node: fx.Node) -> bool:
+    """Whether ``node``'s result may share storage with its first argument (a view, an item, a detach)."""
+    if not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    if node.op == "call_method":
+        return node.target in _VIEW_METHODS
+    if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+        return node.target.is_view
+    if node.op == "call_function":
+        return node.target is operator.getitem or getattr(node.target, "__name__", "") in _VIEW_METHODS
     return False
 
 
-def functionalize(gm: fx.GraphModule) -> tuple[str, ...]:
-    """Rewrite in-place nodes out of place (see the module docstring); returns their names."""
-    rewritten = []
+def _alias_group(target: fx.Node) -> tuple[fx.Node, set[fx.Node]]:
+    """The base whose storage ``target`` may share (walking up through views) and every node that may
+    alias it (the base and all views taken from it, transitively)."""
+    base = target
+    while _is_view_of_argument(base):
+        base = base.args[0]
+    members, stack = {base}, [base]
+    while stack:
+        for user in stack.pop().users:
+            if user not in members and _is_view_of_argument(user) and user.args[0] in members:
+                members.add(user)
+                stack.append(user)
+    return base, members
+
+
+def _functionalizable(node: fx.Node, mutated: fx.Node, order: dict[fx.Node, int]) -> bool | None:
+    """Whether the in-place ``node`` writing into ``mutated`` can become out of place exactly: True when
+    nothing but ``mutated`` itself, among the tensors that may share its storage, is read after the
+    write (later readers of ``mutated`` then read the new value). None when the write reaches a model
+    input, parameter or buffer (kept in place on purpose); False otherwise (a write whose effect other
+    aliases would see)."""
+    base, members = _alias_group(mutated)
+    if base.op in ("placeholder", "get_attr"):
+        return None
+    for member in members - {mutated}:
+        if any(order[user] > order[node] and user is not node for user in member.users):
+            return False
+    return True
+
+
+def functionalize(gm: fx.GraphModule) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Rewrite in-place nodes out of place (see the module docstring). Returns the names of the nodes
+    rewritten and a description (node, code, source line) of each write into an activation that could
+    not be rewritten exactly because another alias of its storage is read after it."""
+    rewritten, unsafe = [], []
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
     for node in list(gm.graph.nodes):
+        if not node.args or not isinstance(node.args[0], fx.Node):
+            continue
         rewrite = _out_of_place_twin(gm, node)
-        if rewrite is None or not node.args or not isinstance(node.args[0], fx.Node):
+        if rewrite is None:
+            if _writes_without_twin(node) and _alias_group(node.args[0])[0].op not in ("placeholder", "get_attr"):
+                unsafe.append(describe_node(node))  # x[:, :4] = 0, x.copy_(y), x.zero_() on an activation
             continue
         mutated = node.args[0]
-        if _writes_through_to_something_else(mutated):
+        exact = _functionalizable(node, mutated, order)
+        if exact is None:
+            continue
+        if not exact:
+            unsafe.append(describe_node(node))
             continue
         rewrite()
         for user in list(mutated.users):
@@ -250,7 +298,47 @@ def functionalize(gm: fx.GraphModule) -> tuple[str, ...]:
     if rewritten:
         gm.graph.lint()
         gm.recompile()
-    return tuple(rewritten)
+    return tuple(rewritten), tuple(unsafe)
+
+
+#: In-place tensor methods that change no values.
+_METADATA_IN_PLACE = frozenset({"requires_grad_", "retain_grad", "share_memory_", "resize_", "set_"})
+
+
+def _writes_without_twin(node: fx.Node) -> bool:
+    """An in-place write that has no out-of-place twin here: ``operator.setitem``, or a tensor method
+    or aten op whose name ends in ``_`` (``copy_``, ``fill_``, ``zero_``, ``index_put_``)."""
+    if node.op == "call_function" and node.target is operator.setitem:
+        return True
+    if node.op == "call_method":
+        return node.target.endswith("_") and not node.target.startswith("_") and node.target not in _METADATA_IN_PLACE
+    if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+        arguments = node.target._schema.arguments
+        return bool(arguments) and arguments[0].alias_info is not None and arguments[0].alias_info.is_write
+    return False
+
+
+def describe_node(node: fx.Node) -> str:
+    """``name = code`` of an fx node and, when tracing recorded it, the user's source line."""
+    text = f"{node.name} = {node.format_node()}"
+    location = _user_frame(node.stack_trace or "")
+    return f"{text} at {location}" if location else text
+
+
+def _user_frame(stack_trace: str) -> str:
+    """The innermost ``file:line (code)`` of a recorded stack trace outside torch and this library."""
+    lines = stack_trace.strip().splitlines()
+    found = ""
+    for i, line in enumerate(lines):
+        line = line.strip()
+        if line.startswith('File "'):
+            path = line.split('"')[1]
+            if os.path.abspath(path).startswith(_TORCH_DIR) or os.path.abspath(path) == _THIS_FILE:
+                continue
+            number = line.split("line ")[1].split(",")[0] if "line " in line else "?"
+            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
+            found = f"{path}:{number}" + (f" ({code})" if code else "")
+    return found
 
 
 def _describe(error: BaseException) -> str:

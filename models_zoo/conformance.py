@@ -1,0 +1,136 @@
+"""The conformance check: third-party models (``third_party.py``) planned and trained against the original.
+
+For a model, :func:`check_model` prices it once (``optimize`` at store-all, with the model's loss), then
+for each activation fraction ``f`` plans at the budget
+
+    parameter-gradient bytes + f * (store-all budget - parameter-gradient bytes)
+
+under each solver, runs one planned step against the original (``recompute_graph.verify``) and returns
+one :class:`ConformanceRow` per (fraction, solver). A budget below the solver's floor is raised to that
+floor (the row says so: ``at_floor``); a solver that cannot take the graph is reported, not run.
+The tests (``tests/conformance/``) assert that every row passes; ``scripts/conformance.py`` writes them
+to ``docs/conformance.md``.
+"""
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from . import third_party
+
+__all__ = ["ConformanceRow", "check_model", "activation_budget_bytes", "DEFAULT_FRACTIONS", "call_of"]
+
+DEFAULT_FRACTIONS = (0.8, 0.5)
+
+
+@dataclass(frozen=True)
+class ConformanceRow:
+    model: str
+    family: str
+    fraction: float
+    solver: str                 # the solver asked for ("auto" or a name)
+    chosen: str = ""            # the solver whose plan ran
+    budget_bytes: int = 0
+    floor_bytes: int = 0
+    at_floor: bool = False
+    predicted_peak_bytes: int = 0
+    measured_peak_bytes: int = 0
+    store_all_measured_bytes: int = 0
+    gradient_error: float = 0.0
+    buffer_mismatches: tuple[str, ...] = ()
+    missing_gradients: tuple[str, ...] = ()
+    ok: bool = False
+    skipped: str = ""           # why the solver did not run (it does not take this graph)
+    error: str = ""             # an unexpected failure: the row fails
+    seconds: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.skipped) or (self.ok and not self.error)
+
+
+def call_of(call: Any) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` of a factory's call (a tuple of inputs or a dict of keyword arguments)."""
+    return (tuple(call), {}) if isinstance(call, (tuple, list)) else ((), dict(call))
+
+
+def activation_budget_bytes(plan: Any, fraction: float) -> int:
+    """The budget at ``fraction`` of the activation memory of a store-all plan ``plan``: its
+    parameter-gradient bytes plus ``fraction`` of the rest of its budget."""
+    parameter_grads = sum(node.param_grad_bytes for node in plan.graph)
+    return int(parameter_grads + fraction * (plan.budget_bytes - parameter_grads))
+
+
+def check_model(name: str, fractions: Sequence[float] = DEFAULT_FRACTIONS, solvers: Sequence[str] = ("auto",),
+                **options: Any) -> list[ConformanceRow]:
+    """Every (fraction, solver) row of conformance model ``name`` (module docstring). ``options`` go
+    to ``optimize`` (default ``timing="flops"``: deterministic plans)."""
+    import recompute_graph as rg
+    from recompute_graph.errors import InfeasibleBudgetError, SolverError
+    from recompute_graph.measure import peak_memory
+    from recompute_graph.verify import verify
+    options = {"timing": "flops", **options}
+    family = third_party.CONFORMANCE_MODELS[name][0]
+    rows: list[ConformanceRow] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, call = third_party.build(name)
+        args, kwargs = call_of(call)
+        store_all = rg.optimize(model, 1.0, example_inputs=args or None, example_kwargs=kwargs or None,
+                                solver="store_all", **options)
+        base = store_all.recompute_plan
+        store_all_peak = _original_peak(model, args, kwargs)
+        for fraction in fractions:
+            budget = activation_budget_bytes(base, fraction)
+            for solver in solvers:
+                start = time.perf_counter()
+                common = dict(model=name, family=family, fraction=fraction, solver=solver,
+                              store_all_measured_bytes=store_all_peak)
+                try:
+                    try:
+                        optimized, floor = rg.optimize(model, budget, solver=solver, cost_graph=base.graph,
+                                                       example_inputs=args or None,
+                                                       example_kwargs=kwargs or None, **options), 0
+                    except InfeasibleBudgetError as error:
+                        floor = error.min_budget_bytes
+                        optimized = rg.optimize(model, floor, solver=solver, cost_graph=base.graph,
+                                                example_inputs=args or None, example_kwargs=kwargs or None,
+                                                **options)
+                    report = verify(model, example_inputs=args, example_kwargs=kwargs, optimized=optimized)
+                except SolverError as error:
+                    rows.append(ConformanceRow(**common, skipped=str(error).splitlines()[0][:160]))
+                    continue
+                except Exception as error:  # noqa: BLE001 - a failing model is a row, not a crash
+                    rows.append(ConformanceRow(**common, error=f"{type(error).__name__}: {error}"[:400],
+                                               seconds=time.perf_counter() - start))
+                    continue
+                plan = optimized.recompute_plan
+                rows.append(ConformanceRow(
+                    **common, chosen=plan.solver, budget_bytes=plan.budget_bytes, floor_bytes=floor,
+                    at_floor=bool(floor), predicted_peak_bytes=report.predicted_peak_bytes,
+                    measured_peak_bytes=report.measured_peak_bytes, gradient_error=report.gradient_error,
+                    buffer_mismatches=report.buffer_mismatches, missing_gradients=report.missing_gradients,
+                    ok=report.ok, seconds=time.perf_counter() - start))
+    return rows
+
+
+def _original_peak(model: torch.nn.Module, args: tuple, kwargs: dict) -> int:
+    """The allocator's peak of one step of the unmodified model (its buffers restored afterwards)."""
+    from recompute_graph.losses import default_training_loss
+    from recompute_graph.measure import peak_memory
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        default_training_loss(model(*args, **kwargs)).backward()
+    step()
+    peak = peak_memory(step)
+    model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        for n, b in model.named_buffers():
+            b.copy_(buffers[n])
+    return peak

@@ -1,0 +1,212 @@
+"""Model code nobody here wrote: torchvision, timm and Hugging Face ``transformers`` builders at small sizes.
+
+The conformance suite (``tests/conformance/``, ``scripts/conformance.py``) judges the library on these.
+Every entry of :data:`CONFORMANCE_MODELS` is ``name -> (family, factory)``; ``factory()`` returns
+``(model, call)`` where ``call`` is a tuple of positional inputs or a dict of keyword arguments (the
+call training makes). Sizes are small (batch 2–4, 64²–128² images, width 32–64 transformers) so that a
+model traces, prices and trains on two CPU cores in seconds. Weights are random (no downloads); dropout
+is left as the builders configure it (``drop_rate`` is raised where a builder has one, so that
+recomputation must replay masks).
+
+torchvision's wheels here are CUDA builds: with a CPU torch, ``import torchvision`` fails at its fake-op
+registrations (``operator torchvision::nms does not exist``). :func:`import_torchvision` imports it with
+``torch.library.register_fake`` skipping ``torchvision::`` names, then restores it; the model builders
+need none of those C ops.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+__all__ = ["import_torchvision", "import_timm", "CONFORMANCE_MODELS", "FAST_SUBSET", "build", "available"]
+
+Call = Any  # tuple of positional inputs, or dict of keyword arguments
+
+
+@functools.lru_cache(maxsize=None)
+def import_torchvision() -> Any:
+    """``torchvision``, imported so that its missing C ops do not stop the import (module docstring)."""
+    original = torch.library.register_fake
+
+    def register_fake(op: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(op, str) and op.startswith("torchvision::"):
+            return (lambda fn: fn) if not args else args[0]
+        return original(op, *args, **kwargs)
+    torch.library.register_fake = register_fake
+    try:
+        return importlib.import_module("torchvision")
+    finally:
+        torch.library.register_fake = original
+
+
+@functools.lru_cache(maxsize=None)
+def import_timm() -> Any:
+    """``timm`` (which imports torchvision for a few helpers: see :func:`import_torchvision`)."""
+    import_torchvision()
+    return importlib.import_module("timm")
+
+
+def _images(batch: int, size: int, channels: int = 3, seed: int = 0) -> tuple[torch.Tensor]:
+    return (torch.randn(batch, channels, size, size, generator=torch.Generator().manual_seed(seed)),)
+
+
+def _torchvision(builder: str, size: int = 96, batch: int = 4, **kwargs: Any) -> Callable[[], tuple[nn.Module, Call]]:
+    def factory() -> tuple[nn.Module, Call]:
+        models = import_torchvision().models
+        torch.manual_seed(0)
+        return getattr(models, builder)(weights=None, num_classes=10, **kwargs), _images(batch, size)
+    return factory
+
+
+def _torchvision_class(cls: str, size: int = 64, batch: int = 4, **kwargs: Any
+                       ) -> Callable[[], tuple[nn.Module, Call]]:
+    """A torchvision model class built with small sizes (its builders fix ViT-B's 86 M parameters)."""
+    def factory() -> tuple[nn.Module, Call]:
+        models = import_torchvision().models
+        torch.manual_seed(0)
+        return getattr(models, cls)(num_classes=10, **kwargs), _images(batch, size)
+    return factory
+
+
+def _timm(name: str, size: int = 96, batch: int = 4, **kwargs: Any) -> Callable[[], tuple[nn.Module, Call]]:
+    def factory() -> tuple[nn.Module, Call]:
+        timm = import_timm()
+        torch.manual_seed(0)
+        return timm.create_model(name, pretrained=False, num_classes=10, **kwargs), _images(batch, size)
+    return factory
+
+
+def _token_batch(vocabulary: int, batch: int = 2, seq_len: int = 16, labels: bool = True) -> dict:
+    generator = torch.Generator().manual_seed(7)
+    ids = torch.randint(1, vocabulary, (batch, seq_len), generator=generator)
+    mask = torch.ones(batch, seq_len, dtype=torch.long)
+    mask[-1, seq_len // 2:] = 0
+    call = {"input_ids": ids, "attention_mask": mask}
+    if labels:
+        call["labels"] = ids.clone()
+    return call
+
+
+def _hf(config_name: str, model_name: str, call: Callable[[Any], dict], **config: Any
+        ) -> Callable[[], tuple[nn.Module, Call]]:
+    def factory() -> tuple[nn.Module, Call]:
+        try:  # transformers imports torchvision when it is installed (module docstring)
+            import_torchvision()
+        except ImportError:
+            pass
+        import transformers
+        transformers.logging.set_verbosity_error()
+        torch.manual_seed(0)
+        cfg = getattr(transformers, config_name)(**config)
+        model = getattr(transformers, model_name)(cfg)
+        return model, call(cfg)
+    return factory
+
+
+def _text(cfg: Any) -> dict:
+    return _token_batch(cfg.vocab_size)
+
+
+def _seq2seq(cfg: Any) -> dict:
+    call = _token_batch(cfg.vocab_size)
+    call["labels"] = call["labels"][:, :8].contiguous()
+    return call
+
+
+def _vision_hf(cfg: Any) -> dict:
+    return {"pixel_values": _images(2, cfg.image_size)[0], "labels": torch.tensor([1, 3])}
+
+
+def _audio_hf(cfg: Any) -> dict:
+    return {"input_values": torch.randn(2, 1600, generator=torch.Generator().manual_seed(3))}
+
+
+_DECODER = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0)
+
+#: name -> (family, factory). Families: torchvision, timm, transformers.
+CONFORMANCE_MODELS: dict[str, tuple[str, Callable[[], tuple[nn.Module, Call]]]] = {
+    # torchvision classification builders (small inputs)
+    **{f"tv_{b}": ("torchvision", _torchvision(b)) for b in (
+        "resnet18", "resnet50", "resnext50_32x4d", "wide_resnet50_2", "mobilenet_v2", "mobilenet_v3_small",
+        "mobilenet_v3_large", "mnasnet0_5", "shufflenet_v2_x0_5", "squeezenet1_1", "densenet121",
+        "efficientnet_b0", "efficientnet_v2_s", "regnet_x_400mf", "regnet_y_400mf", "googlenet",
+        "convnext_tiny", "alexnet", "vgg11_bn")},
+    "tv_googlenet": ("torchvision", _torchvision("googlenet", aux_logits=False, init_weights=True)),
+    "tv_alexnet": ("torchvision", _torchvision("alexnet", size=96)),
+    "tv_inception_v3": ("torchvision", _torchvision("inception_v3", size=96, aux_logits=False, init_weights=True)),
+    "tv_vit": ("torchvision", _torchvision_class("VisionTransformer", image_size=64, patch_size=8, num_layers=2,
+                                                num_heads=4, hidden_dim=64, mlp_dim=128, dropout=0.1)),
+    "tv_swin_t": ("torchvision", _torchvision("swin_t", size=64)),
+    "tv_maxvit_t": ("torchvision", _torchvision("maxvit_t", size=64)),
+    # timm, across families
+    "timm_vit_tiny": ("timm", _timm("vit_tiny_patch16_224", size=64, img_size=64, patch_size=8, depth=4,
+                                    drop_rate=0.1)),
+    "timm_deit_tiny": ("timm", _timm("deit_tiny_patch16_224", size=64, img_size=64, patch_size=8, depth=4,
+                                     drop_rate=0.1)),
+    "timm_convnext_atto": ("timm", _timm("convnext_atto", drop_rate=0.1)),
+    "timm_efficientnet_b0": ("timm", _timm("efficientnet_b0", drop_rate=0.2)),
+    "timm_resnet18d": ("timm", _timm("resnet18d", drop_rate=0.1)),
+    "timm_mixer_s16": ("timm", _timm("mixer_s16_224", size=64, img_size=64, patch_size=8, num_blocks=4,
+                                     drop_rate=0.1)),
+    "timm_swin_tiny": ("timm", _timm("swin_tiny_patch4_window7_224", size=64, img_size=64, window_size=4,
+                                     depths=(2, 2, 2, 2), embed_dim=48)),
+    "timm_regnetx_002": ("timm", _timm("regnetx_002", drop_rate=0.1)),
+    "timm_mobilenetv3_small": ("timm", _timm("mobilenetv3_small_050", drop_rate=0.1)),
+    "timm_coatnet_nano": ("timm", _timm("coatnet_nano_rw_224", size=64, img_size=64)),
+    "timm_levit_128s": ("timm", _timm("levit_128s", size=64, img_size=64)),
+    "timm_ghostnet": ("timm", _timm("ghostnet_050", drop_rate=0.1)),
+    "timm_resmlp_12": ("timm", _timm("resmlp_12_224", size=64, img_size=64, patch_size=8)),
+    # transformers, from configs
+    "hf_gpt2": ("transformers", _hf("GPT2Config", "GPT2LMHeadModel", _text, vocab_size=97, n_embd=32,
+                                    n_layer=2, n_head=4, n_positions=64)),
+    "hf_bert": ("transformers", _hf("BertConfig", "BertForMaskedLM", _text, vocab_size=97, hidden_size=32,
+                                    num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                                    max_position_embeddings=64)),
+    "hf_llama": ("transformers", _hf("LlamaConfig", "LlamaForCausalLM", _text, **_DECODER)),
+    "hf_qwen2": ("transformers", _hf("Qwen2Config", "Qwen2ForCausalLM", _text, **_DECODER)),
+    "hf_mistral": ("transformers", _hf("MistralConfig", "MistralForCausalLM", _text, **_DECODER)),
+    "hf_t5": ("transformers", _hf("T5Config", "T5ForConditionalGeneration", _seq2seq, vocab_size=97, d_model=32,
+                                  d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0,
+                                  pad_token_id=0)),
+    "hf_bart": ("transformers", _hf("BartConfig", "BartForConditionalGeneration", _seq2seq, vocab_size=97,
+                                    d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                                    decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                                    max_position_embeddings=64, pad_token_id=1, decoder_start_token_id=2)),
+    "hf_vit": ("transformers", _hf("ViTConfig", "ViTForImageClassification", _vision_hf, image_size=32,
+                                   patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                   intermediate_size=64, num_labels=10)),
+    "hf_wav2vec2": ("transformers", _hf("Wav2Vec2Config", "Wav2Vec2Model", _audio_hf, hidden_size=32,
+                                        num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                                        conv_dim=(16, 16), conv_stride=(5, 4), conv_kernel=(10, 4),
+                                        num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4,
+                                        mask_time_prob=0.0)),
+}
+
+#: The CI subset: one or two per family, chosen for the patterns that broke before (ViT shape reads,
+#: EfficientNet in-place dropout on a view, T5's writes through views) and for speed.
+FAST_SUBSET = ("tv_resnet18", "tv_efficientnet_b0", "tv_vit", "timm_vit_tiny", "timm_convnext_atto",
+               "hf_gpt2", "hf_t5")
+
+
+def available(name: str) -> bool:
+    """Whether the family package of ``name`` can be imported here."""
+    family = CONFORMANCE_MODELS[name][0]
+    try:
+        {"torchvision": import_torchvision, "timm": import_timm,
+         "transformers": lambda: importlib.import_module("transformers")}[family]()
+    except Exception:  # noqa: BLE001 - any import failure means "not available"
+        return False
+    return True
+
+
+def build(name: str) -> tuple[nn.Module, Call]:
+    """``(model, call)`` for conformance model ``name`` in training mode."""
+    if name not in CONFORMANCE_MODELS:
+        raise KeyError(f"unknown conformance model {name!r}; known: {', '.join(sorted(CONFORMANCE_MODELS))}")
+    model, call = CONFORMANCE_MODELS[name][1]()
+    return model.train(), call

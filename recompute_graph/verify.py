@@ -1,0 +1,168 @@
+"""``verify()``: one planned training step against the original, on the user's own model and inputs.
+
+Before a long run a user wants to know that the plan trains their model exactly and within the budget.
+``verify(model, budget, example_inputs=...)`` (or ``recompute-graph check MODEL``) plans the model, then
+runs one seeded step of the original (a deep copy) and one of the optimized module with the same loss,
+and compares:
+
+* gradients: the largest absolute difference over all parameters divided by the largest absolute
+  reference gradient (a conv bias before a training-mode BatchNorm has an exact gradient of 0, so an
+  error relative to each tensor would be noise over noise);
+* buffers (BatchNorm running statistics): equal after the step, i.e. updated exactly once;
+* memory: the optimized step's peak by the allocator (``measure.peak_memory``) against the budget and
+  against the prediction (the plan's peak plus its loss allowance).
+
+The user's model is left as it was: its parameters' gradients and its buffers are restored.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from .losses import default_training_loss
+from .units import format_bytes
+
+__all__ = ["VerifyReport", "verify", "GRADIENT_TOLERANCE", "PREDICTION_TOLERANCE"]
+
+#: Largest gradient error (relative to the model's largest gradient) a plan may have.
+GRADIENT_TOLERANCE = 1e-5
+#: How far the measured peak may lie from the prediction, as a fraction of the measured peak.
+PREDICTION_TOLERANCE = 0.10
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """What one planned step did against the original (module docstring). ``ok`` says whether all
+    checks pass; ``str(report)`` prints them."""
+
+    model: str
+    solver: str
+    gradient_error: float
+    gradients_compared: int
+    missing_gradients: tuple[str, ...]
+    buffer_mismatches: tuple[str, ...]
+    budget_bytes: int
+    predicted_peak_bytes: int
+    measured_peak_bytes: int
+    loss_difference: float
+    warnings: tuple[str, ...] = field(default=())
+
+    @property
+    def prediction_error(self) -> float:
+        """(predicted - measured) / measured."""
+        return (self.predicted_peak_bytes - self.measured_peak_bytes) / max(1, self.measured_peak_bytes)
+
+    @property
+    def within_budget(self) -> bool:
+        return self.measured_peak_bytes <= self.budget_bytes
+
+    @property
+    def ok(self) -> bool:
+        return (self.gradient_error <= GRADIENT_TOLERANCE and not self.missing_gradients
+                and not self.buffer_mismatches and self.within_budget
+                and abs(self.prediction_error) <= PREDICTION_TOLERANCE)
+
+    def __str__(self) -> str:
+        def mark(good: bool) -> str:
+            return "ok  " if good else "FAIL"
+        rows = [
+            f"{mark(self.gradient_error <= GRADIENT_TOLERANCE and not self.missing_gradients)} gradients: "
+            f"largest error {self.gradient_error:.2e} of the largest gradient over {self.gradients_compared} "
+            f"tensors (tolerance {GRADIENT_TOLERANCE:g})"
+            + (f"; missing on {', '.join(self.missing_gradients[:5])}" if self.missing_gradients else ""),
+            f"{mark(not self.buffer_mismatches)} buffers: "
+            + ("updated exactly once" if not self.buffer_mismatches else
+               f"differ: {', '.join(self.buffer_mismatches[:5])}"),
+            f"{mark(self.within_budget)} peak: measured {format_bytes(self.measured_peak_bytes)} "
+            f"(allocator) within budget {format_bytes(self.budget_bytes)}",
+            f"{mark(abs(self.prediction_error) <= PREDICTION_TOLERANCE)} prediction: "
+            f"{format_bytes(self.predicted_peak_bytes)}, {self.prediction_error:+.1%} of measured",
+        ]
+        head = f"verify {self.model} ({self.solver}): {'all checks pass' if self.ok else 'CHECKS FAILED'}"
+        return "\n".join([head, *("  " + r for r in rows), *("  warning: " + w for w in self.warnings)])
+
+
+def _step(module: nn.Module, args: tuple, kwargs: dict, loss_fn: Callable[[Any], torch.Tensor],
+          seed: int) -> Callable[[], float]:
+    def run() -> float:
+        module.zero_grad(set_to_none=True)
+        torch.manual_seed(seed)
+        loss = loss_fn(module(*args, **kwargs))
+        loss.backward()
+        return float(loss.detach())
+    return run
+
+
+def verify(model: nn.Module, budget: Any = 0.5, *, example_inputs: Sequence[Any] | None = None,
+           example_kwargs: dict[str, Any] | None = None, loss_fn: Callable[[Any], torch.Tensor] | None = None,
+           solver: str = "auto", seed: int = 0, device: Any = None, optimized: nn.Module | None = None,
+           **options: Any) -> VerifyReport:
+    """Plan ``model`` at ``budget`` (``optimize()``'s arguments) unless ``optimized`` is given, run one
+    seeded step of each with ``loss_fn`` (default ``losses.default_training_loss``) and report. The
+    model's gradients and buffers are as they were afterwards. ``device``: where the meter reads (a
+    CUDA device uses the caching allocator)."""
+    from .api import optimize
+    args, kwargs = tuple(example_inputs or ()), dict(example_kwargs or {})
+    loss = loss_fn or default_training_loss
+    reference = copy.deepcopy(model)
+    saved_buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    saved_grads = {name: None if p.grad is None else p.grad.clone() for name, p in model.named_parameters()}
+    try:
+        if optimized is None:
+            optimized = optimize(model, budget, example_inputs=args or None, example_kwargs=kwargs or None,
+                                 solver=solver, loss_fn=loss_fn, **options)
+        plan = optimized.plan(*args, **kwargs)
+        expected_loss = _step(reference, args, kwargs, loss, seed)()
+        actual_loss = _step(optimized, args, kwargs, loss, seed)()
+        grads = {name: p.grad for name, p in model.named_parameters()}
+        buffers_after = {name: b.detach().clone() for name, b in model.named_buffers()}
+        error, compared, missing = _gradient_error(grads, dict(reference.named_parameters()))
+        mismatches = tuple(name for name, b in reference.named_buffers()
+                           if name in buffers_after and not torch.equal(buffers_after[name], b))
+        _restore(model, saved_buffers)
+        from .measure import peak_memory
+        from .planner import loss_allowance_bytes
+        measured = peak_memory(_step(optimized, args, kwargs, loss, seed), device=device)
+    finally:
+        _restore(model, saved_buffers)
+        for name, p in model.named_parameters():
+            p.grad = saved_grads[name]
+    predicted = plan.predicted_peak_bytes + loss_allowance_bytes(plan.graph)
+    warnings = []
+    if measured > plan.budget_bytes:
+        warnings.append(f"the step measured {format_bytes(measured)}, over the {format_bytes(plan.budget_bytes)} "
+                        "budget: if training uses another loss than the one planned for, pass it as loss_fn")
+    return VerifyReport(model=type(model).__name__, solver=plan.solver, gradient_error=error,
+                        gradients_compared=compared, missing_gradients=missing, buffer_mismatches=mismatches,
+                        budget_bytes=plan.budget_bytes, predicted_peak_bytes=predicted, measured_peak_bytes=measured,
+                        loss_difference=abs(actual_loss - expected_loss), warnings=tuple(warnings))
+
+
+def _gradient_error(actual: dict[str, torch.Tensor | None], expected: dict[str, nn.Parameter]
+                    ) -> tuple[float, int, tuple[str, ...]]:
+    """(largest |difference| / largest |reference gradient|, tensors compared, names whose gradient is
+    missing on one side only)."""
+    largest = max((p.grad.abs().max().item() for p in expected.values() if p.grad is not None and p.grad.numel()),
+                  default=0.0)
+    worst, compared, missing = 0.0, 0, []
+    for name, p in expected.items():
+        mine = actual.get(name)
+        if (p.grad is None) != (mine is None):
+            missing.append(name)
+            continue
+        if p.grad is None or not p.grad.numel():
+            continue
+        compared += 1
+        worst = max(worst, (mine.double() - p.grad.double()).abs().max().item())
+    return (worst / largest if largest > 0 else worst), compared, tuple(missing)
+
+
+def _restore(model: nn.Module, buffers: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name in buffers:
+                b.copy_(buffers[name])
