@@ -17,6 +17,11 @@ __all__ = ["gpt2", "bert", "llama", "batch_for"]
 
 
 def _transformers() -> Any:
+    from .third_party import import_torchvision
+    try:  # transformers imports torchvision when installed; see third_party.import_torchvision
+        import_torchvision()
+    except ImportError:
+        pass
     import transformers
     transformers.logging.set_verbosity_error()
     return transformers

@@ -260,6 +260,7 @@ class _NodeMemory:
     stateful: bool = False
     parameters: tuple[nn.Parameter, ...] = ()
     has_tensor_output: bool = False
+    kept_bytes: int = 0  # storages created by the node still alive after it
 
 
 class _MemoryPass(fx.Interpreter):
@@ -313,11 +314,12 @@ class _MemoryPass(fx.Interpreter):
 
     def add_allocator_workspace(self, windows: dict[str, tuple[int, int, int]]) -> None:
         """Raise each node's ``workspace_bytes`` to what the allocator saw: its peak inside the node above
-        the larger of the levels before and after it (kernel temporaries no tensor holds)."""
-        for name, (start, peak, end) in windows.items():
+        the level before it and the storages it keeps (output, saved buffers): kernel temporaries no
+        tensor holds."""
+        for name, (start, peak, _) in windows.items():
             if name in self.records:
                 record = self.records[name]
-                record.workspace_bytes = max(record.workspace_bytes, peak - max(start, end))
+                record.workspace_bytes = max(record.workspace_bytes, peak - start - record.kept_bytes)
 
     def _record(self, n: fx.Node, result: Any, input_tensors: list[torch.Tensor], versions: list[int],
                 module: nn.Module | None, buffers: list[torch.Tensor], buffer_versions: list[int],
@@ -338,7 +340,11 @@ class _MemoryPass(fx.Interpreter):
         needs: set[str] = set()
         for key, nbytes in self._saved_now.items():
             owner = owner_of[key]
-            if key in output_keys:
+            if key in output_keys and owner == n.name and key not in used_keys:
+                # an item of the node's tuple no consumer reads (BatchNorm's saved mean and inverse
+                # std in an exported graph): held by the backward alone, like an internal buffer
+                record.saved_buffer_bytes += nbytes
+            elif key in output_keys:
                 record.saved_output_bytes += nbytes
                 needs.add(owner)
             elif owner == n.name:  # created here but not returned: an internal buffer
@@ -349,6 +355,7 @@ class _MemoryPass(fx.Interpreter):
         record.backward_needs = tuple(sorted(needs))
         kept_new = sum(nbytes for key, nbytes in self.tracker._live.items() if owner_of.get(key) == n.name)
         record.workspace_bytes = max(0, self.tracker.peak_bytes - live_before - kept_new)
+        record.kept_bytes = kept_new
         buffer_ids = {id(b) for b in buffers}
         record.inplace = any(t._version != v for t, v in zip(input_tensors, versions) if id(t) not in buffer_ids)
         record.random = bool(self.tracker.ops_seen & RANDOM_OPS)
@@ -416,6 +423,8 @@ class _NodeCompute:
     forward_bytes_moved: int = 0
     backward_workspace_bytes: int = 0
     backward_aliases_grad: bool = False
+    has_backward: bool = False
+    returned_bytes: int = 0  # new storage of the input gradients the isolated backward returns
 
 
 class _ComputePass(fx.Interpreter):
@@ -447,11 +456,13 @@ class _ComputePass(fx.Interpreter):
 
     def add_allocator_workspace(self, windows: dict[str, tuple[int, int, int]]) -> None:
         """Raise each node's ``backward_workspace_bytes`` to what the allocator saw in its isolated
-        backward: the peak above the level at its end (the input gradients it returns)."""
-        for name, (start, peak, end) in windows.items():
+        backward: the peak above the level at its start and the input gradients it returns (which the
+        simulator counts as gradient buffers)."""
+        for name, (start, peak, _) in windows.items():
             record = self.records.get(name)
-            if record is not None and (record.backward_flops or record.backward_workspace_bytes or peak > start):
-                record.backward_workspace_bytes = max(record.backward_workspace_bytes, peak - max(start, end))
+            if record is not None and record.has_backward:
+                record.backward_workspace_bytes = max(record.backward_workspace_bytes,
+                                                      peak - start - record.returned_bytes)
 
     def _trainable_argument_ids(self, n: fx.Node) -> set[int]:
         """ids of the argument tensors of ``n`` that require grad in training: outputs of nodes that do,
@@ -515,14 +526,23 @@ class _ComputePass(fx.Interpreter):
         record.forward_flops = int(counter.get_total_flops())
         record.forward_bytes_moved += sum(t.numel() * t.element_size() for t in _tensors(out))
         seeds = [torch.ones_like(t) for t in _tensors(out) if t.requires_grad]
-        with FlopCounterMode(display=False) as counter, StorageTracker() as tracker, _window(n.name):
+        with FlopCounterMode(display=False) as counter:
             input_grads = self._backward(n, out, leaves, seeds)
         record.backward_flops = int(counter.get_total_flops())
+        del input_grads, out, leaves
+        # memory apart from the FLOP count: under FlopCounterMode (a dispatch mode) some backward ops
+        # are decomposed into pointwise ops with temporaries that training never allocates (silu's: 5x)
+        fresh_args, fresh_kwargs, leaves = self._fresh_inputs(args, kwargs, trainable_ids)
+        out = self._forward(n, fresh_args, fresh_kwargs)
+        seeds = [torch.ones_like(t) for t in _tensors(out) if t.requires_grad]
+        with StorageTracker() as tracker, _window(n.name):
+            input_grads = self._backward(n, out, leaves, seeds)
         has_backward = input_grads is not None
         if has_backward:
             returned = sum(g.untyped_storage().nbytes() for g in _unique_storages(
                 [g for g in input_grads if g is not None]) if storage_key(g) in tracker._live)
             record.backward_workspace_bytes = max(0, tracker.peak_bytes - returned)
+            record.has_backward, record.returned_bytes = True, returned
             passed = [g for g in input_grads if g is not None]
             record.backward_aliases_grad = bool(passed) and all(storage_key(g) not in tracker._live for g in passed)
         del input_grads
@@ -613,7 +633,7 @@ def _build_cost_graph(gm: fx.GraphModule, traced: TraceResult, memory: _MemoryPa
         cost_source=f"{source} ({device_profile.name})" if timing == "flops" else source,
         input_bytes=sum(input_storages.values()), parameter_bytes=sum(parameters.values()),
         buffer_bytes=sum(buffers.values()), implicit_backward=True, source="traced", output_indices=tuple(outputs),
-        loss_bytes=loss.transient_bytes,
+        loss_bytes=loss.transient_bytes, rng_state_bytes=_rng_state_bytes(inputs),
         loss_gradient_outputs=tuple(sorted(index_of[o] for o in loss.gradient_outputs if o in index_of)),
     )
 
@@ -639,6 +659,14 @@ def _data_predecessors(n: fx.Node, tensor_nodes: dict[str, int]) -> set[str]:
         else:
             stack.extend(a.all_input_nodes)
     return found
+
+
+def _rng_state_bytes(inputs: tuple) -> int:
+    """Bytes of one RNG snapshot as the executor takes it: the CPU generator's state, plus the CUDA
+    generator's for each CUDA device the inputs are on."""
+    cuda = {t.device.index or 0 for t in _tensors(inputs) if t.device.type == "cuda"}
+    return (torch.get_rng_state().nbytes
+            + sum(torch.cuda.get_rng_state(d).nbytes for d in sorted(cuda)))
 
 
 def _qualified_name(target: Any) -> str:

@@ -82,6 +82,33 @@ def _forward_takes_use_cache(model_class: type) -> bool:
         return False
 
 
+def _write_buffers_early(gm: "torch.fx.GraphModule") -> int:
+    """Move each buffer write-back ``copy_(buffer, new_value)`` of a functionalized graph (the module
+    form puts them all at the end) to right after ``new_value`` is computed, unless the buffer is read
+    between there and the end. A new running mean then dies at once instead of keeping its producer's
+    whole output alive through the forward (the cost graph keeps a tuple output alive as one value).
+    Returns how many writes moved."""
+    nodes = list(gm.graph.nodes)
+    order = {node: i for i, node in enumerate(nodes)}
+    moved = 0
+    for node in nodes:
+        if not (node.op == "call_function" and node.target is torch.ops.aten.copy_.default and len(node.args) >= 2
+                and isinstance(node.args[0], torch.fx.Node) and node.args[0].op == "get_attr"
+                and isinstance(node.args[1], torch.fx.Node) and not node.users):
+            continue
+        buffer, value = node.args[0], node.args[1]
+        if order[buffer] > order[value]:
+            continue  # the buffer's get_attr comes later; leave the write where it is
+        if any(user is not node and order[user] > order[value] for user in buffer.users):
+            continue
+        value.append(node)
+        moved += 1
+    if moved:
+        gm.graph.lint()
+        gm.recompile()
+    return moved
+
+
 def export_trace(model: nn.Module, args: tuple, kwargs: dict) -> ExportedTrace:
     """Export ``model`` for the call ``model(*args, **kwargs)`` (non-strict ``torch.export``).
 
@@ -108,6 +135,7 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict) -> ExportedTrace:
                          f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}",
                          module_path="") from error
     graph_module = program.module()
+    _write_buffers_early(graph_module)
     functionalized, unsafe = functionalize(graph_module)
     if unsafe:
         raise TraceError(f"the exported graph of {type(model).__name__} still writes into activations "

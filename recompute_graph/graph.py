@@ -145,6 +145,9 @@ class CostGraph:
     the outputs that loss sends a gradient to. None when no loss was priced (graphs from files, older
     saved plans): then the planner guesses (``planner.loss_allowance_bytes``).
 
+    ``rng_state_bytes``: bytes of one snapshot of the random generators (the CPU generator's state, and
+    the CUDA one's per device in use), which the executor keeps for each random node it recomputes.
+
     ``implicit_backward``: True (traced models, Kusumoto graphs) when every node is a forward operation
     whose backward is described by its ``backward_*`` fields. False for plain scheduling DAGs whose nodes
     already are every computation to schedule: Checkmate's joint forward+backward graphs (nodes with
@@ -162,6 +165,7 @@ class CostGraph:
     source: str = ""
     output_indices: tuple[int, ...] = ()
     loss_bytes: int | None = None
+    rng_state_bytes: int = 0
     loss_gradient_outputs: tuple[int, ...] | None = None
     _index_by_name: dict[str, int] = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -326,6 +330,7 @@ class CostGraph:
             "buffer_bytes": self.buffer_bytes, "implicit_backward": self.implicit_backward, "source": self.source,
             "output_indices": list(self.output_indices),
             "loss_bytes": self.loss_bytes,
+            "rng_state_bytes": self.rng_state_bytes,
             "loss_gradient_outputs": (None if self.loss_gradient_outputs is None
                                       else list(self.loss_gradient_outputs)),
             "nodes": [{k: v for k, v in n.to_dict().items() if k != "successors"} for n in self.nodes],
@@ -350,6 +355,7 @@ class CostGraph:
                                        "buffer_bytes", "implicit_backward", "source") if k in data}
         kwargs["output_indices"] = tuple(data.get("output_indices", ()))
         kwargs["loss_bytes"] = data.get("loss_bytes")
+        kwargs["rng_state_bytes"] = int(data.get("rng_state_bytes", 0))
         gradient_outputs = data.get("loss_gradient_outputs")
         kwargs["loss_gradient_outputs"] = None if gradient_outputs is None else tuple(gradient_outputs)
         return cls(nodes=tuple(nodes), **kwargs)

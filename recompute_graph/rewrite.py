@@ -25,8 +25,8 @@ this way and none of its parameters got a gradient earlier in the step (decided 
 before execution); otherwise it runs node by node, so fused or not, memory is what the simulator says. Fusion removes
 the per-node cost of an autograd call (about 0.1 ms on CPU), which dominates on graphs of small nodes.
 
-Correctness of recomputation: a node's first computation in a step records the CPU and CUDA RNG states
-and every recomputation replays them (dropout masks are identical); a recomputation of a node that
+Correctness of recomputation: the first computation in a step of a random node that the schedule
+computes again records the CPU and CUDA RNG states and every recomputation replays them (dropout masks are identical); a recomputation of a node that
 mutates module buffers (BatchNorm running statistics) restores them afterwards, so they are updated
 exactly once per step. Non-tensor intermediates (shape arithmetic) are evaluated once per step. The
 autocast settings of the forward (``torch.autocast`` on CPU or CUDA) are recorded and re-entered for the
@@ -131,7 +131,11 @@ class ScheduleExecutor:
         self._node_parameters = [self._parameters_of(n) for n in self.fx_of]
         self._state_tensors = [self._mutable_state(n) if graph.nodes[i].stateful else []
                                for i, n in enumerate(self.fx_of)]
-        self._random = [node.random for node in graph]
+        # RNG snapshots only for the random nodes the schedule computes more than once (each costs
+        # ``graph.rng_state_bytes`` to the end of the step; the simulator counts them the same way)
+        computations = Counter(op.node for op in (*schedule.forward_ops, *schedule.backward_ops)
+                               if isinstance(op, Forward))
+        self._random = [node.random and computations[node.index] > 1 for node in graph]
         self._modules: dict[str, nn.Module] = {}
         # getitem nodes with a constant integer index into another node's value: (producer, index)
         self._tuple_items = [(self.cost_index[n.args[0].name], n.args[1])
@@ -279,8 +283,13 @@ class ScheduleExecutor:
         node = self.fx_of[index]
         leaves: list[tuple[Any, int, torch.Tensor]] = []
         connected: list[torch.Tensor] = []
-        args, kwargs = fx.node.map_arg((node.args, node.kwargs),
-                                       lambda a: self._input(state, a, leaves if tape else None, connect, connected))
+        inputs: dict[fx.Node, Any] = {}  # a value read twice is one tensor (``attention(x, x, x)`` tests ``is``)
+
+        def input_of(a: fx.Node) -> Any:
+            if a not in inputs:
+                inputs[a] = self._input(state, a, leaves if tape else None, connect, connected)
+            return inputs[a]
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), input_of)
         recompute = index in state.computed
         restore = [(t, t.clone()) for t in self._state_tensors[index]] if recompute else []
         saved: list[int | None] | None = [] if tape else None

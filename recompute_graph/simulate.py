@@ -26,10 +26,16 @@ Memory model (bytes of tensor storage above what was live before the step; see d
 
 Time: ``forward_cost`` for every ``Forward`` and ``backward_cost`` for every ``Backward`` that ran;
 computations beyond the first of a node count as ``recompute_cost``.
+
+Random nodes computed more than once: the first computation keeps a snapshot of the generators
+(``rng_state_bytes``) to the end of the step, and each recomputation holds the current state
+transiently while it replays the snapshot (the executor's ``_replayed_rng``).
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
+
 from .errors import ScheduleError
 from .graph import CostGraph, CostNode
 from .schedule import Backward, Forward, FreeValue, Op, Schedule
@@ -83,6 +89,7 @@ class _Simulation:
         self.recompute_cost = 0.0
         self.timeline: list[TimelinePoint] = []
         self.op_peak = 0
+        self.replayed_random: set[int] = set()     # random nodes computed more than once
 
     # ---------------------------------------------------------------- storages
     def _new_storage(self, nbytes: int) -> int:
@@ -127,6 +134,11 @@ class _Simulation:
             sid = self._ref(self._storage_of_owner(op.node, node.alias_of, where, "the node views"))
         # without a tape, what the node would save (dropout masks, internal copies) is transient
         transient = node.workspace_bytes + (0 if op.tape else node.saved_buffer_bytes)
+        if op.node in self.replayed_random:
+            if op.node in self.computed:
+                transient += self.graph.rng_state_bytes  # the generators' state, put back afterwards
+            else:
+                self._new_storage(self.graph.rng_state_bytes)  # the snapshot replayed later, kept to the end
         self.op_peak = max(self.op_peak, self.live + transient)
         self.peak = max(self.peak, self.op_peak)
         if op.tape and node.requires_grad and self.graph.implicit_backward:
@@ -275,6 +287,8 @@ class _Simulation:
 def simulate(graph: CostGraph, schedule: Schedule) -> SimulationResult:
     """Replay ``schedule`` on ``graph``; raise :class:`ScheduleError` if it cannot run (see module doc)."""
     sim = _Simulation(graph)
+    computations = Counter(op.node for op in (*schedule.forward_ops, *schedule.backward_ops) if isinstance(op, Forward))
+    sim.replayed_random = {v for v, count in computations.items() if count > 1 and graph.nodes[v].random}
     for position, op in enumerate(schedule.forward_ops):
         sim.run("forward", position, op)
     forward_peak = sim.peak

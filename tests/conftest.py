@@ -11,6 +11,13 @@ from recompute_graph.costs import profile_model
 
 torch.set_num_threads(2)
 
+try:  # torchvision's CUDA wheel fails to import on CPU torch unless imported this way (third_party.py);
+    # transformers and timm import it when it is installed, so it is imported first, once, here
+    from models_zoo.third_party import import_torchvision
+    import_torchvision()
+except ImportError:
+    pass
+
 
 @functools.lru_cache(maxsize=None)
 def profiled_tiny(name: str):
