@@ -169,6 +169,7 @@ class AllocatorRecorder:
         return rise
 
     def window_peaks(self, prefix: str) -> dict[str, tuple[int, int, int]]:
+        """``(level at start, peak inside, level at end)`` of each range named ``prefix + label``."""
         import bisect
         times, totals = self._memory_steps()
         windows: dict[str, tuple[int, int, int]] = {}
@@ -183,6 +184,24 @@ class AllocatorRecorder:
             peak = max([level_start, *totals[first:last]])
             windows[name[len(prefix):]] = (level_start, peak, level_end)
         return windows
+
+    def markers(self, prefix: str) -> list[tuple[str, int, int]]:
+        """For each ``record_function`` range named ``prefix + label``, in time order: ``(label, level at
+        its end, peak since the previous one)`` of the running total. An empty range marks a moment
+        (the per-op timeline of ``timeline.py``)."""
+        import bisect
+        times, totals = self._memory_steps()
+        markers = sorted((e.start_ns() + e.duration_ns(), e.name()[len(prefix):]) for e in self._events
+                         if e.name().startswith(prefix) and e.name() != "[memory]")
+        rows, previous = [], 0
+        for end_ns, label in markers:
+            last = bisect.bisect_right(times, end_ns)
+            level = totals[last - 1] if last > 0 else 0
+            level_before = totals[previous - 1] if previous > 0 else 0
+            peak = max([level_before, level, *totals[previous:last]])
+            rows.append((label, level, peak))
+            previous = last
+        return rows
 
 
 def allocator_peak_memory(step: Callable[[], Any]) -> int:

@@ -64,15 +64,40 @@ def test_checkpointing_every_k_layers_lowers_the_peak_as_expected(mlp):
         forward().sum().backward()
 
     # backward of one segment: boundaries, the K recomputed activations and one gradient
-    checkpointed = peak_memory(step)
+    checkpointed = peak_memory(step, meter="storage")
     assert checkpointed == (D // K + K + 1) * ACT + HEAD_GRADS + LOSS
     assert checkpointed < peak_memory(make_training_step(model, (x,), sum_loss))
 
 
 def test_storages_live_before_the_step_are_not_counted():
     weight = torch.randn(256, 256)
-    assert peak_memory(lambda: (weight.t()[::2].unsqueeze(0), weight.add_(1))) == 0
+    assert peak_memory(lambda: (weight.t()[::2].unsqueeze(0), weight.add_(1)), meter="storage") == 0
+    assert peak_memory(lambda: torch.empty(1000, dtype=torch.float64), meter="storage") == 8000
+    # the allocator also sees the wrapped scalar of ``add_(1)``, a few bytes
+    assert peak_memory(lambda: weight.add_(1)) <= 16
     assert peak_memory(lambda: torch.empty(1000, dtype=torch.float64)) == 8000
+
+
+def test_the_allocator_meter_sees_kernel_temporaries_the_storage_tracker_cannot():
+    conv = torch.nn.Conv2d(8, 8, 3)
+    x = torch.randn(2, 8, 32, 32)
+    step = make_training_step(conv, (x,), sum_loss)
+    step()
+    allocator, storage = peak_memory(step), peak_memory(step, meter="storage")
+    assert allocator > storage  # the CPU convolution's im2col/mkldnn buffers
+
+
+def test_the_allocator_meter_charges_a_step_for_what_it_allocates_after_freeing_old_gradients():
+    weight = torch.nn.Parameter(torch.randn(1000))
+
+    def step():
+        weight.grad = None              # frees last step's 4000-byte gradient
+        (weight * 2).sum().backward()   # then the product (4000, dead after the sum) and the gradient
+    step()
+    # netting the freed gradient against the new one would give about 20 bytes
+    assert 4000 <= peak_memory(step) <= 4100
+    with pytest.raises(ValueError, match="meter"):
+        peak_memory(step, meter="tape")
 
 
 def test_peak_is_the_maximum_of_live_bytes_not_the_sum_of_allocations():

@@ -19,7 +19,9 @@ def test_a_plan_made_on_meta_is_reused_by_the_real_model_with_exact_gradients(tm
         built.append(model)
         return model, inputs
 
-    plan = plan_for(build, 0.6, device_profile="h200")
+    # meta tensors show no kernel workspace, which the real model's allocator-level pricing adds:
+    # headroom (0.7, not a tight budget) lets the real model reuse the plan as is
+    plan = plan_for(build, 0.7, device_profile="h200", loss_fn=default_loss)
     assert all(p.is_meta for p in built[0].parameters())  # nothing was allocated
     assert plan.graph.cost_source.startswith("flop-estimate") and plan.recomputed_nodes
     path = tmp_path / "plan.json"
@@ -30,7 +32,7 @@ def test_a_plan_made_on_meta_is_reused_by_the_real_model_with_exact_gradients(tm
     monkeypatch.setattr(api, "make_plan", lambda *a, **k: (_ for _ in ()).throw(AssertionError("solved again")))
     with warnings.catch_warnings():
         warnings.simplefilter("error", PlanMismatchWarning)
-        optimized = optimize(model, 0.6, example_inputs=inputs, plan=path, timing="flops")
+        optimized = optimize(model, 0.7, example_inputs=inputs, plan=path, timing="flops", loss_fn=default_loss)
     assert optimized.recompute_plan.schedule == plan.schedule
     torch.manual_seed(0)
     model.zero_grad()

@@ -32,7 +32,7 @@ def assert_same(a, b, atol=1e-6):
 def unet():
     model, inputs = models_zoo.get_model("unet", "tiny")
     reference = copy.deepcopy(model)
-    optimized = optimize(model, 0.6, example_inputs=inputs, timing="flops")
+    optimized = optimize(model, 0.7, example_inputs=inputs, timing="flops", loss_fn=default_loss)
     return model, reference, optimized, inputs
 
 

@@ -90,15 +90,14 @@ def test_the_pass_keeps_every_schedule_valid_and_never_worse(graph, fraction):
 def test_the_planner_uses_the_pass_only_where_it_lowers_a_peak_that_does_not_fit():
     from conftest import profiled_tiny
     graph = profiled_tiny("resnet50")[3]  # its bottleneck blocks end in residual additions
-    chosen = 0
+    # (with kernel workspaces priced by the allocator, the pass no longer lowers these solvers' lowest
+    # peaks on the tiny ResNet-50; either way run_solver must return the lower of the two schedules)
     for name in ("chain_dp", "dp_approx", "chen_greedy", "chen_sqrt"):
         raw = SOLVERS[name](graph, None)
         improved = keep_free_tapes(graph, raw.schedule)
         lower = simulate(graph, improved).peak_bytes < raw.peak_bytes
         # the lowest peak is asked for: the pass's schedule when it is lower
         assert run_solver(name, graph, None).schedule == (improved if lower else raw.schedule), name
-        chosen += lower
         # a budget the solver's own schedule fits: left as the solver made it
         fitting = SOLVERS[name](graph, raw.peak_bytes)
         assert run_solver(name, graph, raw.peak_bytes).schedule == fitting.schedule, name
-    assert chosen >= 1
