@@ -1,6 +1,7 @@
 """Command line: ``recompute-graph`` (also ``python -m recompute_graph``).
 
     recompute-graph plan MODEL --budget B [--solver NAME] [-o plan.json] [--json] [-q]
+    recompute-graph check MODEL [--budget B] [--solver NAME] [--seed N] [--json] [-q]
     recompute-graph bench MODEL [--fractions F ...] [--solvers NAME ...] [--peers] [--json] [-q]
     recompute-graph compare GRAPH_FILE ... [--fractions F ...] [--solvers NAME ...] [--plot FILE] [--json]
     recompute-graph plot [MODEL] [--budget B] [--out-dir DIR]
@@ -14,8 +15,8 @@ as in ``optimize()`` (for ``ilp``: a fraction of the store-all peak itself, as i
 Peaks and overheads are the simulator's (the same judge for every solver). With ``ilp``, ``status`` is
 OPTIMAL only when the solver (CP-SAT, or a MIP solver with ``--backend``) proved it, FEASIBLE for a schedule without that proof (``gap`` says how far the
 bound is), INFEASIBLE when proven that nothing fits, UNKNOWN when nothing was found in the time limit.
-Exit status: 0 when a plan fits, 1 when the budget is infeasible (or nothing was found), 2 on errors (one
-line, no traceback).
+Exit status: 0 when a plan fits, 1 when the budget is infeasible (or nothing was found; for ``check``:
+when a check fails), 2 on errors (one line, no traceback).
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from .planner import make_plan, min_feasible_budget
 from .solvers import SOLVERS
 from .solvers.ilp_backends import BACKENDS
 from .commands import bench as bench_command
+from .commands import check as check_command
 from .commands import compare as compare_command
 from .commands import plan as plan_command
 from .commands import plot as plot_command
@@ -51,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="recompute-graph", description="Plan activation recomputation: which activations "
                      "to keep and which to recompute so that a training step fits a memory budget.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
-    for command in (plan_command, bench_command, compare_command, plot_command):
+    for command in (plan_command, check_command, bench_command, compare_command, plot_command):
         command.add_parser(commands)
     solve = commands.add_parser("solve", help="solve a graph file at a budget or find its minimum budget",
                                 description=__doc__.split("\n\n")[2])

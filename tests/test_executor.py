@@ -58,7 +58,8 @@ def test_plans_train_exactly_within_their_budget(zoo_name, solver):
     _, expected_grads, expected_buffers = run_step(model, lambda x: model(*x), inputs)
     with pytest.raises(InfeasibleBudgetError) as info:
         make_plan(graph, 1, solver)
-    budgets = [1.0, 0.5, info.value.min_budget_bytes]
+    floor = info.value.min_budget_bytes
+    budgets = [1.0, 0.5, floor, int(floor * 1.1)]
     checked = 0
     for budget in budgets:
         try:
