@@ -44,6 +44,7 @@ class ConformanceRow:
     buffer_mismatches: tuple[str, ...] = ()
     missing_gradients: tuple[str, ...] = ()
     ok: bool = False
+    step_time_ratio: float | None = None  # planned step / original step (time_steps=True)
     skipped: str = ""           # why the solver did not run (it does not take this graph)
     error: str = ""             # an unexpected failure: the row fails
     seconds: float = 0.0
@@ -66,12 +67,14 @@ def activation_budget_bytes(plan: Any, fraction: float) -> int:
 
 
 def check_model(name: str, fractions: Sequence[float] = DEFAULT_FRACTIONS, solvers: Sequence[str] = ("auto",),
-                **options: Any) -> list[ConformanceRow]:
+                time_steps: bool = False, summary: dict | None = None, **options: Any) -> list[ConformanceRow]:
     """Every (fraction, solver) row of conformance model ``name`` (module docstring). ``options`` go
-    to ``optimize`` (default ``timing="flops"``: deterministic plans)."""
+    to ``optimize`` (default ``timing="flops"``: deterministic plans). ``time_steps``: also time each
+    planned step against the original's (in turn, fastest of 3). ``summary``: a dict filled with the
+    model's floor (smallest feasible budget, bytes and as a fraction of store-all's) and the peer
+    (``torch.utils.checkpoint`` on every block) measured the same way."""
     import recompute_graph as rg
     from recompute_graph.errors import InfeasibleBudgetError, SolverError
-    from recompute_graph.measure import peak_memory
     from recompute_graph.verify import verify
     options = {"timing": "flops", **options}
     family = third_party.CONFORMANCE_MODELS[name][0]
@@ -84,6 +87,14 @@ def check_model(name: str, fractions: Sequence[float] = DEFAULT_FRACTIONS, solve
                                 solver="store_all", **options)
         base = store_all.recompute_plan
         store_all_peak = _original_peak(model, args, kwargs)
+        if summary is not None:
+            from recompute_graph.planner import min_feasible_budget
+            floor_bytes = min_feasible_budget(base.graph)
+            summary.update(family=family, store_all_budget_bytes=base.budget_bytes, floor_bytes=floor_bytes,
+                           floor_fraction=floor_bytes / base.budget_bytes, store_all_measured_bytes=store_all_peak,
+                           nodes=len(base.graph),
+                           tracer="export" if any("aten" in n.target for n in base.graph) else "fx",
+                           peer=_peer(model, args, kwargs, store_all_peak))
         for fraction in fractions:
             budget = activation_budget_bytes(base, fraction)
             for solver in solvers:
@@ -109,12 +120,13 @@ def check_model(name: str, fractions: Sequence[float] = DEFAULT_FRACTIONS, solve
                                                seconds=time.perf_counter() - start))
                     continue
                 plan = optimized.recompute_plan
+                ratio = _time_ratio(model, optimized, args, kwargs) if time_steps else None
                 rows.append(ConformanceRow(
                     **common, chosen=plan.solver, budget_bytes=plan.budget_bytes, floor_bytes=floor,
                     at_floor=bool(floor), predicted_peak_bytes=report.predicted_peak_bytes,
                     measured_peak_bytes=report.measured_peak_bytes, gradient_error=report.gradient_error,
                     buffer_mismatches=report.buffer_mismatches, missing_gradients=report.missing_gradients,
-                    ok=report.ok, seconds=time.perf_counter() - start))
+                    ok=report.ok, step_time_ratio=ratio, seconds=time.perf_counter() - start))
     return rows
 
 
@@ -134,3 +146,44 @@ def _original_peak(model: torch.nn.Module, args: tuple, kwargs: dict) -> int:
         for n, b in model.named_buffers():
             b.copy_(buffers[n])
     return peak
+
+
+def _training_step(module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+    from recompute_graph.losses import default_training_loss
+
+    def step() -> None:
+        module.zero_grad(set_to_none=True)
+        default_training_loss(module(*args, **kwargs)).backward()
+    return step
+
+
+def _time_ratio(model: torch.nn.Module, optimized: torch.nn.Module, args: tuple, kwargs: dict) -> float:
+    """Fastest of 3 planned steps over the fastest of 3 original steps, timed in turn."""
+    from recompute_graph.measure import time_steps_in_turn
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    original, planned = time_steps_in_turn([_training_step(model, args, kwargs),
+                                            _training_step(optimized, args, kwargs)], rounds=3)
+    with torch.no_grad():
+        for n, b in model.named_buffers():
+            b.copy_(buffers[n])
+    return min(planned.seconds) / min(original.seconds)
+
+
+def _peer(model: torch.nn.Module, args: tuple, kwargs: dict, store_all_peak: int) -> dict:
+    """``torch.utils.checkpoint`` on every block of a copy of ``model``: its allocator-measured peak and
+    step time against the original's, or why it does not apply."""
+    from recompute_graph.measure import peak_memory, time_steps_in_turn
+    from recompute_graph.peers import checkpoint_blocks
+    try:
+        peer = checkpoint_blocks(model)
+    except ValueError as error:
+        return {"applies": False, "reason": str(error)}
+    step = _training_step(peer, args, kwargs)
+    try:
+        step()
+    except Exception as error:  # noqa: BLE001 - the peer's own failure is its row, not ours
+        return {"applies": False, "reason": f"{type(error).__name__}: {str(error).splitlines()[0][:100]}"}
+    peak = peak_memory(step)
+    original, checkpointed = time_steps_in_turn([_training_step(model, args, kwargs), step], rounds=3)
+    return {"applies": True, "measured_bytes": peak, "fraction_of_store_all": peak / max(1, store_all_peak),
+            "step_time_ratio": min(checkpointed.seconds) / min(original.seconds)}

@@ -82,6 +82,27 @@ def _forward_takes_use_cache(model_class: type) -> bool:
         return False
 
 
+def functional_copy(destination: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """What functionalization's ``aten.copy(destination, source)`` computes (a new tensor shaped, typed
+    and strided like ``destination``, holding ``source`` broadcast), written with ``copy_`` into a fresh
+    tensor so that autograd can differentiate it (eager autograd has no formula for ``aten.copy``)."""
+    fresh = destination.new_empty_strided(destination.size(), destination.stride())
+    return fresh.copy_(source)
+
+
+def _differentiable_copies(gm: "torch.fx.GraphModule") -> int:
+    """Replace every ``aten.copy.default`` node (a write through a view, functionalized: ``x[:, :4] = y``
+    becomes ``slice_scatter(x, copy(slice(x), y))``) by :func:`functional_copy`. Returns how many."""
+    replaced = 0
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.aten.copy.default and not node.kwargs:
+            node.target = functional_copy
+            replaced += 1
+    if replaced:
+        gm.recompile()
+    return replaced
+
+
 def _write_buffers_early(gm: "torch.fx.GraphModule") -> int:
     """Move each buffer write-back ``copy_(buffer, new_value)`` of a functionalized graph (the module
     form puts them all at the end) to right after ``new_value`` is computed, unless the buffer is read
@@ -135,6 +156,7 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict) -> ExportedTrace:
                          f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}",
                          module_path="") from error
     graph_module = program.module()
+    _differentiable_copies(graph_module)
     _write_buffers_early(graph_module)
     functionalized, unsafe = functionalize(graph_module)
     if unsafe:

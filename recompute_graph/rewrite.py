@@ -77,6 +77,7 @@ class _StepState:
     computed: set[int] = field(default_factory=set)
     output_sources: list[tuple[int | None, int]] = field(default_factory=list)
     autocast: tuple = ()  # the autocast settings of the forward, re-entered to recompute in backward
+    external_keys: set = field(default_factory=set)  # storages of the output gradients autograd handed in
 
 
 #: Device types whose autocast state a step records (``autocast_state``).
@@ -235,6 +236,7 @@ class ScheduleExecutor:
                      ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
         """Run the backward ops given the gradients of the flattened tensor outputs; returns the
         gradients of the placeholders and of ``self.parameters``."""
+        state.external_keys = {storage_key(g) for g in output_grads if g is not None}
         for (source, position), grad in zip(state.output_sources, output_grads):
             if source is not None and grad is not None:
                 self._accumulate(state, source, position, grad)
@@ -446,18 +448,32 @@ class ScheduleExecutor:
     def _accumulate(self, state: _StepState, source: Any, position: int, grad: torch.Tensor,
                     owned: bool = False) -> None:
         """Add ``grad`` into a gradient buffer. A buffer that may alias another tensor (``owned`` False:
-        autograd returned an incoming gradient as is) is never written in place."""
+        autograd returned an incoming gradient as is) is written in place only once nothing else holds
+        its storage (``_sole_holder``)."""
         buffers = state.grads.setdefault(source, {})
         previous = buffers.get(position)
         if previous is None:
             buffers[position] = grad
             if owned:
                 state.owned_grads.add((source, position))
-        elif (source, position) in state.owned_grads:
+        elif (source, position) in state.owned_grads or self._sole_holder(state, source, position, previous):
             previous.add_(grad)
+            state.owned_grads.add((source, position))
         else:
             buffers[position] = previous + grad
             state.owned_grads.add((source, position))
+
+    @staticmethod
+    def _sole_holder(state: _StepState, source: Any, position: int, buffer: torch.Tensor) -> bool:
+        """Whether the gradient buffer at ``(source, position)``, handed on by a pass-through backward,
+        is no longer shared: no other buffer of the step has its storage and autograd did not hand it in
+        (the model outputs' gradients). Then it is summed into in place, as autograd's own engine does
+        (and as the simulator predicts)."""
+        key = storage_key(buffer)
+        if key is None or key in state.external_keys:
+            return False
+        return not any(storage_key(other) == key for s, buffers in state.grads.items()
+                       for k, other in buffers.items() if (s, k) != (source, position))
 
     def _input(self, state: _StepState, a: fx.Node, leaves: list | None,
                connect: frozenset[int] | None = None, connected: list | None = None) -> Any:

@@ -18,7 +18,8 @@ Memory model (bytes of tensor storage above what was live before the step; see d
   a loss holding more (cross-entropy keeps its log-softmax) needs that much more budget. A ``Backward(v)``
   allocates a gradient buffer (``grad_bytes``) for each predecessor needing one that has none yet, has
   ``backward_workspace_bytes`` live on top while it runs (plus, for predecessors that already have a
-  buffer, the incoming gradient and, the first time, the new sum), keeps its parameter gradients
+  buffer, the incoming gradient and, the first time, the new sum, unless the buffer was handed on by a
+  pass-through backward and nothing else holds it: that one is summed into in place), keeps its parameter gradients
   (``param_grad_bytes``, to the end of the step), then frees the node's tape and its output gradient
   (first, when ``backward_aliases_grad`` says the buffer is handed on to the inputs: the inputs getting
   their first gradient share it, as the views autograd gives them do: an addition's two inputs, the
@@ -81,6 +82,7 @@ class _Simulation:
         self.grad: set[int] = set()                # nodes holding a gradient buffer
         self.grad_storage: dict[int, int] = {}     # node -> storage id of its gradient buffer
         self.accumulated: set[int] = set()         # buffers already summed into once (owned since)
+        self.shared_grads: set[int] = set()        # buffers handed on by a pass-through backward
         self.backward_done: set[int] = set()
         self.computed: set[int] = set()
         self.live = 0
@@ -232,11 +234,16 @@ class _Simulation:
                 self.grad.add(p)
                 self.grad_storage[p] = (self._ref(handed) if p in shared
                                         else self._new_storage(graph.nodes[p].grad_bytes))
+                if p in shared:
+                    self.shared_grads.add(p)
                 continue
             # adding into an existing buffer: the incoming gradient (unless handed on) and, the first
-            # time, a new sum (the first buffer may be shared with another; later sums are in place)
+            # time, a new sum (the buffer may be shared, or a broadcast that cannot be written: mean's
+            # gradient), except for a buffer handed on by a pass-through backward that nothing else
+            # holds any more: autograd and the executor sum into that one in place
             incoming = 0 if node.backward_aliases_grad else graph.nodes[p].grad_bytes
-            first_sum = graph.nodes[p].grad_bytes if p not in self.accumulated else 0
+            handed_and_free = p in self.shared_grads and self.storage_refs.get(self.grad_storage[p], 0) == 1
+            first_sum = graph.nodes[p].grad_bytes if p not in self.accumulated and not handed_and_free else 0
             accumulation += incoming + first_sum
             if first_sum:
                 summed.append(p)

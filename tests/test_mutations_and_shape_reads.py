@@ -1,0 +1,132 @@
+"""Writes through views and shape reads, the patterns that broke third-party models (T5's ``_shift_right``,
+EfficientNet's in-place dropout on a flattened view, ViT's class token sized by ``x.shape[0]``):
+functionalized exactly where possible, otherwise planned from ``torch.export``'s functional graph, or
+refused with the node and the user's source line; never run wrong."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import recompute_graph as rg
+from recompute_graph import TraceError
+from recompute_graph.costs import profile_model
+from recompute_graph.losses import default_training_loss
+from recompute_graph.trace import trace
+
+
+class InPlaceDropoutOnView(nn.Module):
+    """EfficientNet's classifier: ``flatten`` then ``Dropout(inplace=True)`` on the view (linear layers:
+    a CPU convolution's backward workspace would set the floor of so small a model)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 64)
+        self.b = nn.Linear(64, 64)
+        self.drop = nn.Dropout(0.5, inplace=True)
+        self.fc = nn.Linear(16 * 64, 4)
+
+    def forward(self, x):  # x: (batch, 16, 8)
+        h = self.b(self.a(x).relu())
+        return self.fc(self.drop(torch.flatten(h, 1)))
+
+
+class BaseReadAfterViewWrite(nn.Module):
+    """A write through a view, then the base is read (T5's ``_shift_right``, in float). (``h[:, :3] = 0``
+    is the same in torch.export's eyes; torch.fx cannot trace item assignment at all.)"""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 128)
+        self.b = nn.Linear(128, 128)
+        self.c = nn.Linear(128, 16)
+
+    def forward(self, x):
+        h = self.a(x) * 2
+        h.narrow(1, 0, 3).zero_()         # written through a view of h
+        return self.c(self.b(h.tanh()).relu())  # h read after the write
+
+
+class ClassToken(nn.Module):
+    """ViT: the class token expanded to ``x.shape[0]`` read after a permute."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Conv2d(3, 16, 4, stride=4)
+        self.token = nn.Parameter(torch.randn(1, 1, 16))
+        self.mlp = nn.Linear(16, 256)
+        self.out = nn.Linear(256, 16)
+
+    def forward(self, x):
+        x = self.proj(x).flatten(2).permute(0, 2, 1)
+        n = x.shape[0]
+        x = torch.cat([self.token.expand(n, -1, -1), x], dim=1)
+        return self.out(self.mlp(x).tanh()).tanh()
+
+
+def trains_exactly(model, x, budget=0.7, **options):
+    reference = copy.deepcopy(model)
+    optimized = rg.optimize(model, budget, example_inputs=(x,), timing="flops", **options)
+    for module, seed in ((reference, 3), (optimized, 3)):
+        module.zero_grad(set_to_none=True)
+        torch.manual_seed(seed)
+        default_training_loss(module(x)).backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
+    return optimized
+
+
+def test_in_place_dropout_on_a_view_is_functionalized_and_trains_at_store_all_and_below():
+    model = InPlaceDropoutOnView().train()
+    result = trace(model)
+    assert result.unsafe_mutations == () and any("drop" in name for name in result.functionalized)
+    assert model.drop.inplace  # the user's module is not changed
+    x = torch.randn(64, 16, 8)
+    for budget in (1.0, 0.8):
+        optimized = trains_exactly(model, x, budget)
+    assert optimized.recompute_plan.recomputed_nodes  # at 0.8, something is recomputed
+
+
+def test_a_base_read_after_a_write_through_its_view_goes_to_export_or_is_refused_with_its_line():
+    model = BaseReadAfterViewWrite()
+    result = trace(model)
+    assert len(result.unsafe_mutations) == 1
+    assert "zero_" in result.unsafe_mutations[0] and "test_mutations_and_shape_reads.py" in result.unsafe_mutations[0]
+    x = torch.randn(256, 16)
+    with pytest.raises(TraceError, match=r"h\.narrow\(1, 0, 3\)\.zero_\(\)"):
+        rg.optimize(model, 0.8, example_inputs=(x,), tracer="fx", timing="flops")
+    optimized = trains_exactly(model, x, 0.95)  # auto: the functional graph of torch.export
+    assert any("aten" in node.target for node in optimized.recompute_plan.graph)
+
+
+def test_a_shape_read_is_an_edge_so_no_solver_schedules_the_reader_first():
+    model = ClassToken()
+    x = torch.randn(16, 3, 32, 32)
+    _, graph = profile_model(model, (x,), timing="flops")
+    expand = next(node for node in graph if node.target == "expand")
+    assert graph.index_of("permute") in expand.predecessors
+    for solver in ("dp_exact", "ilp", "chen_greedy"):  # any order they choose must run
+        trains_exactly(model, x, 1.0, solver=solver)
+
+
+def test_an_auxiliary_scalar_output_is_not_taken_for_the_loss():
+    class WithAuxiliary(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(16, 64), nn.Linear(64, 16)
+
+        def forward(self, x):
+            h = self.a(x).relu()
+            return self.b(h), h.mean()
+
+    model = WithAuxiliary()
+    x = torch.randn(32, 16)
+    optimized = rg.optimize(model, 1.0, example_inputs=(x,), timing="flops")
+    graph = optimized.recompute_plan.graph
+    # the README loss reads both outputs, so both get gradients, and the logits' loss temporaries count
+    assert len(graph.loss_gradient_outputs) == 2 and graph.loss_bytes >= 32 * 16 * 4
+    from recompute_graph.measure import make_training_step, peak_memory
+    measured = peak_memory(make_training_step(optimized, (x,), default_training_loss))
+    assert measured <= optimized.recompute_plan.budget_bytes
