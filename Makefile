@@ -20,4 +20,7 @@ $(STAMP): setup.cfg pyproject.toml
 	# torch pinned for development: the CPU wheel of 2.13.0 lies on local disk
 	$(VENV)/bin/pip install --quiet "torch==2.13.0"
 	$(VENV)/bin/pip install --quiet -e ".[test]"
+	# third-party model code for tests/conformance: the torchvision wheels here are CUDA builds, so no
+	# dependencies (they would pull a second torch); timm's own dependencies come with transformers
+	$(VENV)/bin/pip install --quiet --no-deps "torchvision==0.28.0" "timm==1.0.31"
 	touch $(STAMP)

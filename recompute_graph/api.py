@@ -17,6 +17,7 @@ from .optimized_module import PreparedStep, RecomputedModule
 from .errors import PlanMismatchWarning
 from .graph import CostGraph
 from .planner import (Budget, RecomputePlan, loss_allowance_bytes, make_plan, min_budget_for_peak, parse_budget,
+                      planning_margin,
                       replan_schedule)
 from .rewrite import ScheduleExecutor
 from .saved_plans import load_plan, mismatch_reason
@@ -140,7 +141,7 @@ def _reuse(saved: RecomputePlan, graph: CostGraph, budget: Budget) -> RecomputeP
     reason = mismatch_reason(saved.graph, graph)
     if reason is None:
         reused = replan_schedule(saved, graph, budget)
-        needed = min_budget_for_peak(reused.predicted_peak_bytes, loss_allowance_bytes(graph))
+        needed = min_budget_for_peak(reused.predicted_peak_bytes, loss_allowance_bytes(graph), planning_margin(graph))
         if needed <= reused.budget_bytes:
             return reused
         reason = (f"its predicted peak {reused.predicted_peak_bytes} bytes needs a budget of {needed} bytes, "

@@ -22,10 +22,12 @@ from .solvers.lower_set_dp import dp_for
 from .units import format_bytes, parse_bytes
 
 __all__ = ["Budget", "parse_budget", "RecomputePlan", "make_plan", "AUTO_SOLVERS", "auto_solvers",
-           "min_feasible_budget", "replan_schedule", "loss_allowance_bytes", "usable_bytes_of"]
+           "min_feasible_budget", "replan_schedule", "loss_allowance_bytes", "usable_bytes_of",
+           "planning_margin"]
 
 Budget = Union[int, float, str]
-#: A plan fits a budget when its predicted peak times (1 + PLANNING_MARGIN), plus the loss allowance
+#: A plan of a traced model fits a budget when its predicted peak times (1 + PLANNING_MARGIN), plus the
+#: loss allowance
 #: (``loss_allowance_bytes``: the loss function's own output-sized tensors), does. The margin covers what
 #: else the cost model leaves out: allocator rounding, and backward temporaries that depend on the
 #: strides of the incoming gradient (measured peaks of the tiny zoo models lie up to 2.5 % above the
@@ -52,10 +54,17 @@ def loss_allowance_bytes(graph: CostGraph) -> int:
     return sum(graph.nodes[i].output_bytes for i in owners)
 
 
-def usable_bytes_of(budget_bytes: int, allowance_bytes: int = 0) -> int:
+def planning_margin(graph: CostGraph) -> float:
+    """``PLANNING_MARGIN`` for a traced model, which runs on a real allocator; 0 for graphs loaded from
+    files (the published benchmark graphs), where the simulator's peak is the whole answer, so that a
+    (graph, solver) pair has one smallest budget: the lowest peak the solver's schedule reaches."""
+    return PLANNING_MARGIN if graph.source == "traced" else 0.0
+
+
+def usable_bytes_of(budget_bytes: int, allowance_bytes: int = 0, margin: float = PLANNING_MARGIN) -> int:
     """What a plan's predicted peak may reach within ``budget_bytes``: the budget less the loss allowance,
-    divided by ``1 + PLANNING_MARGIN``."""
-    return int((budget_bytes - allowance_bytes) / (1 + PLANNING_MARGIN))
+    divided by ``1 + margin`` (``planning_margin``)."""
+    return int((budget_bytes - allowance_bytes) / (1 + margin))
 
 
 def auto_solvers(graph: CostGraph) -> tuple[str, ...]:
@@ -183,7 +192,7 @@ def make_plan(graph: CostGraph, budget: Budget, solver: str = "auto", *, variant
                               f"use one of: {', '.join(solvers_for(graph))}")
     store_all, budget_bytes = _store_all_and_budget(graph, budget)
     store_all_cost = store_all.simulation.compute_cost
-    usable_bytes = usable_bytes_of(budget_bytes, loss_allowance_bytes(graph))
+    usable_bytes = usable_bytes_of(budget_bytes, loss_allowance_bytes(graph), planning_margin(graph))
     solutions, failure = [], None
     for name in names:
         try:
@@ -198,7 +207,8 @@ def make_plan(graph: CostGraph, budget: Budget, solver: str = "auto", *, variant
             if failure is None:
                 raise
             raise failure from None  # the solver cannot plan this graph at all: its own message
-        store_all_budget = min_budget_for_peak(store_all.peak_bytes, loss_allowance_bytes(graph))
+        store_all_budget = min_budget_for_peak(store_all.peak_bytes, loss_allowance_bytes(graph),
+                                               planning_margin(graph))
         raise InfeasibleBudgetError(
             f"no plan of {'any solver' if solver == 'auto' else repr(solver)} fits a budget of "
             f"{format_bytes(budget_bytes)} ({budget_bytes} bytes) for {graph.name!r}; the smallest feasible "
@@ -213,7 +223,8 @@ def _store_all_and_budget(graph: CostGraph, budget: Budget) -> tuple[Solution, i
     """The store-all solution and ``budget`` in bytes (a fraction is of the store-all budget)."""
     kind, value = parse_budget(budget)
     store_all = SOLVERS["store_all"](graph, None)
-    budget_bytes = (int(value * min_budget_for_peak(store_all.peak_bytes, loss_allowance_bytes(graph)))
+    budget_bytes = (int(value * min_budget_for_peak(store_all.peak_bytes, loss_allowance_bytes(graph),
+                                                    planning_margin(graph)))
                     if kind == "fraction" else int(value))
     return store_all, budget_bytes
 
@@ -229,11 +240,11 @@ def replan_schedule(saved: RecomputePlan, graph: CostGraph, budget: Budget) -> R
     return _plan(chosen, graph, budget_bytes, store_all, store_all.simulation.compute_cost)
 
 
-def min_budget_for_peak(peak_bytes: int, allowance_bytes: int = 0) -> int:
-    """The smallest budget that a plan with this predicted peak fits (PLANNING_MARGIN and the loss
-    allowance, ``loss_allowance_bytes``)."""
-    budget = math.ceil(peak_bytes * (1 + PLANNING_MARGIN)) + allowance_bytes
-    while usable_bytes_of(budget, allowance_bytes) < peak_bytes:
+def min_budget_for_peak(peak_bytes: int, allowance_bytes: int = 0, margin: float = PLANNING_MARGIN) -> int:
+    """The smallest budget that a plan with this predicted peak fits (the margin, ``planning_margin``,
+    and the loss allowance, ``loss_allowance_bytes``)."""
+    budget = math.ceil(peak_bytes * (1 + margin)) + allowance_bytes
+    while usable_bytes_of(budget, allowance_bytes, margin) < peak_bytes:
         budget += 1
     return budget
 
@@ -252,4 +263,4 @@ def min_feasible_budget(graph: CostGraph, solver: str = "auto", *, variant: str 
     find, plus the planning margin."""
     names = auto_solvers(graph) if solver == "auto" else (solver,)
     return min_budget_for_peak(min(run_solver(name, graph, None, variant).peak_bytes for name in names),
-                               loss_allowance_bytes(graph))
+                               loss_allowance_bytes(graph), planning_margin(graph))

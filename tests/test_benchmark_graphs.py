@@ -98,3 +98,21 @@ def test_bad_graph_files_raise_graph_error(tmp_path, monkeypatch):
     assert benchmark_dir() != tmp_path  # env var without kusumoto2019/ is skipped, fallback still found
     (tmp_path / "kusumoto2019").mkdir()
     assert benchmark_dir() == tmp_path
+
+
+def test_a_graph_file_and_a_solver_have_one_smallest_budget_the_simulated_lowest_peak(capsys):
+    """``solve --min-budget`` on a published graph prints the simulator's lowest peak of the solver's
+    schedule, with no planning margin (that is for real allocators), the number docs/reproduction.md
+    lists (its ``dp_exact`` column)."""
+    import json
+    from recompute_graph.cli import main
+    from recompute_graph.planner import min_feasible_budget, planning_margin, run_solver
+    path = str(next(p for p in benchmark_graph_paths("kusumoto2019") if str(p).endswith("cg_vgg19.txt")))
+    graph = load_graph(path)
+    assert planning_margin(graph) == 0.0
+    lowest = run_solver("dp_exact", graph, None).peak_bytes
+    assert min_feasible_budget(graph, "dp_exact") == lowest
+    assert main(["solve", path, "--solver", "dp_exact", "--min-budget", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["min_budget_bytes"] == result["peak_bytes"] == lowest
+    assert abs(lowest / (2 * graph.total_output_bytes) - 0.261) < 0.0005  # docs/reproduction.md: 26.1 %

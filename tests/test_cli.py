@@ -24,7 +24,7 @@ def test_solve_with_a_budget_prints_one_json_object_on_the_last_line():
     for key in ("solver", "status", "budget_bytes", "feasible", "peak_bytes", "overhead", "solve_seconds"):
         assert key in result
     assert result["solver"] == "dp_exact" and result["status"] == "FEASIBLE" and result["feasible"]
-    assert result["peak_bytes"] * 1.05 <= result["budget_bytes"]
+    assert result["peak_bytes"] <= result["budget_bytes"]  # graph files: no planning margin
     assert result["overhead"] >= 0
 
 
