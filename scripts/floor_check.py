@@ -4,7 +4,7 @@ against the prediction and against the measured store-all step, exact gradients 
     python scripts/floor_check.py [--model resnet50] [--preset paper] [--batch 8] [--budget 0.33]
 
 Prices with FLOP-based times (``timing="flops"``); memory is what is checked. Peaks are measured with
-the storage meter (``measure.peak_memory``) on the same inputs.
+the allocator (``measure.peak_memory``: torch.profiler memory events on CPU) on the same inputs.
 """
 from __future__ import annotations
 
