@@ -1,21 +1,22 @@
 """Pricing a traced model: fx graph -> :class:`~recompute_graph.graph.CostGraph`.
 
-Two passes over the traced graph, both with the model in its current train/eval mode:
+Passes over the traced graph, with the model in its current train/eval mode:
 
 1. **Memory pass** (store-all forward, grad enabled): every node runs under a
    :class:`~recompute_graph.measure.StorageTracker` that attributes each new storage to the node that
-   allocated it, and under ``torch.autograd.graph.saved_tensors_hooks`` that record, per node, which
-   storages autograd saves for its backward. From these: ``output_bytes`` / ``alias_of`` (views and
-   in-place ops own no storage), saved inputs / output / internal buffers (deduplicated by storage;
-   storages that existed before the step - parameters, buffers, model inputs - are not counted),
-   ``backward_needs``, transient ``workspace_bytes``, and the flags ``inplace`` (an input's version
-   counter moved), ``random`` (a random aten op ran) and ``stateful`` (a module buffer was written).
-2. **Compute pass**: each node is run again in isolation on detached copies of its inputs, forward and
-   backward, under ``torch.utils.flop_counter.FlopCounterMode`` (FLOPs, deterministic) and, when
-   ``timing="measure"``, timed on the model's device (warm-up, ``repeats`` runs, median). The storage
-   tracker around the isolated backward gives ``backward_workspace_bytes``. The isolated backward
-   computes the gradients the step's backward computes: of the parameters and of the inputs produced
-   by nodes that require grad (a first layer does not compute its input image's gradient).
+   allocated it, and under ``torch.autograd.graph.saved_tensors_hooks`` that record which storages
+   autograd saves for its backward. From these: ``output_bytes`` / ``alias_of`` (views and in-place ops
+   own no storage), saved inputs / output / internal buffers (deduplicated by storage; storages live
+   before the step are not counted), ``backward_needs``, ``workspace_bytes`` (the larger of the
+   tracker's and the allocator's, ``loss_pricing.allocator_windows``), and the flags ``inplace``,
+   ``random`` (a random aten op ran) and ``stateful`` (a module buffer was written). Then the user's
+   loss is priced on the store-all output (``loss_pricing.price_loss``).
+2. **Compute pass**: each node alone on detached copies of its inputs, forward and backward, under
+   ``FlopCounterMode``; the isolated backward again, apart, under both meters for
+   ``backward_workspace_bytes`` (FlopCounterMode decomposes some ops). It computes the gradients the
+   step's backward computes: of the parameters and of inputs produced by nodes that require grad.
+3. With ``timing="measure"``, a third pass times each node on the model's device (warm-up, ``repeats``
+   runs, median), without the profiler.
 
 ``timing="flops"`` (forced on the ``meta`` device) prices time from FLOPs and bytes moved with a
 :class:`DeviceProfile` roofline: ``seconds = max(flops / flops_per_second, bytes / bytes_per_second)``.
@@ -34,13 +35,14 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import fx, nn
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from .errors import ProfileError
 from .graph import CostGraph, CostNode
+from .loss_pricing import LossPrice, allocator_windows, node_window, price_loss, rng_state_bytes
 from .losses import LossFunction, default_training_loss
-from .measure import AllocatorRecorder, StorageTracker, storage_key
+from .measure import StorageTracker, storage_key
 from .progress import progress_bar
 from .trace import TraceResult, trace
 
@@ -112,12 +114,12 @@ def profile_graph(traced: TraceResult, example_inputs: Sequence[Any], *, timing:
         timing = "flops"
     passes = 3 if timing == "measure" else 2
     with progress_bar(len(gm.graph.nodes) * passes, f"profiling {name or 'model'}", progress) as bar:
-        with _allocator_windows(on_meta) as memory_windows:
+        with allocator_windows(on_meta) as memory_windows:
             memory = _run_counted(_MemoryPass(gm), inputs, bar)
         memory.add_allocator_workspace(memory_windows())
-        loss = _price_loss(gm, memory, loss_fn or default_training_loss, output_of or (lambda value: value))
+        loss = price_loss(gm, memory.env, loss_fn or default_training_loss, output_of or (lambda value: value))
         grad_nodes = {node for node, record in memory.records.items() if record.requires_grad}
-        with _allocator_windows(on_meta) as compute_windows:
+        with allocator_windows(on_meta) as compute_windows:
             compute = _run_counted(_ComputePass(gm, "flops", repeats, warmup, grad_nodes), inputs, bar)
         compute.add_allocator_workspace(compute_windows())
         if timing == "measure":  # timed apart: the profiler's per-op cost would distort the times
@@ -129,76 +131,6 @@ def profile_graph(traced: TraceResult, example_inputs: Sequence[Any], *, timing:
 
 
 # --------------------------------------------------------------------------------------------- helpers
-#: ``torch.profiler.record_function`` names around each node's priced run: prefix + node name.
-WINDOW_PREFIX = "recompute_graph.node::"
-
-
-@contextlib.contextmanager
-def _allocator_windows(on_meta: bool) -> Iterator[Callable[[], dict[str, tuple[int, int, int]]]]:
-    """Record the CPU allocator's events (off on meta, where nothing is allocated); yields a function
-    giving each node's ``(level at start, peak, level at end)`` once the block has ended."""
-    if on_meta:
-        yield dict
-        return
-    with AllocatorRecorder() as recorder:
-        yield lambda: recorder.window_peaks(WINDOW_PREFIX)
-
-
-def _window(name: str) -> Any:
-    return torch.profiler.record_function(WINDOW_PREFIX + name)
-
-
-@dataclass(frozen=True)
-class _LossPrice:
-    transient_bytes: int
-    gradient_outputs: tuple[str, ...]  # names of the output nodes the loss sends a gradient to
-
-
-def _price_loss(gm: fx.GraphModule, memory: "_MemoryPass", loss_fn: "LossFunction",
-                output_of: "Callable[[Any], Any]") -> _LossPrice:
-    """Run ``loss_fn`` on the store-all output (detached leaves), forward and backward, and measure its
-    transient bytes (peak above what is left at the end: the output gradients, which the simulator
-    counts) by the allocator and by the storage tracker, keeping the larger."""
-    output_node = next(n for n in gm.graph.nodes if n.op == "output")
-    value = fx.node.map_arg(output_node.args[0], lambda n: memory.env[n])
-    leaves, spec = tree_flatten(value)
-    detached = [t.detach().requires_grad_(True) if isinstance(t, torch.Tensor) and t.requires_grad else t
-                for t in leaves]
-    structured = output_of(tree_unflatten(detached, spec))
-    trainable = [t for t in detached if isinstance(t, torch.Tensor) and t.requires_grad]
-    if not trainable:
-        return _LossPrice(0, ())
-    grads: list[Any] = []
-
-    def run() -> None:
-        with torch.enable_grad():
-            loss = loss_fn(structured)
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise ProfileError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
-                                   + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""))
-            grads.extend(torch.autograd.grad(loss, trainable, allow_unused=True))
-    on_meta = any(t.is_meta for t in trainable)
-    with StorageTracker() as tracker:
-        if on_meta:
-            run()
-        else:
-            with AllocatorRecorder() as recorder, _window("loss"):
-                run()
-    kept = sum(g.untyped_storage().nbytes() for g in _unique_storages([g for g in grads if g is not None]))
-    transient = max(0, tracker.peak_bytes - kept)
-    if not on_meta:
-        start, peak, end = recorder.window_peaks(WINDOW_PREFIX)["loss"]
-        transient = max(transient, peak - max(start, end))
-    got_grad = {id(t) for t, g in zip(trainable, grads) if g is not None}
-    names = []
-    for node in output_node.all_input_nodes:
-        node_leaves = [id(d) for d, o in zip(detached, leaves) if isinstance(o, torch.Tensor)
-                       and any(o is t for t in _tensors(memory.env[node]))]
-        if any(i in got_grad for i in node_leaves):
-            names.append(node.name)
-    return _LossPrice(transient, tuple(names))
-
-
 def _run_counted(interpreter: Any, inputs: tuple, bar: Any) -> Any:
     """Run a profiling pass on ``inputs``, advancing ``bar`` after every node and leaving the module's
     buffers and the RNG states as they were; returns the pass."""
@@ -301,7 +233,7 @@ class _MemoryPass(fx.Interpreter):
         live_before = self.tracker.live_bytes
         self.tracker.reset_peak()
         try:
-            with _window(n.name):
+            with node_window(n.name):
                 result = getattr(self, n.op)(n.target, args, kwargs)
         except Exception as error:  # noqa: BLE001
             raise _node_error(n, error) from error
@@ -313,9 +245,8 @@ class _MemoryPass(fx.Interpreter):
         return result
 
     def add_allocator_workspace(self, windows: dict[str, tuple[int, int, int]]) -> None:
-        """Raise each node's ``workspace_bytes`` to what the allocator saw: its peak inside the node above
-        the level before it and the storages it keeps (output, saved buffers): kernel temporaries no
-        tensor holds."""
+        """Raise ``workspace_bytes`` to the allocator's peak inside each node above the level before it
+        and the storages it keeps: kernel temporaries no tensor holds."""
         for name, (start, peak, _) in windows.items():
             if name in self.records:
                 record = self.records[name]
@@ -455,9 +386,8 @@ class _ComputePass(fx.Interpreter):
         return result
 
     def add_allocator_workspace(self, windows: dict[str, tuple[int, int, int]]) -> None:
-        """Raise each node's ``backward_workspace_bytes`` to what the allocator saw in its isolated
-        backward: the peak above the level at its start and the input gradients it returns (which the
-        simulator counts as gradient buffers)."""
+        """Raise ``backward_workspace_bytes`` to the allocator's peak in each isolated backward above the
+        level before it and the input gradients it returns (the simulator counts those)."""
         for name, (start, peak, _) in windows.items():
             record = self.records.get(name)
             if record is not None and record.has_backward:
@@ -530,12 +460,11 @@ class _ComputePass(fx.Interpreter):
             input_grads = self._backward(n, out, leaves, seeds)
         record.backward_flops = int(counter.get_total_flops())
         del input_grads, out, leaves
-        # memory apart from the FLOP count: under FlopCounterMode (a dispatch mode) some backward ops
-        # are decomposed into pointwise ops with temporaries that training never allocates (silu's: 5x)
+        # memory apart: under FlopCounterMode some backward ops decompose into temporaries (silu's: 5x)
         fresh_args, fresh_kwargs, leaves = self._fresh_inputs(args, kwargs, trainable_ids)
         out = self._forward(n, fresh_args, fresh_kwargs)
         seeds = [torch.ones_like(t) for t in _tensors(out) if t.requires_grad]
-        with StorageTracker() as tracker, _window(n.name):
+        with StorageTracker() as tracker, node_window(n.name):
             input_grads = self._backward(n, out, leaves, seeds)
         has_backward = input_grads is not None
         if has_backward:
@@ -577,7 +506,7 @@ def _synchronize(device: torch.device) -> None:
 
 def _build_cost_graph(gm: fx.GraphModule, traced: TraceResult, memory: _MemoryPass, compute: _ComputePass,
                       timing: str, device_profile: DeviceProfile, name: str, inputs: tuple,
-                      loss: _LossPrice) -> CostGraph:
+                      loss: LossPrice) -> CostGraph:
     compute_nodes = [n for n in gm.graph.nodes
                      if n.op not in ("placeholder", "get_attr", "output") and memory.records[n.name].has_tensor_output]
     index_of = {n.name: i for i, n in enumerate(compute_nodes)}
@@ -633,7 +562,7 @@ def _build_cost_graph(gm: fx.GraphModule, traced: TraceResult, memory: _MemoryPa
         cost_source=f"{source} ({device_profile.name})" if timing == "flops" else source,
         input_bytes=sum(input_storages.values()), parameter_bytes=sum(parameters.values()),
         buffer_bytes=sum(buffers.values()), implicit_backward=True, source="traced", output_indices=tuple(outputs),
-        loss_bytes=loss.transient_bytes, rng_state_bytes=_rng_state_bytes(inputs),
+        loss_bytes=loss.transient_bytes, rng_state_bytes=rng_state_bytes(inputs),
         loss_gradient_outputs=tuple(sorted(index_of[o] for o in loss.gradient_outputs if o in index_of)),
     )
 
@@ -659,14 +588,6 @@ def _data_predecessors(n: fx.Node, tensor_nodes: dict[str, int]) -> set[str]:
         else:
             stack.extend(a.all_input_nodes)
     return found
-
-
-def _rng_state_bytes(inputs: tuple) -> int:
-    """Bytes of one RNG snapshot as the executor takes it: the CPU generator's state, plus the CUDA
-    generator's for each CUDA device the inputs are on."""
-    cuda = {t.device.index or 0 for t in _tensors(inputs) if t.device.type == "cuda"}
-    return (torch.get_rng_state().nbytes
-            + sum(torch.cuda.get_rng_state(d).nbytes for d in sorted(cuda)))
 
 
 def _qualified_name(target: Any) -> str:

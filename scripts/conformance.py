@@ -38,7 +38,7 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(2)
     from recompute_graph.solvers import ilp
-    ilp.DEFAULT_TIME_LIMIT = 20.0
+    ilp.DEFAULT_TIME_LIMIT = 8.0
     lines, row_lines, passed_models, tried = [], [], 0, 0
     start = time.perf_counter()
     for name in args.models:
