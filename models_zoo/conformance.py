@@ -75,7 +75,7 @@ def check_model(name: str, fractions: Sequence[float] = DEFAULT_FRACTIONS, solve
     (``torch.utils.checkpoint`` on every block) measured the same way."""
     import recompute_graph as rg
     from recompute_graph.errors import InfeasibleBudgetError, SolverError
-    from recompute_graph.verify import verify
+    from recompute_graph.verification import verify
     options = {"timing": "flops", **options}
     family = third_party.CONFORMANCE_MODELS[name][0]
     rows: list[ConformanceRow] = []

@@ -20,8 +20,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "optimize": ("api", "optimize"),
     "plan_for": ("api", "plan_for"),
-    "verify": ("verify", "verify"),
-    "VerifyReport": ("verify", "VerifyReport"),
+    "verify": ("verification", "verify"),
+    "VerifyReport": ("verification", "VerifyReport"),
     "RecomputedModule": ("optimized_module", "RecomputedModule"),
     "RecomputePlan": ("planner", "RecomputePlan"),
     "make_plan": ("planner", "make_plan"),

@@ -118,3 +118,19 @@ def test_every_command_has_help():
     for command in ("plan", "bench", "compare", "plot", "solve"):
         result = run_cli(command, "--help")
         assert result.returncode == 0 and "usage: recompute-graph " + command in result.stdout
+
+
+def test_check_runs_one_planned_step_against_the_original_on_a_zoo_model_and_a_factory(capsys):
+    code = main(["check", "resnet18", "--preset", "tiny", "--budget", "0.9", "--timing", "flops", "--json", "-q"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0 and result["ok"] and result["within_budget"]
+    assert result["gradient_error"] <= 1e-5 and result["buffer_mismatches"] == []
+    assert abs(result["prediction_error"]) <= 0.10 and result["measured_peak_bytes"] > 0
+    code = main(["check", "models_zoo.third_party:build", "--size", "name=hf_gpt2", "--budget", "0.9",
+                 "--timing", "flops", "-q"])
+    text = capsys.readouterr().out
+    assert code == 0 and "all checks pass" in text and "gradients: largest error" in text
+    # an infeasible budget: exit 1, the smallest feasible budget named
+    code = main(["check", "mlp", "--preset", "tiny", "--budget", "1KiB", "--timing", "flops", "--json", "-q"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 1 and result["status"] == "INFEASIBLE" and result["min_budget_bytes"] > 1024

@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     from ..errors import InfeasibleBudgetError
     from ..model_specs import load_model, parse_sizes
     from ..solvers import get_solver
-    from ..verify import verify
+    from ..verification import verify
     if args.solver != "auto":
         get_solver(args.solver)
     model, inputs, label = load_model(args.model, args.preset, parse_sizes(args.size))

@@ -1,0 +1,53 @@
+"""``rg.verify``: one planned step against the original, and the warning when the loss trained with is
+not the loss planned for."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import models_zoo
+import recompute_graph as rg
+from recompute_graph.measure import default_loss
+
+
+class WideHead(nn.Module):
+    """Small activations, a wide output: the loss's temporaries are a large part of the step."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh())
+        self.head = nn.Linear(64, 2048)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def heavy_loss(output):
+    """Holds several output-sized temporaries (exp, sin, their product, a square)."""
+    return (output.exp() * output.sin()).mean() + output.square().mean()
+
+
+def test_verify_passes_a_good_plan_and_leaves_the_model_as_it_was():
+    model, inputs = models_zoo.get_model("unet", "tiny")
+    buffers = [b.clone() for b in model.buffers()]
+    report = rg.verify(model, 0.8, example_inputs=inputs, loss_fn=default_loss, timing="flops")
+    assert report.ok, str(report)
+    assert report.gradients_compared == sum(1 for p in model.parameters() if p.requires_grad)
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(buffers, model.buffers()))
+    assert "all checks pass" in str(report) and "buffers: updated exactly once" in str(report)
+
+
+def test_training_with_a_heavier_loss_than_planned_is_reported_over_the_budget():
+    torch.manual_seed(0)
+    model, x = WideHead(), torch.randn(256, 32)
+    optimized = rg.optimize(model, 1.0, example_inputs=(x,), timing="flops", loss_fn=default_loss)
+    planned = rg.verify(model, example_inputs=(x,), loss_fn=default_loss, optimized=optimized)
+    assert planned.within_budget and not planned.warnings
+    heavier = rg.verify(model, example_inputs=(x,), loss_fn=heavy_loss, optimized=optimized)
+    assert heavier.gradient_error <= 1e-5  # gradients stay exact: the loss is outside the plan
+    assert not heavier.within_budget and not heavier.ok
+    assert "loss_fn" in heavier.warnings[0]
+    # planned for the heavy loss, the same budget semantics hold again
+    again = rg.optimize(model, 1.0, example_inputs=(x,), timing="flops", loss_fn=heavy_loss)
+    assert rg.verify(model, example_inputs=(x,), loss_fn=heavy_loss, optimized=again).within_budget
