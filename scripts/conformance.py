@@ -83,6 +83,11 @@ def main() -> int:
                              f"{r.predicted_peak_bytes} | {r.measured_peak_bytes} | {r.gradient_error:.1e} | "
                              f"{'x%.2f' % r.step_time_ratio if r.step_time_ratio else ''} |")
         print(f"{name}: {'pass' if ok else 'FAIL'} ({time.perf_counter() - t0:.0f} s)", flush=True)
+        for r in rows:
+            if not r.passed:
+                print(f"  FAIL {r.fraction} {r.solver} ({r.chosen}): error {r.error[:200]!r} grad {r.gradient_error:.1e} "
+                      f"buffers {r.buffer_mismatches[:3]} measured {r.measured_peak_bytes} budget {r.budget_bytes} "
+                      f"predicted {r.predicted_peak_bytes}", flush=True)
     elapsed = time.perf_counter() - start
     header = f"""# Conformance: model code nobody here wrote
 
