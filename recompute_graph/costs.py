@@ -13,7 +13,7 @@ Passes over the traced graph, with the model in its current train/eval mode:
    loss is priced on the store-all output (``loss_pricing.price_loss``).
 2. **Compute pass**: each node alone on detached copies of its inputs, forward and backward, under
    ``FlopCounterMode``; the isolated backward again, apart, under both meters for
-   ``backward_workspace_bytes`` (FlopCounterMode decomposes some ops). It computes the gradients the
+   ``backward_workspace_bytes`` (FlopCounterMode decomposes some: silu, 5x). It computes the gradients the
    step's backward computes: of the parameters and of inputs produced by nodes that require grad.
 3. With ``timing="measure"``, a third pass times each node on the model's device (warm-up, ``repeats``
    runs, median), without the profiler.
@@ -114,12 +114,13 @@ def profile_graph(traced: TraceResult, example_inputs: Sequence[Any], *, timing:
         timing = "flops"
     passes = 3 if timing == "measure" else 2
     with progress_bar(len(gm.graph.nodes) * passes, f"profiling {name or 'model'}", progress) as bar:
-        with allocator_windows(on_meta) as memory_windows:
+        cuda = next((t.device for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor) and t.is_cuda), None)
+        with allocator_windows(on_meta, cuda) as memory_windows:
             memory = _run_counted(_MemoryPass(gm), inputs, bar)
         memory.add_allocator_workspace(memory_windows())
         loss = price_loss(gm, memory.env, loss_fn or default_training_loss, output_of or (lambda value: value))
         grad_nodes = {node for node, record in memory.records.items() if record.requires_grad}
-        with allocator_windows(on_meta) as compute_windows:
+        with allocator_windows(on_meta, cuda) as compute_windows:
             compute = _run_counted(_ComputePass(gm, "flops", repeats, warmup, grad_nodes), inputs, bar)
         compute.add_allocator_workspace(compute_windows())
         if timing == "measure":  # timed apart: the profiler's per-op cost would distort the times
@@ -460,7 +461,6 @@ class _ComputePass(fx.Interpreter):
             input_grads = self._backward(n, out, leaves, seeds)
         record.backward_flops = int(counter.get_total_flops())
         del input_grads, out, leaves
-        # memory apart: under FlopCounterMode some backward ops decompose into temporaries (silu's: 5x)
         fresh_args, fresh_kwargs, leaves = self._fresh_inputs(args, kwargs, trainable_ids)
         out = self._forward(n, fresh_args, fresh_kwargs)
         seeds = [torch.ones_like(t) for t in _tensors(out) if t.requires_grad]

@@ -32,19 +32,48 @@ __all__ = ["WINDOW_PREFIX", "LossPrice", "price_loss", "allocator_windows", "nod
 WINDOW_PREFIX = "recompute_graph.node::"
 
 
+#: While a CUDA model is priced: the device, and each window's (start, peak, end) by the caching allocator.
+_cuda_windows: dict[str, Any] = {}
+
+
 @contextlib.contextmanager
-def allocator_windows(on_meta: bool) -> Iterator[Callable[[], dict[str, tuple[int, int, int]]]]:
-    """Record the CPU allocator's events (off on meta, where nothing is allocated); yields a function
-    giving each node's ``(level at start, peak, level at end)`` once the block has ended."""
+def allocator_windows(on_meta: bool, cuda_device: Any = None
+                      ) -> Iterator[Callable[[], dict[str, tuple[int, int, int]]]]:
+    """Record the allocator while the block runs; yields a function giving each node's ``(level at
+    start, peak, level at end)`` once the block has ended. CPU: ``torch.profiler`` memory events.
+    CUDA (``cuda_device``): the caching allocator's ``memory_allocated`` and ``max_memory_allocated``
+    around each :func:`node_window` (its peak statistic is reset at each window). Meta: nothing."""
     if on_meta:
         yield dict
+        return
+    if cuda_device is not None:
+        _cuda_windows.clear()
+        _cuda_windows["device"] = cuda_device
+        try:
+            yield lambda: {k: v for k, v in _cuda_windows.items() if k != "device"}
+        finally:
+            _cuda_windows.pop("device", None)
         return
     with AllocatorRecorder() as recorder:
         yield lambda: recorder.window_peaks(WINDOW_PREFIX)
 
 
-def node_window(name: str) -> Any:
-    return torch.profiler.record_function(WINDOW_PREFIX + name)
+@contextlib.contextmanager
+def node_window(name: str) -> Iterator[None]:
+    """Mark one node's priced run for :func:`allocator_windows`."""
+    device = _cuda_windows.get("device")
+    if device is None:
+        with torch.profiler.record_function(WINDOW_PREFIX + name):
+            yield
+        return
+    torch.cuda.synchronize(device)
+    start = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize(device)
+        _cuda_windows[name] = (start, torch.cuda.max_memory_allocated(device), torch.cuda.memory_allocated(device))
 
 
 @dataclass(frozen=True)
@@ -77,16 +106,14 @@ def price_loss(gm: fx.GraphModule, env: dict, loss_fn: LossFunction,
                                    + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""))
             grads.extend(torch.autograd.grad(loss, trainable, allow_unused=True))
     on_meta = any(t.is_meta for t in trainable)
-    with StorageTracker() as tracker:
-        if on_meta:
+    cuda = next((t.device for t in trainable if t.is_cuda), None)
+    with allocator_windows(on_meta, cuda) as windows, StorageTracker() as tracker:
+        with node_window("loss"):
             run()
-        else:
-            with AllocatorRecorder() as recorder, node_window("loss"):
-                run()
     kept = _unique_storage_bytes([g for g in grads if g is not None])
     transient = max(0, tracker.peak_bytes - kept)
-    if not on_meta:
-        start, peak, end = recorder.window_peaks(WINDOW_PREFIX)["loss"]
+    if "loss" in windows():
+        start, peak, end = windows()["loss"]
         transient = max(transient, peak - max(start, end))
     got_grad = {id(t) for t, g in zip(trainable, grads) if g is not None}
     names = []
