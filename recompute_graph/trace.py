@@ -97,6 +97,9 @@ class _ModuleLevelTracer(fx.Tracer):
         super().__init__()
         self.opaque = opaque
         self.record_stack_traces = True  # so that errors can name the user's source line
+        # buffers read as attributes (``self.num_batches_tracked.add_(1)`` in timm's BatchNormAct2d)
+        # become graph nodes; otherwise the write would run once, at trace time, and never in training
+        self.proxy_buffer_attributes = True
 
     def trace(self, root: Any, concrete_args: Any = None) -> fx.Graph:
         originals = {name: getattr(torch, name) for name in SHAPE_DEPENDENT_CONSTRUCTORS}
@@ -147,6 +150,19 @@ def trace(model: nn.Module) -> TraceResult:
     """
     if not isinstance(model, nn.Module):
         raise TraceError(f"expected an nn.Module, got {type(model).__name__}")
+    if not isinstance(model, nn.Module):
+        raise TraceError(f"expected an nn.Module, got {type(model).__name__}")
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        return _trace(model)
+    finally:  # tracing runs the model's Python code: whatever it wrote into buffers is undone
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                if not torch.equal(buffer, saved):
+                    buffer.copy_(saved)
+
+
+def _trace(model: nn.Module) -> TraceResult:
     opaque: dict[str, str] = {}
     submodule_count = sum(1 for _ in model.modules())
     for _attempt in range(submodule_count + 1):
