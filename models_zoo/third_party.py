@@ -80,6 +80,16 @@ def _timm(name: str, size: int = 96, batch: int = 4, **kwargs: Any) -> Callable[
     return factory
 
 
+def _timm_class(module: str, cls: str, size: int = 64, batch: int = 4, **kwargs: Any
+                ) -> Callable[[], tuple[nn.Module, Call]]:
+    """A timm model class built with small sizes (where a registered name fixes the depth and width)."""
+    def factory() -> tuple[nn.Module, Call]:
+        import_timm()
+        torch.manual_seed(0)
+        return getattr(importlib.import_module(module), cls)(num_classes=10, **kwargs), _images(batch, size)
+    return factory
+
+
 def _token_batch(vocabulary: int, batch: int = 2, seq_len: int = 16, labels: bool = True) -> dict:
     generator = torch.Generator().manual_seed(7)
     ids = torch.randint(1, vocabulary, (batch, seq_len), generator=generator)
@@ -142,7 +152,9 @@ CONFORMANCE_MODELS: dict[str, tuple[str, Callable[[], tuple[nn.Module, Call]]]] 
     "tv_vit": ("torchvision", _torchvision_class("VisionTransformer", image_size=64, patch_size=8, num_layers=2,
                                                 num_heads=4, hidden_dim=64, mlp_dim=128, dropout=0.1)),
     "tv_swin_t": ("torchvision", _torchvision("swin_t", size=64)),
-    "tv_maxvit_t": ("torchvision", _torchvision("maxvit_t", size=64)),
+    "tv_maxvit": ("torchvision", _torchvision_class("MaxVit", input_size=(64, 64), stem_channels=16, partition_size=2,
+                                                   block_channels=[16, 32], block_layers=[1, 1], head_dim=8,
+                                                   stochastic_depth_prob=0.0)),
     # timm, across families
     "timm_vit_tiny": ("timm", _timm("vit_tiny_patch16_224", size=64, img_size=64, patch_size=8, depth=4,
                                     drop_rate=0.1)),
@@ -151,8 +163,8 @@ CONFORMANCE_MODELS: dict[str, tuple[str, Callable[[], tuple[nn.Module, Call]]]] 
     "timm_convnext_atto": ("timm", _timm("convnext_atto", drop_rate=0.1)),
     "timm_efficientnet_b0": ("timm", _timm("efficientnet_b0", drop_rate=0.2)),
     "timm_resnet18d": ("timm", _timm("resnet18d", drop_rate=0.1)),
-    "timm_mixer_s16": ("timm", _timm("mixer_s16_224", size=64, img_size=64, patch_size=8, num_blocks=4,
-                                     drop_rate=0.1)),
+    "timm_mixer": ("timm", _timm_class("timm.models.mlp_mixer", "MlpMixer", img_size=64, patch_size=8, num_blocks=4,
+                                       embed_dim=64, drop_rate=0.1)),
     "timm_swin_tiny": ("timm", _timm("swin_tiny_patch4_window7_224", size=64, img_size=64, window_size=4,
                                      depths=(2, 2, 2, 2), embed_dim=48)),
     "timm_regnetx_002": ("timm", _timm("regnetx_002", drop_rate=0.1)),
@@ -160,7 +172,7 @@ CONFORMANCE_MODELS: dict[str, tuple[str, Callable[[], tuple[nn.Module, Call]]]] 
     "timm_coatnet_nano": ("timm", _timm("coatnet_nano_rw_224", size=64, img_size=64)),
     "timm_levit_128s": ("timm", _timm("levit_128s", size=64, img_size=64)),
     "timm_ghostnet": ("timm", _timm("ghostnet_050", drop_rate=0.1)),
-    "timm_resmlp_12": ("timm", _timm("resmlp_12_224", size=64, img_size=64, patch_size=8)),
+    "timm_resmlp_12": ("timm", _timm("resmlp_12_224", size=64, img_size=64)),
     # transformers, from configs
     "hf_gpt2": ("transformers", _hf("GPT2Config", "GPT2LMHeadModel", _text, vocab_size=97, n_embd=32,
                                     n_layer=2, n_head=4, n_positions=64)),
