@@ -111,7 +111,9 @@ A budget under a solver's floor runs at that floor ("(floor)"). The loss is the 
 Columns: floor = the smallest feasible budget as a fraction of a store-all step's; auto at 0.8 / 0.5 = the
 solver chosen, predicted / measured peak and step time against the original (fastest of 3, in turn);
 rows = passing (fraction, solver) rows of those that ran; checkpoint = `torch.utils.checkpoint` on every
-block (`peers.checkpoint_blocks`): measured peak (its fraction of store-all) and step time ratio.
+block (`peers.checkpoint_blocks`): measured peak (its fraction of store-all) and step time ratio. Memory is
+deterministic; step times come from one run on 2 cores and move by up to ±25 % between runs (some rows of
+this page were measured while the machine ran other work), so read them as indicative.
 
 | model | family | result | floor | store-all measured | auto at 0.8 | auto at 0.5 | rows | checkpoint per block |
 |---|---|---|---|---|---|---|---|---|
@@ -142,7 +144,8 @@ def _merged(path: str, new_lines: list[str], models: list[str]) -> list[str]:
     with open(path, encoding="utf-8") as f:
         old = [line for line in f.read().splitlines() if line.startswith("| ") and not line.startswith("| model ")
                and not line.startswith("|---")]
-    kept = [line for line in old if line.split(" | ")[0][2:] not in models]
+    kept = [line for line in old if line.split(" | ")[0][2:] not in models
+            and line.split(" | ")[0][2:] in third_party.CONFORMANCE_MODELS]
     order = list(third_party.CONFORMANCE_MODELS)
     merged = kept + new_lines
     return sorted(merged, key=lambda line: order.index(line.split(" | ")[0][2:])
