@@ -152,7 +152,7 @@ def trace(model: nn.Module) -> TraceResult:
         raise TraceError(f"expected an nn.Module, got {type(model).__name__}")
     if not isinstance(model, nn.Module):
         raise TraceError(f"expected an nn.Module, got {type(model).__name__}")
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    buffers = [(b, b.detach().clone()) for b in model.buffers() if not b.is_meta]  # meta holds no values
     try:
         return _trace(model)
     finally:  # tracing runs the model's Python code: whatever it wrote into buffers is undone
