@@ -1,7 +1,7 @@
 """Hugging Face ``transformers`` models (built from a config, no downloads) optimized end to end on CPU:
 measured peak and step time of store-all, of ``transformers``' own gradient checkpointing (per layer,
 ``activation_checkpointing_enable()``, non-reentrant), and of our plans at a budget sweep; same inputs, same meter
-(live tensor storage), one run per model.
+(the allocator: ``measure.peak_memory``), one run per model.
 
     python scripts/hf_models.py [--models gpt2 bert llama] [--layers 6] [--width 256] [--seq-len 256]
                                 [--batch 4] [--budgets 0.9 0.8 0.75 0.7] [--repeats 5]
