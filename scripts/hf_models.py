@@ -25,6 +25,11 @@ from recompute_graph.measure import peak_memory, time_step
 
 
 def build(name: str, layers: int, width: int, seq_len: int) -> torch.nn.Module:
+    from models_zoo.third_party import import_torchvision
+    try:  # transformers imports torchvision when installed (see third_party.import_torchvision)
+        import_torchvision()
+    except ImportError:
+        pass
     import transformers as hf
     hf.logging.set_verbosity_error()
     heads = max(1, width // 64)
