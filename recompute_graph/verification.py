@@ -24,6 +24,8 @@ import torch
 from torch import nn
 
 from .losses import default_training_loss
+from .measure import peak_memory
+from .planner import loss_allowance_bytes
 from .units import format_bytes
 
 __all__ = ["VerifyReport", "verify", "GRADIENT_TOLERANCE", "PREDICTION_TOLERANCE"]
@@ -123,9 +125,7 @@ def verify(model: nn.Module, budget: Any = 0.5, *, example_inputs: Sequence[Any]
         error, compared, missing = _gradient_error(grads, dict(reference.named_parameters()))
         mismatches = tuple(name for name, b in reference.named_buffers()
                            if name in buffers_after and not torch.equal(buffers_after[name], b))
-        _restore(model, saved_buffers)
-        from .measure import peak_memory
-        from .planner import loss_allowance_bytes
+        _restore(model, saved_buffers)  # the measured step starts from the same buffers
         measured = peak_memory(_step(optimized, args, kwargs, loss, seed), device=device)
     finally:
         _restore(model, saved_buffers)
