@@ -20,6 +20,7 @@ from typing import Any, Sequence
 
 import torch
 
+from recompute_graph.model_state import preserved_state, training_step
 from . import third_party
 
 __all__ = ["ConformanceRow", "check_model", "activation_budget_bytes", "DEFAULT_FRACTIONS", "call_of"]
@@ -132,40 +133,21 @@ def check_model(name: str, fractions: Sequence[float] = DEFAULT_FRACTIONS, solve
 
 def _original_peak(model: torch.nn.Module, args: tuple, kwargs: dict) -> int:
     """The allocator's peak of one step of the unmodified model (its buffers restored afterwards)."""
-    from recompute_graph.losses import default_training_loss
     from recompute_graph.measure import peak_memory
-    buffers = {n: b.clone() for n, b in model.named_buffers()}
-
-    def step() -> None:
+    with preserved_state(model):
+        step = training_step(model, args, kwargs)
+        step()
+        peak = peak_memory(step)
         model.zero_grad(set_to_none=True)
-        default_training_loss(model(*args, **kwargs)).backward()
-    step()
-    peak = peak_memory(step)
-    model.zero_grad(set_to_none=True)
-    with torch.no_grad():
-        for n, b in model.named_buffers():
-            b.copy_(buffers[n])
     return peak
-
-
-def _training_step(module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
-    from recompute_graph.losses import default_training_loss
-
-    def step() -> None:
-        module.zero_grad(set_to_none=True)
-        default_training_loss(module(*args, **kwargs)).backward()
-    return step
 
 
 def _time_ratio(model: torch.nn.Module, optimized: torch.nn.Module, args: tuple, kwargs: dict) -> float:
     """Fastest of 3 planned steps over the fastest of 3 original steps, timed in turn."""
     from recompute_graph.measure import time_steps_in_turn
-    buffers = {n: b.clone() for n, b in model.named_buffers()}
-    original, planned = time_steps_in_turn([_training_step(model, args, kwargs),
-                                            _training_step(optimized, args, kwargs)], rounds=3)
-    with torch.no_grad():
-        for n, b in model.named_buffers():
-            b.copy_(buffers[n])
+    with preserved_state(model):
+        original, planned = time_steps_in_turn([training_step(model, args, kwargs),
+                                                training_step(optimized, args, kwargs)], rounds=3)
     return min(planned.seconds) / min(original.seconds)
 
 
@@ -178,12 +160,12 @@ def _peer(model: torch.nn.Module, args: tuple, kwargs: dict, store_all_peak: int
         peer = checkpoint_blocks(model)
     except ValueError as error:
         return {"applies": False, "reason": str(error)}
-    step = _training_step(peer, args, kwargs)
+    step = training_step(peer, args, kwargs)
     try:
         step()
     except Exception as error:  # noqa: BLE001 - the peer's own failure is its row, not ours
         return {"applies": False, "reason": f"{type(error).__name__}: {str(error).splitlines()[0][:100]}"}
     peak = peak_memory(step)
-    original, checkpointed = time_steps_in_turn([_training_step(model, args, kwargs), step], rounds=3)
+    original, checkpointed = time_steps_in_turn([training_step(model, args, kwargs), step], rounds=3)
     return {"applies": True, "measured_bytes": peak, "fraction_of_store_all": peak / max(1, store_all_peak),
             "step_time_ratio": min(checkpointed.seconds) / min(original.seconds)}

@@ -26,12 +26,11 @@ are exactly as before profiling.
 """
 from __future__ import annotations
 
-import contextlib
 import operator
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import fx, nn
@@ -40,9 +39,11 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from .errors import ProfileError
 from .graph import CostGraph, CostNode
-from .loss_pricing import LossPrice, allocator_windows, node_window, price_loss, rng_state_bytes
+from .loss_pricing import (LossPrice, allocator_windows, gradient_seeds, incoming_gradient_layouts, node_window,
+                           price_loss, rng_state_bytes)
 from .losses import LossFunction, default_training_loss
-from .measure import StorageTracker, storage_key
+from .measure import StorageTracker, storage_key, unique_storages
+from .model_state import preserved_state
 from .progress import progress_bar
 from .trace import TraceResult, trace
 
@@ -118,13 +119,15 @@ def profile_graph(traced: TraceResult, example_inputs: Sequence[Any], *, timing:
         with allocator_windows(on_meta, cuda) as memory_windows:
             memory = _run_counted(_MemoryPass(gm), inputs, bar)
         memory.add_allocator_workspace(memory_windows())
-        loss = price_loss(gm, memory.env, loss_fn or default_training_loss, output_of or (lambda value: value))
+        loss_fn, output_of = loss_fn or default_training_loss, output_of or (lambda value: value)
+        loss = price_loss(gm, memory.env, loss_fn, output_of)
+        layouts = incoming_gradient_layouts(gm, memory.env, loss_fn, output_of)
         grad_nodes = {node for node, record in memory.records.items() if record.requires_grad}
         with allocator_windows(on_meta, cuda) as compute_windows:
-            compute = _run_counted(_ComputePass(gm, "flops", repeats, warmup, grad_nodes), inputs, bar)
+            compute = _run_counted(_ComputePass(gm, "flops", repeats, warmup, grad_nodes, layouts), inputs, bar)
         compute.add_allocator_workspace(compute_windows())
         if timing == "measure":  # timed apart: the profiler's per-op cost would distort the times
-            timed = _run_counted(_ComputePass(gm, timing, repeats, warmup, grad_nodes), inputs, bar)
+            timed = _run_counted(_ComputePass(gm, timing, repeats, warmup, grad_nodes, layouts), inputs, bar)
             for node_name, record in compute.records.items():
                 record.forward_seconds = timed.records[node_name].forward_seconds
                 record.backward_seconds = timed.records[node_name].backward_seconds
@@ -142,26 +145,9 @@ def _run_counted(interpreter: Any, inputs: tuple, bar: Any) -> Any:
         bar.update()
         return result
     interpreter.run_node = counted
-    with _preserved_state(interpreter.module):
+    with preserved_state(interpreter.module, rng=True):
         interpreter.run(*inputs)
     return interpreter
-
-
-@contextlib.contextmanager
-def _preserved_state(gm: nn.Module) -> Iterator[None]:
-    """Restore every buffer and the CPU/CUDA RNG states on exit (profiling must leave no trace)."""
-    buffers = [(b, b.detach().clone()) for b in gm.buffers()]
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for buffer, saved in buffers:
-                buffer.copy_(saved)
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -262,7 +248,7 @@ class _MemoryPass(fx.Interpreter):
         own_keys = {k for k in output_keys if owner_of.get(k) == n.name}
         record = _NodeMemory(output_keys=output_keys, has_tensor_output=bool(outputs))
         used_keys = {storage_key(t) for t in _tensors(_used_outputs(n, result))}
-        record.output_bytes = sum(t.untyped_storage().nbytes() for t in _unique_storages(outputs)
+        record.output_bytes = sum(t.untyped_storage().nbytes() for t in unique_storages(outputs)
                                   if storage_key(t) in own_keys & used_keys)
         foreign = [owner_of[k] for k in output_keys - own_keys if k in owner_of]
         record.alias_of = foreign[0] if foreign and not own_keys else None
@@ -335,17 +321,6 @@ def _unpack(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _unique_storages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    seen: set[int | None] = set()
-    unique = []
-    for t in tensors:
-        key = storage_key(t)
-        if key not in seen:
-            seen.add(key)
-            unique.append(t)
-    return unique
-
-
 @dataclass
 class _NodeCompute:
     forward_flops: int = 0
@@ -362,11 +337,13 @@ class _NodeCompute:
 class _ComputePass(fx.Interpreter):
     """Runs each node alone, forward and backward, counting FLOPs and (optionally) timing it."""
 
-    def __init__(self, gm: fx.GraphModule, timing: str, repeats: int, warmup: int, grad_nodes: set[str]) -> None:
-        """``grad_nodes``: the nodes whose output requires grad in training (from the memory pass)."""
+    def __init__(self, gm: fx.GraphModule, timing: str, repeats: int, warmup: int, grad_nodes: set[str],
+                 layouts: dict) -> None:
+        """``grad_nodes``: the nodes whose output requires grad in training (from the memory pass);
+        ``layouts``: the layouts of their incoming gradients (``loss_pricing.incoming_gradient_layouts``)."""
         super().__init__(gm)
         self.timing, self.repeats, self.warmup = timing, repeats, warmup
-        self.grad_nodes = grad_nodes
+        self.grad_nodes, self.layouts = grad_nodes, layouts
         self.records: dict[str, _NodeCompute] = {}
 
     def run(self, *args: Any) -> "_ComputePass":
@@ -418,6 +395,7 @@ class _ComputePass(fx.Interpreter):
                 return value
             if (value.is_floating_point() or value.is_complex()) and id(value) in trainable_ids:
                 leaf = value.detach().clone().requires_grad_(True)
+                leaf._from_parameter = isinstance(value, nn.Parameter)
                 leaves.append(leaf)
                 return leaf.clone()  # non-leaf, so in-place ops on it are allowed
             return value.detach().clone()
@@ -431,13 +409,13 @@ class _ComputePass(fx.Interpreter):
 
     def _backward(self, n: fx.Node, out: Any, leaves: list[torch.Tensor],
                   seeds: list[torch.Tensor] | None = None) -> list[torch.Tensor | None] | None:
-        """Backward of one isolated node from ``seeds`` (default: ones) as output gradients; returns
-        the gradients of its inputs (None: the node has no backward)."""
+        """Backward of one isolated node from ``seeds`` (default: ones laid out as in training) as output
+        gradients; returns the gradients of its inputs (None: the node has no backward)."""
         outputs = [t for t in _tensors(out) if t.requires_grad]
         if not outputs:
             return None
         params = [p for p in self._node_parameters(n) if p.requires_grad]
-        seeds = seeds if seeds is not None else [torch.ones_like(t) for t in outputs]
+        seeds = seeds if seeds is not None else gradient_seeds(_tensors(out), self.layouts.get(n.name, {}))
         grads = torch.autograd.grad(outputs, leaves + params, seeds, allow_unused=True)
         return list(grads[: len(leaves)])
 
@@ -456,20 +434,23 @@ class _ComputePass(fx.Interpreter):
             out = self._forward(n, fresh_args, fresh_kwargs)
         record.forward_flops = int(counter.get_total_flops())
         record.forward_bytes_moved += sum(t.numel() * t.element_size() for t in _tensors(out))
-        seeds = [torch.ones_like(t) for t in _tensors(out) if t.requires_grad]
         with FlopCounterMode(display=False) as counter:
-            input_grads = self._backward(n, out, leaves, seeds)
+            input_grads = self._backward(n, out, leaves)
         record.backward_flops = int(counter.get_total_flops())
         del input_grads, out, leaves
         fresh_args, fresh_kwargs, leaves = self._fresh_inputs(args, kwargs, trainable_ids)
         out = self._forward(n, fresh_args, fresh_kwargs)
-        seeds = [torch.ones_like(t) for t in _tensors(out) if t.requires_grad]
+        seeds = gradient_seeds(_tensors(out), self.layouts.get(n.name, {}))
         with StorageTracker() as tracker, node_window(n.name):
             input_grads = self._backward(n, out, leaves, seeds)
         has_backward = input_grads is not None
         if has_backward:
-            returned = sum(g.untyped_storage().nbytes() for g in _unique_storages(
-                [g for g in input_grads if g is not None]) if storage_key(g) in tracker._live)
+            # gradients of activations; a parameter passed as an argument (exported graphs) gets its
+            # gradient at the end of the step (param_grad_bytes), so it counts as workspace here
+            activation_grads = [g for g, leaf in zip(input_grads, leaves) if g is not None
+                                and not getattr(leaf, "_from_parameter", False)]
+            returned = sum(g.untyped_storage().nbytes() for g in unique_storages(activation_grads)
+                           if storage_key(g) in tracker._live)
             record.backward_workspace_bytes = max(0, tracker.peak_bytes - returned)
             record.has_backward, record.returned_bytes = True, returned
             passed = [g for g in input_grads if g is not None]

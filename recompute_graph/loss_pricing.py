@@ -8,6 +8,10 @@
 * :func:`allocator_windows` records the CPU allocator while the profiling passes run, and
   :func:`node_window` marks one node's run, so that each node's workspace is priced as the allocator
   saw it (nothing on ``meta``, where nothing is allocated).
+* :func:`incoming_gradient_layouts` runs the step's backward once from the loss and records the shape and
+  strides of the gradient each node's outputs receive, so that the isolated backward that prices a node
+  is seeded with a gradient laid out as in training (a convolution's backward allocates more for a
+  gradient that arrives through a ``transpose`` than for a contiguous one).
 * :func:`rng_state_bytes`: one snapshot of the random generators, as the executor keeps it for each
   random node it recomputes.
 """
@@ -23,9 +27,10 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .errors import ProfileError
 from .losses import LossFunction
-from .measure import AllocatorRecorder, StorageTracker, storage_key
+from .measure import AllocatorRecorder, StorageTracker, unique_storages
 
-__all__ = ["WINDOW_PREFIX", "LossPrice", "price_loss", "allocator_windows", "node_window", "rng_state_bytes"]
+__all__ = ["WINDOW_PREFIX", "LossPrice", "price_loss", "allocator_windows", "node_window", "rng_state_bytes",
+           "GradientLayout", "incoming_gradient_layouts", "gradient_seeds"]
 
 
 #: ``torch.profiler.record_function`` names around each node's priced run: prefix + node name.
@@ -110,7 +115,7 @@ def price_loss(gm: fx.GraphModule, env: dict, loss_fn: LossFunction,
     with allocator_windows(on_meta, cuda) as windows, StorageTracker() as tracker:
         with node_window("loss"):
             run()
-    kept = _unique_storage_bytes([g for g in grads if g is not None])
+    kept = sum(g.untyped_storage().nbytes() for g in unique_storages([g for g in grads if g is not None]))
     transient = max(0, tracker.peak_bytes - kept)
     if "loss" in windows():
         start, peak, end = windows()["loss"]
@@ -125,11 +130,62 @@ def price_loss(gm: fx.GraphModule, env: dict, loss_fn: LossFunction,
     return LossPrice(transient, tuple(names))
 
 
-def _unique_storage_bytes(tensors: list[torch.Tensor]) -> int:
-    seen: dict[int | None, int] = {}
-    for t in tensors:
-        seen.setdefault(storage_key(t), t.untyped_storage().nbytes())
-    return sum(seen.values())
+#: ``(shape, stride)`` of a gradient.
+GradientLayout = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def incoming_gradient_layouts(gm: fx.GraphModule, env: dict, loss_fn: LossFunction,
+                              output_of: Callable[[Any], Any]) -> dict[str, dict[int, GradientLayout]]:
+    """Run ``loss_fn`` on the store-all output and the step's backward once (to the parameters and the
+    inputs that require grad; nothing is accumulated in ``.grad``), recording for each node the layout
+    of the gradient its tensor outputs receive: node name -> {index in the node's tensor outputs ->
+    (shape, stride)}. Empty on ``meta`` and when nothing requires grad."""
+    tensors_of = {n.name: [t for t in tree_flatten(env[n])[0] if isinstance(t, torch.Tensor)]
+                  for n in gm.graph.nodes if n.op == "call_function" or n.op == "call_module"
+                  or n.op == "call_method"}
+    if any(t.is_meta for ts in tensors_of.values() for t in ts):
+        return {}
+    targets = [p for p in gm.parameters() if p.requires_grad]
+    targets += [env[n] for n in gm.graph.nodes if n.op == "placeholder" and isinstance(env[n], torch.Tensor)
+                and env[n].requires_grad and env[n].is_leaf]
+    output_node = next(n for n in gm.graph.nodes if n.op == "output")
+    value = output_of(fx.node.map_arg(output_node.args[0], lambda n: env[n]))
+    layouts: dict[str, dict[int, GradientLayout]] = {}
+    handles = []
+
+    def recorder(name: str, index: int) -> Callable[[torch.Tensor], None]:
+        def record(grad: torch.Tensor) -> None:
+            layouts.setdefault(name, {})[index] = (tuple(grad.shape), tuple(grad.stride()))
+        return record
+    try:
+        for name, ts in tensors_of.items():
+            for i, t in enumerate(ts):
+                if t.requires_grad and not t.is_leaf:
+                    handles.append(t.register_hook(recorder(name, i)))
+        with torch.enable_grad():
+            loss = loss_fn(value)
+        if not targets or not isinstance(loss, torch.Tensor) or not loss.requires_grad:
+            return {}
+        torch.autograd.grad(loss, targets, allow_unused=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return layouts
+
+
+def gradient_seeds(outputs: list[torch.Tensor], layouts: dict[int, GradientLayout]) -> list[torch.Tensor]:
+    """Ones as the output gradients of an isolated backward, one per output that requires grad, each
+    laid out as ``layouts`` says its gradient arrives in training (index in ``outputs``), else contiguous."""
+    seeds = []
+    for i, t in enumerate(outputs):
+        if not t.requires_grad:
+            continue
+        shape, stride = layouts.get(i, (None, None))
+        if shape == tuple(t.shape):
+            seeds.append(torch.empty_strided(shape, stride, dtype=t.dtype, device=t.device).fill_(1))
+        else:
+            seeds.append(torch.ones_like(t, memory_format=torch.contiguous_format))
+    return seeds
 
 
 def rng_state_bytes(inputs: tuple) -> int:

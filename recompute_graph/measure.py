@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["StorageTracker", "AllocatorRecorder", "allocator_peak_memory", "peak_memory", "METERS", "saved_tensor_bytes", "time_step", "time_steps_in_turn", "StepTiming",
+__all__ = ["storage_key", "unique_storages", "StorageTracker", "AllocatorRecorder", "allocator_peak_memory", "peak_memory", "METERS", "saved_tensor_bytes", "time_step", "time_steps_in_turn", "StepTiming",
            "make_training_step",
            "default_loss", "sum_loss"]
 
@@ -39,6 +39,18 @@ def storage_key(tensor: torch.Tensor) -> int | None:
         return tensor.untyped_storage()._cdata
     except (RuntimeError, NotImplementedError):  # sparse, nested or storage-less tensor subclasses
         return None
+
+
+def unique_storages(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The first tensor of ``tensors`` on each distinct storage, in order."""
+    seen: set[int | None] = set()
+    unique = []
+    for t in tensors:
+        key = storage_key(t)
+        if key not in seen:
+            seen.add(key)
+            unique.append(t)
+    return unique
 
 
 class StorageTracker(TorchDispatchMode):
@@ -314,14 +326,10 @@ def make_training_step(model: nn.Module, inputs: Sequence[Any],
     """A closure running one training step: clear gradients (to None), forward, loss, backward.
 
     Returns the loss value. Gradients are set to None first so that every step allocates them anew and
-    the meters see the same thing each time.
+    the meters see the same thing each time (``model_state.training_step`` with this module's loss).
     """
-    def step() -> float:
-        model.zero_grad(set_to_none=True)
-        loss = loss_fn(model(*inputs))
-        loss.backward()
-        return loss.item()
-    return step
+    from .model_state import training_step
+    return training_step(model, tuple(inputs), {}, loss_fn)
 
 
 def profiler_peak_memory(step: Callable[[], Any]) -> int:

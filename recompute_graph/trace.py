@@ -35,6 +35,7 @@ from torch import fx, nn
 from torch.utils._pytree import tree_flatten
 
 from .errors import TraceError
+from .model_state import preserved_state
 
 __all__ = ["TraceResult", "functionalize", "trace", "user_source_location"]
 
@@ -150,16 +151,8 @@ def trace(model: nn.Module) -> TraceResult:
     """
     if not isinstance(model, nn.Module):
         raise TraceError(f"expected an nn.Module, got {type(model).__name__}")
-    if not isinstance(model, nn.Module):
-        raise TraceError(f"expected an nn.Module, got {type(model).__name__}")
-    buffers = [(b, b.detach().clone()) for b in model.buffers() if not b.is_meta]  # meta holds no values
-    try:
+    with preserved_state(model):  # tracing runs the model's Python code: what it writes into buffers is undone
         return _trace(model)
-    finally:  # tracing runs the model's Python code: whatever it wrote into buffers is undone
-        with torch.no_grad():
-            for buffer, saved in buffers:
-                if not torch.equal(buffer, saved):
-                    buffer.copy_(saved)
 
 
 def _trace(model: nn.Module) -> TraceResult:

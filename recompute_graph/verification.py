@@ -25,6 +25,7 @@ from torch import nn
 
 from .losses import default_training_loss
 from .measure import peak_memory
+from .model_state import preserved_state, training_step
 from .planner import loss_allowance_bytes
 from .units import format_bytes
 
@@ -88,17 +89,6 @@ class VerifyReport:
         return "\n".join([head, *("  " + r for r in rows), *("  warning: " + w for w in self.warnings)])
 
 
-def _step(module: nn.Module, args: tuple, kwargs: dict, loss_fn: Callable[[Any], torch.Tensor],
-          seed: int) -> Callable[[], float]:
-    def run() -> float:
-        module.zero_grad(set_to_none=True)
-        torch.manual_seed(seed)
-        loss = loss_fn(module(*args, **kwargs))
-        loss.backward()
-        return float(loss.detach())
-    return run
-
-
 def verify(model: nn.Module, budget: Any = 0.5, *, example_inputs: Sequence[Any] | None = None,
            example_kwargs: dict[str, Any] | None = None, loss_fn: Callable[[Any], torch.Tensor] | None = None,
            solver: str = "auto", seed: int = 0, device: Any = None, optimized: nn.Module | None = None,
@@ -111,26 +101,20 @@ def verify(model: nn.Module, budget: Any = 0.5, *, example_inputs: Sequence[Any]
     args, kwargs = tuple(example_inputs or ()), dict(example_kwargs or {})
     loss = loss_fn or default_training_loss
     reference = copy.deepcopy(model)
-    saved_buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-    saved_grads = {name: None if p.grad is None else p.grad.clone() for name, p in model.named_parameters()}
-    try:
+    with preserved_state(model, grads=True):
         if optimized is None:
             optimized = optimize(model, budget, example_inputs=args or None, example_kwargs=kwargs or None,
                                  solver=solver, loss_fn=loss_fn, **options)
         plan = optimized.plan(*args, **kwargs)
-        expected_loss = _step(reference, args, kwargs, loss, seed)()
-        actual_loss = _step(optimized, args, kwargs, loss, seed)()
-        grads = {name: p.grad for name, p in model.named_parameters()}
-        buffers_after = {name: b.detach().clone() for name, b in model.named_buffers()}
+        expected_loss = training_step(reference, args, kwargs, loss, seed)()
+        with preserved_state(model):  # the measured step below starts from the same buffers
+            actual_loss = training_step(optimized, args, kwargs, loss, seed)()
+            grads = {name: p.grad for name, p in model.named_parameters()}
+            buffers_after = {name: b.detach().clone() for name, b in model.named_buffers()}
         error, compared, missing = _gradient_error(grads, dict(reference.named_parameters()))
         mismatches = tuple(name for name, b in reference.named_buffers()
                            if name in buffers_after and not torch.equal(buffers_after[name], b))
-        _restore(model, saved_buffers)  # the measured step starts from the same buffers
-        measured = peak_memory(_step(optimized, args, kwargs, loss, seed), device=device)
-    finally:
-        _restore(model, saved_buffers)
-        for name, p in model.named_parameters():
-            p.grad = saved_grads[name]
+        measured = peak_memory(training_step(optimized, args, kwargs, loss, seed), device=device)
     predicted = plan.predicted_peak_bytes + loss_allowance_bytes(plan.graph)
     warnings = []
     if measured > plan.budget_bytes:
@@ -159,10 +143,3 @@ def _gradient_error(actual: dict[str, torch.Tensor | None], expected: dict[str, 
         compared += 1
         worst = max(worst, (mine.double() - p.grad.double()).abs().max().item())
     return (worst / largest if largest > 0 else worst), compared, tuple(missing)
-
-
-def _restore(model: nn.Module, buffers: dict[str, torch.Tensor]) -> None:
-    with torch.no_grad():
-        for name, b in model.named_buffers():
-            if name in buffers:
-                b.copy_(buffers[name])
