@@ -196,7 +196,7 @@ CONFORMANCE_MODELS: dict[str, tuple[str, Callable[[], tuple[nn.Module, Call]]]] 
                                         num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
                                         conv_dim=(16, 16), conv_stride=(5, 4), conv_kernel=(10, 4),
                                         num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4,
-                                        mask_time_prob=0.0)),
+                                        mask_time_prob=0.0, layerdrop=0.0)),
 }
 
 #: The CI subset: one or two per family, chosen for the patterns that broke before (ViT shape reads,

@@ -139,12 +139,11 @@ def incoming_gradient_layouts(gm: fx.GraphModule, env: dict, loss_fn: LossFuncti
     """Run ``loss_fn`` on the store-all output and the step's backward once (to the parameters and the
     inputs that require grad; nothing is accumulated in ``.grad``), recording for each node the layout
     of the gradient its tensor outputs receive: node name -> {index in the node's tensor outputs ->
-    (shape, stride)}. Empty on ``meta`` and when nothing requires grad."""
+    (shape, stride)}. Empty when nothing requires grad. On ``meta`` too: strides are computed there, and
+    a plan made on meta must price views and copies as the real model does."""
     tensors_of = {n.name: [t for t in tree_flatten(env[n])[0] if isinstance(t, torch.Tensor)]
                   for n in gm.graph.nodes if n.op == "call_function" or n.op == "call_module"
                   or n.op == "call_method"}
-    if any(t.is_meta for ts in tensors_of.values() for t in ts):
-        return {}
     targets = [p for p in gm.parameters() if p.requires_grad]
     targets += [env[n] for n in gm.graph.nodes if n.op == "placeholder" and isinstance(env[n], torch.Tensor)
                 and env[n].requires_grad and env[n].is_leaf]

@@ -38,3 +38,18 @@ def test_third_party_models_train_exactly_within_their_budgets(name):
         assert row.passed, describe(row)
     # the plans recompute something somewhere: the suite is not store-all in disguise
     assert any(row.chosen != "store_all" for row in ran)
+
+
+def test_layerdrop_is_refused_with_the_users_source_line():
+    """wav2vec2's LayerDrop decides in Python, from a random number, whether a layer runs: no single
+    graph is the model's, so nothing can be planned exactly. ``optimize`` refuses it with a TraceError
+    that names the line; with ``layerdrop=0.0`` (the conformance configuration) the same model plans."""
+    if not third_party.available("hf_wav2vec2"):
+        pytest.skip("transformers is not installed")
+    import transformers
+
+    import recompute_graph as rg
+    model, call = third_party.build("hf_wav2vec2")
+    layerdrop = transformers.Wav2Vec2Model(model.config.__class__(**{**model.config.to_dict(), "layerdrop": 0.1}))
+    with pytest.raises(rg.TraceError, match="skip_the_layer"):
+        rg.optimize(layerdrop.train(), 0.5, example_kwargs=call, timing="flops")
