@@ -15,7 +15,8 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .rewrite import ScheduleExecutor, autocast_state
+from .executor_state import autocast_state
+from .rewrite import ScheduleExecutor
 
 __all__ = ["PreparedStep", "RecomputedModule", "placeholder_binder", "run_schedule"]
 

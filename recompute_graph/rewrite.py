@@ -25,6 +25,9 @@ this way and none of its parameters got a gradient earlier in the step (decided 
 before execution); otherwise it runs node by node, so fused or not, memory is what the simulator says. Fusion removes
 the per-node cost of an autograd call (about 0.1 ms on CPU), which dominates on graphs of small nodes.
 
+The per-step state (tapes, gradient buffers, RNG snapshots) and the small autograd tools are in
+``executor_state.py``.
+
 Correctness of recomputation: the first computation in a step of a random node that the schedule
 computes again records the CPU and CUDA RNG states and every recomputation replays them (dropout masks are identical); a recomputation of a node that
 mutates module buffers (BatchNorm running statistics) restores them afterwards, so they are updated
@@ -38,70 +41,20 @@ from __future__ import annotations
 import contextlib
 import operator
 from collections import Counter
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .errors import RewriteError
+from .executor_state import (InjectGradient, StepState, Tape, autocast_as, autocast_state, fresh_results,
+                             pytree_leaves, replayed_rng, unique_parameters, unpack_saved)
 from .graph import CostGraph
 from .measure import storage_key
 from .schedule import Backward, Forward, FreeValue, Op, Schedule
 
 __all__ = ["RewriteError", "ScheduleExecutor"]
-
-
-@dataclass
-class _Tape:
-    outputs: list[torch.Tensor]            # output tensors requiring grad (local graph roots)
-    positions: list[int]                   # their positions in the node's flattened value
-    leaves: list[tuple[Any, int, torch.Tensor]]  # (source, position, detached input leaf)
-    parameters: list[nn.Parameter]
-    freed_shapes: list[torch.Size] | None = None
-    connected: list[torch.Tensor] = field(default_factory=list)  # producer tensors read with their edge
-    identity: bool = False  # every output is one of the input leaves: backward hands gradients on as is
-
-
-@dataclass
-class _StepState:
-    """Everything one training step keeps between the forward and the backward ops."""
-
-    values: dict[int, Any] = field(default_factory=dict)
-    static: dict[str, Any] = field(default_factory=dict)
-    tapes: dict[int, _Tape] = field(default_factory=dict)
-    grads: dict[Any, dict[int, torch.Tensor]] = field(default_factory=dict)
-    owned_grads: set[tuple[Any, int]] = field(default_factory=set)
-    rng_states: dict[int, tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]] = field(default_factory=dict)
-    computed: set[int] = field(default_factory=set)
-    output_sources: list[tuple[int | None, int]] = field(default_factory=list)
-    autocast: tuple = ()  # the autocast settings of the forward, re-entered to recompute in backward
-    external_keys: set = field(default_factory=set)  # storages of the output gradients autograd handed in
-
-
-#: Device types whose autocast state a step records (``autocast_state``).
-AUTOCAST_DEVICES = ("cpu", "cuda")
-
-
-def autocast_state() -> tuple:
-    """The current autocast settings, ``((device_type, dtype), ...)`` for each device type where autocast
-    is enabled (empty when it is off everywhere)."""
-    return tuple((device, torch.get_autocast_dtype(device)) for device in AUTOCAST_DEVICES
-                 if torch.is_autocast_enabled(device))
-
-
-@contextlib.contextmanager
-def _autocast_as(state: tuple) -> Iterator[None]:
-    """Re-enter the autocast settings ``state`` (``autocast_state()``), off elsewhere."""
-    with contextlib.ExitStack() as stack:
-        enabled = dict(state)
-        for device in AUTOCAST_DEVICES:
-            if device in enabled:
-                stack.enter_context(torch.autocast(device_type=device, dtype=enabled[device]))
-            elif torch.is_autocast_enabled(device):
-                stack.enter_context(torch.autocast(device_type=device, enabled=False))
-        yield
 
 
 class ScheduleExecutor:
@@ -127,7 +80,7 @@ class ScheduleExecutor:
         self.fx_of = [self.fx_nodes[node.name] for node in graph]
         self.placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
         self.output_node = next(n for n in graph_module.graph.nodes if n.op == "output")
-        self.parameters = _unique([p for p in graph_module.parameters() if p.requires_grad])
+        self.parameters = unique_parameters([p for p in graph_module.parameters() if p.requires_grad])
         self._parameter_ids = {id(p): i for i, p in enumerate(self.parameters)}
         self._node_parameters = [self._parameters_of(n) for n in self.fx_of]
         self._state_tensors = [self._mutable_state(n) if graph.nodes[i].stateful else []
@@ -211,13 +164,13 @@ class ScheduleExecutor:
     def parameters_changed(self) -> bool:
         """True when the traced module's trainable parameters are no longer the objects this executor
         was built with (replaced by assignment, frozen or unfrozen, or swapped by a wrapper)."""
-        current = _unique([p for p in self.gm.parameters() if p.requires_grad])
+        current = unique_parameters([p for p in self.gm.parameters() if p.requires_grad])
         return len(current) != len(self.parameters) or any(a is not b for a, b in zip(current, self.parameters))
 
     # ------------------------------------------------------------------ public entry points
-    def run_forward(self, inputs: Sequence[Any]) -> tuple[_StepState, Any]:
+    def run_forward(self, inputs: Sequence[Any]) -> tuple[StepState, Any]:
         """Run the forward ops on ``inputs`` (one per placeholder); returns the state and the output."""
-        state = _StepState(autocast=autocast_state())
+        state = StepState(autocast=autocast_state())
         for placeholder, value in zip(self.placeholders, inputs):
             state.static[placeholder.name] = value
         for position, op in enumerate(self.schedule.forward_ops):
@@ -232,7 +185,7 @@ class ScheduleExecutor:
             state.output_sources += [(source, k) for k in range(count)]
         return state, output
 
-    def run_backward(self, state: _StepState, output_grads: Sequence[torch.Tensor | None]
+    def run_backward(self, state: StepState, output_grads: Sequence[torch.Tensor | None]
                      ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
         """Run the backward ops given the gradients of the flattened tensor outputs; returns the
         gradients of the placeholders and of ``self.parameters``."""
@@ -263,12 +216,12 @@ class ScheduleExecutor:
         return input_grads, parameter_grads
 
     # ------------------------------------------------------------------ ops
-    def _run(self, state: _StepState, op: Op, first_pass: bool, position: int) -> None:
+    def _run(self, state: StepState, op: Op, first_pass: bool, position: int) -> None:
         if isinstance(op, Forward):
             if first_pass:
                 self._forward(state, op.node, op.tape, self._connections.get(position))
             else:  # a recomputation in backward: under the forward's autocast settings, not the caller's
-                with _autocast_as(state.autocast):
+                with autocast_as(state.autocast):
                     self._forward(state, op.node, op.tape, self._connections.get(position))
             if first_pass:
                 self._evaluate_static_users(state, self.fx_of[op.node])
@@ -279,7 +232,7 @@ class ScheduleExecutor:
         else:  # pragma: no cover - the simulator rejects these first
             raise RewriteError(f"unknown op {op!r}")
 
-    def _forward(self, state: _StepState, index: int, tape: bool, connect: frozenset[int] | None = None) -> None:
+    def _forward(self, state: StepState, index: int, tape: bool, connect: frozenset[int] | None = None) -> None:
         if tape and connect is None and self._tuple_items[index] is not None and self._taped_item(state, index):
             return
         node = self.fx_of[index]
@@ -296,7 +249,7 @@ class ScheduleExecutor:
         restore = [(t, t.clone()) for t in self._state_tensors[index]] if recompute else []
         saved: list[int | None] | None = [] if tape else None
         try:
-            with _replayed_rng(state, index, recompute, args) if self._random[index] else contextlib.nullcontext():
+            with replayed_rng(state, index, recompute, args) if self._random[index] else contextlib.nullcontext():
                 out = self._call_in_grad_mode(node, args, kwargs, saved)
         except Exception as error:  # noqa: BLE001
             raise RewriteError(f"node {node.format_node()} failed: {type(error).__name__}: {error}") from error
@@ -308,12 +261,12 @@ class ScheduleExecutor:
         state.computed.add(index)
         state.values[index] = out
         if tape:
-            flat = _leaves(out)
+            flat = pytree_leaves(out)
             positions = [k for k, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
             if positions:
                 roots = [flat[k] for k in positions]
                 identity = not connected and all(any(t is leaf for _, _, leaf in leaves) for t in roots)
-                state.tapes[index] = _Tape(roots, positions, leaves, self._node_parameters[index],
+                state.tapes[index] = Tape(roots, positions, leaves, self._node_parameters[index],
                                            connected=connected, identity=identity)
             # The local graph holds its input leaves; release the storage of those its backward does not
             # read (saved tensors are separate aliases, see _call_in_grad_mode).
@@ -325,7 +278,7 @@ class ScheduleExecutor:
                     if storage_key(leaf) not in saved_keys:
                         leaf.data = torch.empty(0, dtype=leaf.dtype, device=leaf.device)
 
-    def _taped_item(self, state: _StepState, index: int) -> bool:
+    def _taped_item(self, state: StepState, index: int) -> bool:
         """Fast path of a taped ``value[k]`` on a tuple or list of tensors: the element as a detached leaf,
         with an identity tape (what the general path makes, without leaves for the other elements and
         without an autograd call in backward). False when the value is not such a container."""
@@ -342,14 +295,14 @@ class ScheduleExecutor:
         state.computed.add(index)
         state.values[index] = leaf
         if needs_grad:
-            state.tapes[index] = _Tape([leaf], [0], [(source, k, leaf)], [], identity=True)
+            state.tapes[index] = Tape([leaf], [0], [(source, k, leaf)], [], identity=True)
         return True
 
-    def _free(self, state: _StepState, index: int) -> None:
+    def _free(self, state: StepState, index: int) -> None:
         value = state.values.pop(index)
         tape = state.tapes.get(index)
         if tape is not None and tape.freed_shapes is None:
-            flat = _leaves(value)
+            flat = pytree_leaves(value)
             if all(any(t is f for f in flat) for t in tape.outputs):
                 tape.freed_shapes = [t.shape for t in tape.outputs]
                 leaves = [leaf for _, _, leaf in tape.leaves]
@@ -364,7 +317,7 @@ class ScheduleExecutor:
                         base.data = torch.empty(0, dtype=base.dtype, device=base.device)
                     t.data = torch.empty(0, dtype=t.dtype, device=t.device)
 
-    def _backward(self, state: _StepState, index: int) -> None:
+    def _backward(self, state: StepState, index: int) -> None:
         tape = state.tapes.pop(index, None)
         grads = state.grads.pop(index, {})
         if tape is None:
@@ -387,7 +340,7 @@ class ScheduleExecutor:
                                           allow_unused=True)
         except RuntimeError as error:
             raise RewriteError(f"backward of node {self.fx_of[index].format_node()} failed: {error}") from error
-        fresh = _fresh_results(results, {storage_key(g) for _, g in pairs})
+        fresh = fresh_results(results, {storage_key(g) for _, g in pairs})
         for (source, position, _), grad, owned in zip(tape.leaves, results, fresh):
             if grad is not None:
                 self._accumulate(state, source, position, grad, owned)
@@ -395,7 +348,7 @@ class ScheduleExecutor:
             if grad is not None:
                 self._accumulate(state, "parameters", self._parameter_ids[id(parameter)], grad, owned)
 
-    def _run_fused(self, state: _StepState, ops: Sequence[Op]) -> None:
+    def _run_fused(self, state: StepState, ops: Sequence[Op]) -> None:
         """One backward run (Backward and FreeValue ops only) as a single autograd call."""
         for op in ops:
             if isinstance(op, FreeValue):
@@ -422,21 +375,21 @@ class ScheduleExecutor:
             parameters += tape.parameters
         if not roots:
             return
-        parameters = _unique(parameters)
+        parameters = unique_parameters(parameters)
         targets = [leaf for _, _, leaf in leaves] + parameters
         incoming_keys = {storage_key(g) for g in root_grads}
         # Each incoming gradient enters through its own node, so that autograd drops it as soon as the
         # node it feeds has run (as the node-by-node execution does), instead of holding all of them
         # for the whole call as ``grad_outputs`` would.
         with torch.enable_grad():
-            dummies = [_InjectGradient.apply(t, [g]) for t, g in zip(roots, root_grads)]
+            dummies = [InjectGradient.apply(t, [g]) for t, g in zip(roots, root_grads)]
         del roots, root_grads
         try:
             results = torch.autograd.grad(dummies, targets, allow_unused=True)
         except RuntimeError as error:
             names = [self.fx_of[op.node].name for op in ops if isinstance(op, Backward)]
             raise RewriteError(f"backward of nodes {names[:5]}... failed: {error}") from error
-        fresh = _fresh_results(results, incoming_keys)
+        fresh = fresh_results(results, incoming_keys)
         for (source, position, _), grad, owned in zip(leaves, results, fresh):
             if grad is not None:
                 self._accumulate(state, source, position, grad, owned)
@@ -445,7 +398,7 @@ class ScheduleExecutor:
                 self._accumulate(state, "parameters", self._parameter_ids[id(parameter)], grad, owned)
 
     # ------------------------------------------------------------------ helpers
-    def _accumulate(self, state: _StepState, source: Any, position: int, grad: torch.Tensor,
+    def _accumulate(self, state: StepState, source: Any, position: int, grad: torch.Tensor,
                     owned: bool = False) -> None:
         """Add ``grad`` into a gradient buffer. A buffer that may alias another tensor (``owned`` False:
         autograd returned an incoming gradient as is) is written in place only once nothing else holds
@@ -464,7 +417,7 @@ class ScheduleExecutor:
             state.owned_grads.add((source, position))
 
     @staticmethod
-    def _sole_holder(state: _StepState, source: Any, position: int, buffer: torch.Tensor) -> bool:
+    def _sole_holder(state: StepState, source: Any, position: int, buffer: torch.Tensor) -> bool:
         """Whether the gradient buffer at ``(source, position)``, handed on by a pass-through backward,
         is no longer shared: no other buffer of the step has its storage and autograd did not hand it in
         (the model outputs' gradients). Then it is summed into in place, as autograd's own engine does
@@ -475,7 +428,7 @@ class ScheduleExecutor:
         return not any(storage_key(other) == key for s, buffers in state.grads.items()
                        for k, other in buffers.items() if (s, k) != (source, position))
 
-    def _input(self, state: _StepState, a: fx.Node, leaves: list | None,
+    def _input(self, state: StepState, a: fx.Node, leaves: list | None,
                connect: frozenset[int] | None = None, connected: list | None = None) -> Any:
         value = self._lookup(state, a)
         if leaves is None or (a.name not in self.cost_index and a.op != "placeholder"):
@@ -519,7 +472,7 @@ class ScheduleExecutor:
                 detached.append(item)
         return detached[0] if spec is None else tree_unflatten(detached, spec)
 
-    def _lookup(self, state: _StepState, a: fx.Node) -> Any:
+    def _lookup(self, state: StepState, a: fx.Node) -> Any:
         if a.name in self.cost_index:
             index = self.cost_index[a.name]
             if index not in state.values:
@@ -530,7 +483,7 @@ class ScheduleExecutor:
             self._evaluate_static(state, a)
         return state.static[a.name]
 
-    def _evaluate_static(self, state: _StepState, a: fx.Node) -> None:
+    def _evaluate_static(self, state: StepState, a: fx.Node) -> None:
         if a.op == "get_attr":
             state.static[a.name] = self._get_attr(a)
             return
@@ -540,7 +493,7 @@ class ScheduleExecutor:
         with torch.no_grad():
             state.static[a.name] = self._call(a, args, kwargs)
 
-    def _evaluate_static_users(self, state: _StepState, node: fx.Node) -> None:
+    def _evaluate_static_users(self, state: StepState, node: fx.Node) -> None:
         """Evaluate non-tensor users (shape arithmetic) as soon as their inputs exist, once per step."""
         for user in node.users:
             if user.name in self.cost_index or user.name in state.static or user.op == "output":
@@ -549,7 +502,7 @@ class ScheduleExecutor:
                 self._evaluate_static(state, user)
                 self._evaluate_static_users(state, user)
 
-    def _available(self, state: _StepState, a: fx.Node) -> bool:
+    def _available(self, state: StepState, a: fx.Node) -> bool:
         if a.name in self.cost_index:
             return self.cost_index[a.name] in state.values
         return a.name in state.static or a.op == "get_attr"
@@ -566,7 +519,7 @@ class ScheduleExecutor:
         try:
             if saved is None:
                 return self._call(node, args, kwargs)
-            with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+            with torch.autograd.graph.saved_tensors_hooks(pack, unpack_saved):
                 return self._call(node, args, kwargs)
         finally:
             torch._C._set_grad_enabled(previous)
@@ -594,7 +547,7 @@ class ScheduleExecutor:
                     value = self._get_attr(a)
                     if isinstance(value, nn.Parameter):
                         found.append(value)
-        return _unique([p for p in found if p.requires_grad])
+        return unique_parameters([p for p in found if p.requires_grad])
 
     def _get_attr(self, a: fx.Node) -> Any:
         target: Any = self.gm
@@ -608,82 +561,3 @@ class ScheduleExecutor:
             return list(self.gm.get_submodule(node.target).buffers())
         attributes = [self._get_attr(a) for a in node.all_input_nodes if a.op == "get_attr"]
         return [t for t in attributes if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter)]
-
-
-def _leaves(value: Any) -> list[Any]:
-    """``tree_flatten(value)[0]``, with fast paths for a tensor and a flat tuple of tensors (hot path)."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if type(value) is tuple and all(isinstance(item, torch.Tensor) for item in value):
-        return list(value)
-    return tree_flatten(value)[0]
-
-
-def _unique(parameters: list[nn.Parameter]) -> list[nn.Parameter]:
-    seen: set[int] = set()
-    unique = []
-    for p in parameters:
-        if id(p) not in seen:
-            seen.add(id(p))
-            unique.append(p)
-    return unique
-
-
-def _fresh_results(results: Sequence[torch.Tensor | None], incoming_keys: set) -> list[bool]:
-    """Which gradients autograd returned in storage of their own (not an incoming gradient, whose
-    storage keys are ``incoming_keys``, passed through, not shared with another result, not a slice of a
-    larger storage): those may be accumulated into in place."""
-    keys = [storage_key(r) if r is not None else None for r in results]
-    counts = Counter(keys)
-    # a view into a larger storage (a slice of an intermediate gradient) is not owned either: adding
-    # into it in place would keep the whole storage alive, so it gets replaced by a compact sum
-    return [k is not None and k not in incoming_keys and counts[k] == 1
-            and r.untyped_storage().nbytes() == r.numel() * r.element_size() for k, r in zip(keys, results)]
-
-
-class _InjectGradient(torch.autograd.Function):
-    """A scalar root whose backward hands the boxed gradient to ``tensor`` and lets go of it."""
-
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, box: list) -> torch.Tensor:
-        ctx.box = box
-        return tensor.new_zeros(())
-
-    @staticmethod
-    def backward(ctx: Any, _: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = ctx.box.pop()
-        ctx.box = None
-        return grad, None
-
-
-def _unpack(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
-
-
-class _replayed_rng:
-    """First computation of a random node: record the RNG states. Recomputation: replay them and put the
-    generators back afterwards, so the rest of the step draws the same numbers as without recomputation."""
-
-    def __init__(self, state: _StepState, index: int, recompute: bool, args: Any) -> None:
-        self.state, self.index, self.recompute = state, index, recompute
-        self.devices = sorted({t.device.index or 0 for t in tree_flatten(args)[0]
-                               if isinstance(t, torch.Tensor) and t.device.type == "cuda"})
-        self.saved: tuple[torch.Tensor, list[tuple[int, torch.Tensor]]] | None = None
-
-    def __enter__(self) -> None:
-        current = (torch.get_rng_state(), [(d, torch.cuda.get_rng_state(d)) for d in self.devices])
-        if not self.recompute or self.index not in self.state.rng_states:
-            self.state.rng_states[self.index] = current
-            return
-        self.saved = current
-        cpu, cuda = self.state.rng_states[self.index]
-        torch.set_rng_state(cpu)
-        for device, rng in cuda:
-            torch.cuda.set_rng_state(rng, device)
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.saved is not None:
-            cpu, cuda = self.saved
-            torch.set_rng_state(cpu)
-            for device, rng in cuda:
-                torch.cuda.set_rng_state(rng, device)

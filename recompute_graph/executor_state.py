@@ -1,0 +1,156 @@
+"""What the executor (``rewrite.py``) keeps during one step, and its small autograd tools.
+
+* :class:`Tape`: one node's local autograd graph (outputs, detached input leaves, saved storages);
+* :class:`StepState`: the values, tapes, gradient buffers and RNG snapshots of one training step;
+* :func:`autocast_state` / :func:`autocast_as`: the forward's autocast settings, re-entered for the
+  recomputations in backward;
+* :class:`InjectGradient`: hands a gradient computed outside autograd back into it;
+* :class:`replayed_rng`: the generator states a random node saw the first time, replayed when it is
+  recomputed (dropout masks are identical);
+* small helpers over pytrees of tensors.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from .measure import storage_key
+
+__all__ = ["Tape", "StepState", "autocast_state", "autocast_as", "pytree_leaves", "unique_parameters",
+           "fresh_results", "InjectGradient", "unpack_saved", "replayed_rng"]
+
+
+@dataclass
+class Tape:
+    outputs: list[torch.Tensor]            # output tensors requiring grad (local graph roots)
+    positions: list[int]                   # their positions in the node's flattened value
+    leaves: list[tuple[Any, int, torch.Tensor]]  # (source, position, detached input leaf)
+    parameters: list[nn.Parameter]
+    freed_shapes: list[torch.Size] | None = None
+    connected: list[torch.Tensor] = field(default_factory=list)  # producer tensors read with their edge
+    identity: bool = False  # every output is one of the input leaves: backward hands gradients on as is
+
+
+@dataclass
+class StepState:
+    """Everything one training step keeps between the forward and the backward ops."""
+
+    values: dict[int, Any] = field(default_factory=dict)
+    static: dict[str, Any] = field(default_factory=dict)
+    tapes: dict[int, Tape] = field(default_factory=dict)
+    grads: dict[Any, dict[int, torch.Tensor]] = field(default_factory=dict)
+    owned_grads: set[tuple[Any, int]] = field(default_factory=set)
+    rng_states: dict[int, tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]] = field(default_factory=dict)
+    computed: set[int] = field(default_factory=set)
+    output_sources: list[tuple[int | None, int]] = field(default_factory=list)
+    autocast: tuple = ()  # the autocast settings of the forward, re-entered to recompute in backward
+    external_keys: set = field(default_factory=set)  # storages of the output gradients autograd handed in
+
+
+#: Device types whose autocast state a step records (``autocast_state``).
+AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def autocast_state() -> tuple:
+    """The current autocast settings, ``((device_type, dtype), ...)`` for each device type where autocast
+    is enabled (empty when it is off everywhere)."""
+    return tuple((device, torch.get_autocast_dtype(device)) for device in AUTOCAST_DEVICES
+                 if torch.is_autocast_enabled(device))
+
+
+@contextlib.contextmanager
+def autocast_as(state: tuple) -> Iterator[None]:
+    """Re-enter the autocast settings ``state`` (``autocast_state()``), off elsewhere."""
+    with contextlib.ExitStack() as stack:
+        enabled = dict(state)
+        for device in AUTOCAST_DEVICES:
+            if device in enabled:
+                stack.enter_context(torch.autocast(device_type=device, dtype=enabled[device]))
+            elif torch.is_autocast_enabled(device):
+                stack.enter_context(torch.autocast(device_type=device, enabled=False))
+        yield
+
+
+def pytree_leaves(value: Any) -> list[Any]:
+    """``tree_flatten(value)[0]``, with fast paths for a tensor and a flat tuple of tensors (hot path)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if type(value) is tuple and all(isinstance(item, torch.Tensor) for item in value):
+        return list(value)
+    return tree_flatten(value)[0]
+
+
+def unique_parameters(parameters: list[nn.Parameter]) -> list[nn.Parameter]:
+    seen: set[int] = set()
+    unique = []
+    for p in parameters:
+        if id(p) not in seen:
+            seen.add(id(p))
+            unique.append(p)
+    return unique
+
+
+def fresh_results(results: Sequence[torch.Tensor | None], incoming_keys: set) -> list[bool]:
+    """Which gradients autograd returned in storage of their own (not an incoming gradient, whose
+    storage keys are ``incoming_keys``, passed through, not shared with another result, not a slice of a
+    larger storage): those may be accumulated into in place."""
+    keys = [storage_key(r) if r is not None else None for r in results]
+    counts = Counter(keys)
+    # a view into a larger storage (a slice of an intermediate gradient) is not owned either: adding
+    # into it in place would keep the whole storage alive, so it gets replaced by a compact sum
+    return [k is not None and k not in incoming_keys and counts[k] == 1
+            and r.untyped_storage().nbytes() == r.numel() * r.element_size() for k, r in zip(keys, results)]
+
+
+class InjectGradient(torch.autograd.Function):
+    """A scalar root whose backward hands the boxed gradient to ``tensor`` and lets go of it."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, box: list) -> torch.Tensor:
+        ctx.box = box
+        return tensor.new_zeros(())
+
+    @staticmethod
+    def backward(ctx: Any, _: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = ctx.box.pop()
+        ctx.box = None
+        return grad, None
+
+
+def unpack_saved(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+class replayed_rng:  # noqa: N801 - used like a function: ``with replayed_rng(...)``
+    """First computation of a random node: record the RNG states. Recomputation: replay them and put the
+    generators back afterwards, so the rest of the step draws the same numbers as without recomputation."""
+
+    def __init__(self, state: StepState, index: int, recompute: bool, args: Any) -> None:
+        self.state, self.index, self.recompute = state, index, recompute
+        self.devices = sorted({t.device.index or 0 for t in tree_flatten(args)[0]
+                               if isinstance(t, torch.Tensor) and t.device.type == "cuda"})
+        self.saved: tuple[torch.Tensor, list[tuple[int, torch.Tensor]]] | None = None
+
+    def __enter__(self) -> None:
+        current = (torch.get_rng_state(), [(d, torch.cuda.get_rng_state(d)) for d in self.devices])
+        if not self.recompute or self.index not in self.state.rng_states:
+            self.state.rng_states[self.index] = current
+            return
+        self.saved = current
+        cpu, cuda = self.state.rng_states[self.index]
+        torch.set_rng_state(cpu)
+        for device, rng in cuda:
+            torch.cuda.set_rng_state(rng, device)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.saved is not None:
+            cpu, cuda = self.saved
+            torch.set_rng_state(cpu)
+            for device, rng in cuda:
+                torch.cuda.set_rng_state(rng, device)
