@@ -54,6 +54,12 @@ class PlanMismatchWarning(UserWarning):
     message says why, and a new plan is made instead."""
 
 
+class BudgetExceededWarning(UserWarning):
+    """A training step measured more than its plan's budget (checked on CUDA, where the caching
+    allocator's statistics are free to read, on the first step of each plan). Usually the loss trained
+    with is not the one planned for: pass it to ``optimize(..., loss_fn=...)``; ``rg.verify`` says more."""
+
+
 class ScheduleError(RecomputeError, ValueError):
     """A schedule cannot run: a value used before it exists, a backward before its inputs, ..."""
 

@@ -9,16 +9,19 @@ original model when the model was exported (``export_trace.py``).
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .errors import BudgetExceededWarning
 from .executor_state import autocast_state
+from .units import format_bytes
 from .rewrite import ScheduleExecutor
 
-__all__ = ["PreparedStep", "RecomputedModule", "placeholder_binder", "run_schedule"]
+__all__ = ["PeakWatch", "PreparedStep", "RecomputedModule", "placeholder_binder", "run_schedule"]
 
 
 class _ScheduleFunction(torch.autograd.Function):
@@ -27,6 +30,9 @@ class _ScheduleFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, executor: ScheduleExecutor, box: dict, *tensors: torch.Tensor) -> Any:
         inputs = box["inputs"]
+        ctx.watch = box.get("watch")
+        if ctx.watch is not None:
+            ctx.watch.start()
         state, output = executor.run_forward(inputs)
         flat, spec = tree_flatten(output)
         tensor_positions = [k for k, item in enumerate(flat) if isinstance(item, torch.Tensor)]
@@ -44,14 +50,50 @@ class _ScheduleFunction(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
         input_grads, parameter_grads = ctx.executor.run_backward(ctx.state, grads)
         ctx.state = None
+        if ctx.watch is not None:
+            ctx.watch.finish()
         tensor_input_grads = [input_grads[k] for k in ctx.input_positions]
         return (None, None, *tensor_input_grads, *parameter_grads)
 
 
-def run_schedule(executor: ScheduleExecutor, inputs: list[Any]) -> Any:
-    """Run one step's forward under ``executor``; backward happens when autograd reaches it."""
+class PeakWatch:
+    """Checks one step's peak against the plan's budget with the CUDA caching allocator's statistics:
+    the level when the forward starts, and the largest allocation level when the backward ends. Only a
+    new maximum set during the step is read (``max_memory_allocated`` is never reset: the user's own
+    statistics are left alone), so a step under an earlier maximum is not judged. Warns with
+    :class:`~recompute_graph.errors.BudgetExceededWarning` when the rise is over ``budget_bytes``."""
+
+    def __init__(self, device: torch.device, budget_bytes: int, model: str) -> None:
+        self.device, self.budget_bytes, self.model = device, budget_bytes, model
+        self.start_bytes = self.max_before_bytes = 0
+        self.measured_bytes: int | None = None  # the step's rise, once judged
+
+    def start(self) -> None:
+        self.start_bytes = torch.cuda.memory_allocated(self.device)
+        self.max_before_bytes = torch.cuda.max_memory_allocated(self.device)
+
+    def finish(self) -> None:
+        peak = torch.cuda.max_memory_allocated(self.device)
+        if peak <= self.max_before_bytes:
+            return
+        self.measured_bytes = peak - self.start_bytes
+        if self.measured_bytes > self.budget_bytes:
+            warnings.warn(
+                f"{self.model}: this training step allocated {format_bytes(self.measured_bytes)} on {self.device}, "
+                f"over the plan's budget of {format_bytes(self.budget_bytes)}. If the loss trained with is not "
+                "the one planned for, pass it as optimize(..., loss_fn=...); rg.verify(model, budget, "
+                "example_inputs=..., loss_fn=...) compares the two.", BudgetExceededWarning, stacklevel=2)
+
+
+def _cuda_device(inputs: list[Any]) -> torch.device | None:
+    return next((t.device for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor) and t.is_cuda), None)
+
+
+def run_schedule(executor: ScheduleExecutor, inputs: list[Any], watch: PeakWatch | None = None) -> Any:
+    """Run one step's forward under ``executor``; backward happens when autograd reaches it. ``watch``:
+    a :class:`PeakWatch` told when the forward starts and the backward ends."""
     input_positions = [k for k, value in enumerate(inputs) if isinstance(value, torch.Tensor)]
-    box: dict[str, Any] = {"inputs": inputs, "input_positions": input_positions}
+    box: dict[str, Any] = {"inputs": inputs, "input_positions": input_positions, "watch": watch}
     tensors = [inputs[k] for k in input_positions] + list(executor.parameters)
     returned = _ScheduleFunction.apply(executor, box, *tensors)
     flat = list(box["flat"])
@@ -94,6 +136,7 @@ class RecomputedModule(nn.Module):
         object.__setattr__(self, "_prepare", prepare)
         object.__setattr__(self, "_eval_forward", eval_forward)
         object.__setattr__(self, "_plans", {})
+        object.__setattr__(self, "_watched", set())  # ids of the prepared steps whose first step was checked
         object.__setattr__(self, "_original_class", type(model).__name__)
         object.__setattr__(self, "_signature", inspect.signature(model.forward))
         object.__setattr__(self, "recompute_plan", None)
@@ -138,7 +181,14 @@ class RecomputedModule(nn.Module):
             # parameters on its first all-gather): plan again, so gradients reach the tensors in use.
             self._plans.clear()
             step = self._prepared(args, kwargs)
-        return step.output_of(run_schedule(step.executor, step.inputs_of(args, kwargs)))
+        inputs = step.inputs_of(args, kwargs)
+        watch = None
+        if id(step) not in self._watched:  # the first step of each plan is checked against its budget
+            device = _cuda_device(inputs)
+            if device is not None:
+                self._watched.add(id(step))
+                watch = PeakWatch(device, step.plan.budget_bytes, self._original_class)
+        return step.output_of(run_schedule(step.executor, inputs, watch))
 
     def extra_repr(self) -> str:
         plan = self.recompute_plan

@@ -51,3 +51,32 @@ def test_training_with_a_heavier_loss_than_planned_is_reported_over_the_budget()
     # planned for the heavy loss, the same budget semantics hold again
     again = rg.optimize(model, 1.0, example_inputs=(x,), timing="flops", loss_fn=heavy_loss)
     assert rg.verify(model, example_inputs=(x,), loss_fn=heavy_loss, optimized=again).within_budget
+
+
+def test_the_first_step_of_a_plan_warns_when_it_breaks_the_budget(monkeypatch):
+    """On CUDA the module checks the first step of each plan with the caching allocator's statistics.
+    No GPU here: the statistics are played by a storage tracker over the same CPU step."""
+    import warnings
+
+    import recompute_graph.optimized_module as om
+    from recompute_graph.measure import StorageTracker
+    torch.manual_seed(0)
+    model, x = WideHead(), torch.randn(256, 32)
+    optimized = rg.optimize(model, 1.0, example_inputs=(x,), timing="flops", loss_fn=default_loss)
+    tracker = StorageTracker()
+    monkeypatch.setattr(om, "_cuda_device", lambda inputs: torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: tracker.live_bytes)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: tracker.peak_bytes)
+
+    def step(loss_fn):
+        optimized.zero_grad(set_to_none=True)
+        with tracker, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loss_fn(optimized(x)).backward()
+        return [w for w in caught if issubclass(w.category, rg.BudgetExceededWarning)]
+
+    assert step(default_loss) == []  # the planned loss: within the budget, no warning
+    optimized._watched.clear()
+    caught = step(heavy_loss)
+    assert len(caught) == 1 and "loss_fn" in str(caught[0].message)
+    assert step(heavy_loss) == []  # once per plan: later steps are not judged again
