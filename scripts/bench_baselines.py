@@ -3,7 +3,7 @@
     python scripts/bench_baselines.py [--models resnet50 resnet152 unet gpt2] [--solvers ...] [--repeats 2]
 
 For each model: trace and profile once (measured times), then for each solver its minimum-peak plan,
-executed by the schedule executor: predicted peak, measured peak (storage meter), measured median step
+executed by the schedule executor: predicted peak, measured peak (allocator meter), measured median step
 time, all as ratios to the original model's store-all step measured in the same run. Then the
 comparison at equal memory: the lower-set DP (dp_exact where it can run, else dp_approx) planned for the
 budget of each Chen plan's predicted peak ("dp @ chen_x"), so its step time can be read against Chen's.
