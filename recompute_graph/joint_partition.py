@@ -1,0 +1,217 @@
+"""Lowering a choice of saved values into a forward and a backward graph with recompute nodes.
+
+AOTAutograd hands a *partitioner* the joint forward+backward graph of a model: placeholders for the
+primals (parameters, buffers, inputs) and the tangents (the gradients of the outputs), the forward ops,
+and the backward ops. The partitioner decides which forward values the backward reads from memory
+(*saved*) and which it computes again (*recomputed*), and returns two graphs:
+
+* a forward ``fx.GraphModule`` returning the model's outputs and exactly the saved values;
+* a backward ``fx.GraphModule`` taking the saved values and the tangents, in which every forward op the
+  backward needs and that was not saved is duplicated (a *recompute node*) and placed right before its
+  first use, so that it is live only from there to its last use (fx frees a value after its last use).
+
+Here the forward nodes are the nodes that do not depend on a tangent. :func:`partition_with_policy`
+asks a policy which forward tensors it would keep, then walks back from what the backward reads: a
+kept value ends the walk and is saved, any other forward op on the way is recomputed. Whatever the
+policy says:
+
+* a random op's outputs are saved (recomputing one would draw a new mask), and so are those of an op
+  that reads state the step updates in place (BatchNorm reads the running statistics that AOTAutograd
+  writes back after the forward);
+* a primal the recomputation reaches is saved (it is alive anyway: a parameter, buffer or input);
+* non-tensor values (symbolic sizes) follow the tensors that need them.
+
+The graphs are built by ``torch._functorch.partitioners._extract_fwd_bwd_modules`` (the same routine
+``torch.compile``'s own partitioners use, so AOTAutograd's calling conventions hold), then the backward's
+recompute nodes are moved to their first use (:func:`place_recomputation`), since extraction keeps the
+joint graph's order, which would recompute everything at the start of the backward.
+
+:func:`recompute_backend` is a ``torch.compile`` backend built on it (forward and backward run by
+``aot_eager``'s boxed interpreter), and ``last_partition()`` shows what the last compilation did:
+the saved values, the recompute nodes and the backward's code.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import fx
+
+from .joint_capture import RANDOM_TARGETS
+
+__all__ = ["Partition", "POLICIES", "partition_with_policy", "place_recomputation", "recompute_backend",
+           "last_partition"]
+
+#: A policy gets the forward tensors (in graph order) and returns the names of those it would keep; of
+#: those, the ones the backward's recomputation reaches are saved.
+Policy = Callable[[list[fx.Node]], set[str]]
+
+#: ops whose output a selective policy keeps: the expensive ones (matrix products, convolutions,
+#: attention); the cheap pointwise ops and views around them are recomputed.
+COMPUTE_BOUND_TARGETS = frozenset({"mm", "addmm", "bmm", "baddbmm", "convolution", "_convolution",
+                                   "_scaled_dot_product_flash_attention",
+                                   "_scaled_dot_product_flash_attention_for_cpu",
+                                   "_scaled_dot_product_efficient_attention", "scaled_dot_product_attention",
+                                   "embedding", "_native_batch_norm_legit_functional",
+                                   "native_batch_norm", "native_layer_norm"})
+
+
+def _target_name(node: fx.Node) -> str:
+    return getattr(node.target, "__name__", str(node.target)).split(".")[0]
+
+
+def _producer(node: fx.Node) -> fx.Node:
+    """The op behind a ``getitem`` of a multi-output op, else the node itself."""
+    import operator
+    if node.op == "call_function" and node.target is operator.getitem:
+        return node.args[0]
+    return node
+
+
+#: ops that read state the step then updates in place (BatchNorm's running statistics: AOTAutograd
+#: copies their new values back after the forward), so a recomputation would read the new values:
+#: their outputs are saved, like a random op's.
+STATE_READING_TARGETS = frozenset({"_native_batch_norm_legit_functional", "native_batch_norm",
+                                   "_native_batch_norm_legit", "batch_norm", "_batch_norm_impl_index",
+                                   "cudnn_batch_norm", "miopen_batch_norm"})
+
+
+POLICIES: dict[str, Policy] = {
+    # every candidate saved: the default partitioner's plan, no recomputation
+    "save_all": lambda candidates: {n.name for n in candidates},
+    # save the outputs of compute-bound ops; recompute pointwise ops and views from them
+    "save_compute_bound": lambda candidates: {n.name for n in candidates
+                                              if _target_name(_producer(n)) in COMPUTE_BOUND_TARGETS},
+    # save nothing the rules allow not to: recompute the whole forward in backward from the primals
+    "save_nothing": lambda candidates: set(),
+}
+
+
+@dataclass(frozen=True)
+class Partition:
+    """What one partition did: the saved values, the recompute nodes of the backward and its code."""
+
+    saved: tuple[str, ...]
+    recomputed: tuple[str, ...]
+    forward_graph: fx.GraphModule
+    backward_graph: fx.GraphModule
+
+    @property
+    def backward_code(self) -> str:
+        """The generated backward as Python; each recompute node is a line of forward op before its use."""
+        return self.backward_graph.code
+
+    def __repr__(self) -> str:
+        return f"Partition({len(self.saved)} saved, {len(self.recomputed)} recomputed in backward)"
+
+
+_LAST: list[Partition] = []
+
+
+def last_partition() -> Partition | None:
+    """The :class:`Partition` of the most recent :func:`partition_with_policy` call, or None."""
+    return _LAST[-1] if _LAST else None
+
+
+def partition_with_policy(joint_module: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int,
+                          policy: Policy | str = "save_compute_bound", **_: Any
+                          ) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """An AOTAutograd ``partition_fn``: the forward and backward graphs for ``policy``'s saved values
+    (module docstring). ``policy`` is a :data:`POLICIES` name or a callable."""
+    from torch._functorch.partitioners import _extract_fwd_bwd_modules
+    choose = POLICIES[policy] if isinstance(policy, str) else policy
+    graph = joint_module.graph
+    tangents = [n for n in graph.nodes if n.op == "placeholder" and "tangents" in n.name]
+    backward = _descendants(tangents)
+    output = next(n for n in graph.nodes if n.op == "output")
+    forward = [n for n in graph.nodes if n not in backward and n.op != "output"]
+    forward_set = set(forward)
+    candidates = [n for n in forward if n.op != "placeholder" and _is_tensor(n)]
+    chosen = set(choose(candidates))
+    random_ops = {n for n in forward if n.op == "call_function"
+                  and _target_name(n) in RANDOM_TARGETS | STATE_READING_TARGETS}
+    # walk back from what the backward reads through the forward: a chosen value, a random op's
+    # output or a primal is saved and ends the walk; any other forward node is recomputed
+    needed = [n for n in forward if _is_tensor(n) and any(u in backward for u in n.users)]
+    needed += [n for n in _backward_outputs(output, num_fwd_outputs) if n in forward_set]
+    saved: set[fx.Node] = set()
+    sym_saved: set[fx.Node] = set()
+    seen: set[fx.Node] = set()
+    stack = list(needed)
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.op == "placeholder":
+            (saved if _is_tensor(node) else sym_saved).add(node)
+        elif _is_tensor(node) and (node.name in chosen or _producer(node) in random_ops):
+            saved.add(node)
+        else:
+            stack.extend(node.all_input_nodes)
+    saved_values = [n for n in forward if n in saved]
+    saved_sym = [n for n in forward if n in sym_saved]
+    forward_graph, backward_graph = _extract_fwd_bwd_modules(joint_module, saved_values, saved_sym,
+                                                             num_fwd_outputs=num_fwd_outputs)
+    recomputed = place_recomputation(backward_graph, {n.name for n in forward} - {n.name for n in saved_values})
+    _LAST[:] = [Partition(tuple(n.name for n in saved_values), tuple(recomputed), forward_graph, backward_graph)]
+    return forward_graph, backward_graph
+
+
+def place_recomputation(backward_graph: fx.GraphModule, forward_names: set[str]) -> list[str]:
+    """Move every node of ``backward_graph`` named in ``forward_names`` (a forward op copied into the
+    backward: a recompute node) right before its first user, latest first, so that its inputs, moved
+    the same way, still come before it. Returns the recompute nodes' names in their new order."""
+    nodes = list(backward_graph.graph.nodes)
+    recompute = [n for n in nodes if n.op == "call_function" and n.name in forward_names]
+    for node in reversed(recompute):
+        if not node.users:
+            continue
+        position = {n: i for i, n in enumerate(backward_graph.graph.nodes)}
+        first_user = min(node.users, key=lambda u: position[u])
+        first_user.prepend(node)
+    backward_graph.graph.lint()
+    backward_graph.recompile()
+    return [n.name for n in backward_graph.graph.nodes if n in set(recompute)]
+
+
+def recompute_backend(policy: Policy | str = "save_compute_bound") -> Callable[..., Any]:
+    """A ``torch.compile`` backend: AOTAutograd with :func:`partition_with_policy` as its partitioner,
+    the forward and backward graphs run as they are (``aot_eager``)."""
+    from functools import partial
+
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_compiler
+
+    def run_as_is(gm: fx.GraphModule, _example_inputs: Any) -> Any:
+        return gm
+    compiler = make_boxed_compiler(run_as_is)
+    return aot_autograd(fw_compiler=compiler, bw_compiler=compiler,
+                        partition_fn=partial(partition_with_policy, policy=policy))
+
+
+def _descendants(roots: list[fx.Node]) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.extend(u for u in node.users if u.op != "output")
+    return seen
+
+
+def _is_tensor(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def _backward_outputs(output: fx.Node, num_fwd_outputs: int) -> list[fx.Node]:
+    """The joint graph's outputs after the forward's: the gradients (some are forward nodes: a
+    gradient that needs no tangent, such as a zero)."""
+    return [n for n in output.args[0][num_fwd_outputs:] if isinstance(n, fx.Node)]
+
+
+def _read_by_backward_outputs(node: fx.Node, output: fx.Node, num_fwd_outputs: int) -> bool:
+    return node in _backward_outputs(output, num_fwd_outputs)
