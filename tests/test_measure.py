@@ -152,26 +152,31 @@ def test_cuda_allocator_meter_sees_the_same_activations(mlp):  # pragma: no cove
 
 
 def test_garbage_collected_during_a_step_does_not_hide_what_the_step_holds():
-    """A reference cycle left by earlier profiled work, freed by the collector in the middle of the step, used
-    to count as the step's lowest point: everything the step held before it was missed (ResNet-152
-    read 251 MiB for a 409 MiB step in scripts/bench_baselines.py)."""
+    """A reference cycle left by earlier profiled work, freed by the collector in the middle of the step,
+    used to count as the step's lowest point: everything the step held before it was missed (ResNet-152
+    read 251 MiB for a 409 MiB step in scripts/bench_baselines.py). The collector is held off now."""
     import gc
 
-    from recompute_graph.measure import allocator_peak_memory
+    from recompute_graph.measure import AllocatorRecorder, allocator_peak_memory
 
     class Cycle:
         def __init__(self):
             self.me, self.payload = self, torch.empty(10 * 2**20, dtype=torch.uint8)
 
-    from recompute_graph.measure import AllocatorRecorder
-    with AllocatorRecorder():  # earlier profiled work (a pricing pass): its frees are reported later
-        earlier = Cycle()
-    gc.collect()  # the cycle, alive, moves to the oldest generation
-    del earlier  # garbage now, freed only by a full collection
-    held = []
+    thresholds = gc.get_threshold()
+    gc.collect()
+    gc.set_threshold(10**9)  # no collection until the step asks for one
+    try:
+        with AllocatorRecorder():  # earlier profiled work (a pricing pass): its frees are reported later
+            Cycle()  # garbage at once, in the youngest generation
+        held = []
 
-    def step():
-        held.append(torch.empty(2**20, dtype=torch.uint8))
-        gc.collect()  # where the collector happens to run: anywhere in a step that allocates objects
-        held.append(torch.empty(2**20, dtype=torch.uint8))
-    assert allocator_peak_memory(step) >= 2 * 2**20
+        def step():
+            held.append(torch.empty(2**20, dtype=torch.uint8))
+            gc.set_threshold(1)  # the collector's turn comes here, as it may in any step
+            junk = [[] for _ in range(10)]
+            del junk
+            held.append(torch.empty(2**20, dtype=torch.uint8))
+        assert allocator_peak_memory(step) >= 2 * 2**20
+    finally:
+        gc.set_threshold(*thresholds)
