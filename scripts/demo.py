@@ -1,6 +1,6 @@
 """The main job: plan a zoo model at a memory budget, train a few steps with it, and show what it buys.
 
-    python scripts/demo.py [--model gpt2] [--preset tiny|small|paper] [--budget 0.6] [--steps 3]
+    python scripts/demo.py [--model gpt2] [--preset tiny|small|paper] [--budget 0.7] [--steps 3]
 
 Prints the plan, the losses of the original and the optimized model over the same steps (they match),
 the store-all and planned peaks of a step with ``measure.default_loss`` (predicted by the simulator,
@@ -44,7 +44,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="gpt2", choices=models_zoo.MODEL_NAMES)
     parser.add_argument("--preset", default="small", choices=("tiny", "small", "paper"))
-    parser.add_argument("--budget", default="0.6", help="bytes, a size like 1.5GiB, or a fraction in (0, 1]")
+    parser.add_argument("--budget", default="0.7", help="bytes, a size like 1.5GiB, or a fraction in (0, 1]")
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
     budget = float(args.budget) if args.budget.replace(".", "", 1).isdigit() and "." in args.budget else (
