@@ -47,7 +47,7 @@ from .errors import TraceError
 from .losses import default_training_loss
 from .model_state import preserved_state
 
-__all__ = ["CaptureError", "JointGraph", "capture_joint", "RANDOM_TARGETS"]
+__all__ = ["CaptureError", "JointGraph", "capture_joint", "RANDOM_TARGETS", "reachable", "op_name"]
 
 #: aten ops that draw from the random generators (overload packets, compared by name).
 RANDOM_TARGETS = frozenset({"native_dropout", "bernoulli", "bernoulli_", "rand", "rand_like", "randn",
@@ -202,17 +202,18 @@ def capture_joint(model: nn.Module, example_inputs: Sequence[Any], example_kwarg
     buffer_updates = tuple(signature.buffers_to_mutate[o.name][len(prefix):]
                            for o in outputs[:len(signature.buffers_to_mutate)])
     loss_node = outputs[len(signature.buffers_to_mutate)]
-    forward = _ancestors([loss_node, *outputs[:len(signature.buffers_to_mutate)]])
+    forward = reachable([loss_node, *outputs[:len(signature.buffers_to_mutate)]], lambda n: n.all_input_nodes)
     computing = [n for n in gm.graph.nodes if n.op == "call_function"]
     forward_nodes = frozenset(n.name for n in computing if n in forward)
     backward_nodes = frozenset(n.name for n in computing if n not in forward)
-    random_nodes = frozenset(n.name for n in computing if _packet_name(n.target) in RANDOM_TARGETS)
+    random_nodes = frozenset(n.name for n in computing if op_name(n.target) in RANDOM_TARGETS)
     return JointGraph(gm, call, parameter_names, buffer_names, len(signature.user_inputs), buffer_updates,
                       tuple(by_parameter.get(name) for name in parameter_names), loss_node.name,
                       forward_nodes, backward_nodes, random_nodes)
 
 
-def _ancestors(roots: list[fx.Node]) -> set[fx.Node]:
+def reachable(roots: list[fx.Node], neighbours: Callable[[fx.Node], Any]) -> set[fx.Node]:
+    """The nodes reached from ``roots`` (included) by following ``neighbours(node)``."""
     seen: set[fx.Node] = set()
     stack = list(roots)
     while stack:
@@ -220,11 +221,11 @@ def _ancestors(roots: list[fx.Node]) -> set[fx.Node]:
         if node in seen:
             continue
         seen.add(node)
-        stack.extend(node.all_input_nodes)
+        stack.extend(neighbours(node))
     return seen
 
 
-def _packet_name(target: Any) -> str:
+def op_name(target: Any) -> str:
     """``aten.native_dropout.default`` -> ``"native_dropout"``."""
     name = getattr(target, "__name__", str(target))
     return name.split(".")[0]

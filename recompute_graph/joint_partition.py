@@ -38,7 +38,7 @@ from typing import Any, Callable
 import torch
 from torch import fx
 
-from .joint_capture import RANDOM_TARGETS
+from .joint_capture import RANDOM_TARGETS, op_name, reachable
 
 __all__ = ["Partition", "POLICIES", "partition_with_policy", "place_recomputation", "recompute_backend",
            "last_partition"]
@@ -55,10 +55,6 @@ COMPUTE_BOUND_TARGETS = frozenset({"mm", "addmm", "bmm", "baddbmm", "convolution
                                    "_scaled_dot_product_efficient_attention", "scaled_dot_product_attention",
                                    "embedding", "_native_batch_norm_legit_functional",
                                    "native_batch_norm", "native_layer_norm"})
-
-
-def _target_name(node: fx.Node) -> str:
-    return getattr(node.target, "__name__", str(node.target)).split(".")[0]
 
 
 def _producer(node: fx.Node) -> fx.Node:
@@ -82,7 +78,7 @@ POLICIES: dict[str, Policy] = {
     "save_all": lambda candidates: {n.name for n in candidates},
     # save the outputs of compute-bound ops; recompute pointwise ops and views from them
     "save_compute_bound": lambda candidates: {n.name for n in candidates
-                                              if _target_name(_producer(n)) in COMPUTE_BOUND_TARGETS},
+                                              if op_name(_producer(n).target) in COMPUTE_BOUND_TARGETS},
     # save nothing the rules allow not to: recompute the whole forward in backward from the primals
     "save_nothing": lambda candidates: set(),
 }
@@ -123,33 +119,25 @@ def partition_with_policy(joint_module: fx.GraphModule, joint_inputs: Any, *, nu
     choose = POLICIES[policy] if isinstance(policy, str) else policy
     graph = joint_module.graph
     tangents = [n for n in graph.nodes if n.op == "placeholder" and "tangents" in n.name]
-    backward = _descendants(tangents)
+    backward = reachable(tangents, lambda n: [u for u in n.users if u.op != "output"])  # tangents included
     output = next(n for n in graph.nodes if n.op == "output")
     forward = [n for n in graph.nodes if n not in backward and n.op != "output"]
     forward_set = set(forward)
     candidates = [n for n in forward if n.op != "placeholder" and _is_tensor(n)]
     chosen = set(choose(candidates))
-    random_ops = {n for n in forward if n.op == "call_function"
-                  and _target_name(n) in RANDOM_TARGETS | STATE_READING_TARGETS}
-    # walk back from what the backward reads through the forward: a chosen value, a random op's
-    # output or a primal is saved and ends the walk; any other forward node is recomputed
+    always_saved_ops = {n for n in forward if n.op == "call_function"
+                        and op_name(n.target) in RANDOM_TARGETS | STATE_READING_TARGETS}
+
+    def ends_walk(node: fx.Node) -> bool:  # a primal, a chosen value, a random or state-reading op's output
+        return node.op == "placeholder" or (_is_tensor(node) and (node.name in chosen
+                                                                  or _producer(node) in always_saved_ops))
+    # walk back from what the backward reads through the forward: the nodes that end the walk are
+    # saved (a non-tensor primal as a symbolic value); every other forward node on the way is recomputed
     needed = [n for n in forward if _is_tensor(n) and any(u in backward for u in n.users)]
     needed += [n for n in _backward_outputs(output, num_fwd_outputs) if n in forward_set]
-    saved: set[fx.Node] = set()
-    sym_saved: set[fx.Node] = set()
-    seen: set[fx.Node] = set()
-    stack = list(needed)
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        if node.op == "placeholder":
-            (saved if _is_tensor(node) else sym_saved).add(node)
-        elif _is_tensor(node) and (node.name in chosen or _producer(node) in random_ops):
-            saved.add(node)
-        else:
-            stack.extend(node.all_input_nodes)
+    walked = reachable(needed, lambda n: [] if ends_walk(n) else n.all_input_nodes)
+    saved = {n for n in walked if ends_walk(n) and _is_tensor(n)}
+    sym_saved = {n for n in walked if n.op == "placeholder" and not _is_tensor(n)}
     saved_values = [n for n in forward if n in saved]
     saved_sym = [n for n in forward if n in sym_saved]
     forward_graph, backward_graph = _extract_fwd_bwd_modules(joint_module, saved_values, saved_sym,
@@ -191,18 +179,6 @@ def recompute_backend(policy: Policy | str = "save_compute_bound") -> Callable[.
                         partition_fn=partial(partition_with_policy, policy=policy))
 
 
-def _descendants(roots: list[fx.Node]) -> set[fx.Node]:
-    seen: set[fx.Node] = set()
-    stack = list(roots)
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        stack.extend(u for u in node.users if u.op != "output")
-    return seen
-
-
 def _is_tensor(node: fx.Node) -> bool:
     return isinstance(node.meta.get("val"), torch.Tensor)
 
@@ -212,6 +188,3 @@ def _backward_outputs(output: fx.Node, num_fwd_outputs: int) -> list[fx.Node]:
     gradient that needs no tangent, such as a zero)."""
     return [n for n in output.args[0][num_fwd_outputs:] if isinstance(n, fx.Node)]
 
-
-def _read_by_backward_outputs(node: fx.Node, output: fx.Node, num_fwd_outputs: int) -> bool:
-    return node in _backward_outputs(output, num_fwd_outputs)
