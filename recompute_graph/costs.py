@@ -439,10 +439,18 @@ class _ComputePass(fx.Interpreter):
         record.backward_flops = int(counter.get_total_flops())
         del input_grads, out, leaves
         fresh_args, fresh_kwargs, leaves = self._fresh_inputs(args, kwargs, trainable_ids)
-        out = self._forward(n, fresh_args, fresh_kwargs)
-        seeds = gradient_seeds(_tensors(out), self.layouts.get(n.name, {}))
-        with StorageTracker() as tracker, node_window(n.name):
-            input_grads = self._backward(n, out, leaves, seeds)
+        # the tracker sees the forward too, so that the backward's peak is net of the saved tensors it
+        # frees as it goes (the attention weights of SDPA's math path, freed after the first bmm)
+        with StorageTracker() as tracker:
+            out = self._forward(n, fresh_args, fresh_kwargs)
+            seeds = gradient_seeds(_tensors(out), self.layouts.get(n.name, {}))
+            tracker.reset_peak()
+            live_before = tracker.live_bytes
+            tracker.owner = "backward"  # storages made from here on (a freed one's key may be reused)
+            with node_window(n.name):
+                input_grads = self._backward(n, out, leaves, seeds)
+            tracker.owner = None
+        made_by_backward = {key for key, owner in tracker.owner_of.items() if owner == "backward"}
         has_backward = input_grads is not None
         if has_backward:
             # gradients of activations; a parameter passed as an argument (exported graphs) gets its
@@ -450,12 +458,13 @@ class _ComputePass(fx.Interpreter):
             activation_grads = [g for g, leaf in zip(input_grads, leaves) if g is not None
                                 and not getattr(leaf, "_from_parameter", False)]
             returned = sum(g.untyped_storage().nbytes() for g in unique_storages(activation_grads)
-                           if storage_key(g) in tracker._live)
-            record.backward_workspace_bytes = max(0, tracker.peak_bytes - returned)
+                           if storage_key(g) in made_by_backward)
+            record.backward_workspace_bytes = max(0, tracker.peak_bytes - live_before - returned)
             record.has_backward, record.returned_bytes = True, returned
             passed = [g for g in input_grads if g is not None]
-            record.backward_aliases_grad = bool(passed) and all(storage_key(g) not in tracker._live for g in passed)
-        del input_grads
+            record.backward_aliases_grad = bool(passed) and all(storage_key(g) not in made_by_backward
+                                                                for g in passed)
+        del input_grads, seeds
         del out, leaves
         if self.timing == "measure":
             device = next((t.device for t in _tensors((args, kwargs))), torch.device("cpu"))

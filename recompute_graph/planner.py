@@ -124,6 +124,17 @@ class RecomputePlan:
     def recomputed_nodes(self) -> tuple[int, ...]:
         return self.schedule.recomputed_nodes()
 
+    @property
+    def predicted_step_peak_bytes(self) -> int:
+        """The peak of a whole step, the loss included at its moment: the simulator's peak, or the
+        loss's transient bytes (``loss_allowance_bytes``) on top of what is live when the output
+        gradients arrive, whichever is higher. Budgets are planned on the sum of the two (safe,
+        since the solvers do not see the loss), so this is at most ``predicted_peak_bytes`` plus the
+        allowance, and lower when the step's peak lies inside the backward."""
+        allowance = loss_allowance_bytes(self.graph)
+        arrival = next((p.live_bytes for p in self.simulation.timeline if p.op is None), self.predicted_peak_bytes)
+        return max(self.predicted_peak_bytes, arrival + allowance)
+
     def save(self, path: str) -> None:
         """Write the plan as JSON, with the cost graph and its structure fingerprint (saved_plans.py);
         ``optimize(model, budget, plan=path)`` reuses it when the model still matches."""

@@ -26,7 +26,6 @@ from torch import nn
 from .losses import default_training_loss
 from .measure import peak_memory
 from .model_state import preserved_state, training_step
-from .planner import loss_allowance_bytes
 from .units import format_bytes
 
 __all__ = ["VerifyReport", "verify", "GRADIENT_TOLERANCE", "PREDICTION_TOLERANCE"]
@@ -115,7 +114,7 @@ def verify(model: nn.Module, budget: Any = 0.5, *, example_inputs: Sequence[Any]
         mismatches = tuple(name for name, b in reference.named_buffers()
                            if name in buffers_after and not torch.equal(buffers_after[name], b))
         measured = peak_memory(training_step(optimized, args, kwargs, loss, seed), device=device)
-    predicted = plan.predicted_peak_bytes + loss_allowance_bytes(plan.graph)
+    predicted = plan.predicted_step_peak_bytes
     warnings = []
     if measured > plan.budget_bytes:
         warnings.append(f"the step measured {format_bytes(measured)}, over the {format_bytes(plan.budget_bytes)} "

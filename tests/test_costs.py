@@ -174,3 +174,36 @@ def test_exported_parameter_gradients_are_priced_inside_the_backward_that_makes_
     measured = peak_memory(make_training_step(optimized, (x,), default_training_loss))
     predicted = plan.predicted_peak_bytes + loss_allowance_bytes(plan.graph)
     assert measured <= predicted * 1.05 and measured >= predicted * 0.9
+
+
+class _DropoutAttention(nn.Module):
+    """One attention whose CPU kernel is SDPA's math path (dropout): its backward frees the attention
+    weights it saved as soon as the first ``bmm`` backward has read them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.out = nn.Linear(16, 48), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(2, 96, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        attention = nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+        return self.out(attention.transpose(1, 2).reshape(2, 96, 16))
+
+
+def test_an_isolated_backward_is_priced_net_of_the_saved_tensors_it_frees_as_it_goes():
+    """The meter of a node's isolated backward saw only what the backward allocated, not the saved
+    tensors it frees on the way, so SDPA with dropout was priced with its attention weights twice
+    (wav2vec2 was over-predicted by 12-24 %)."""
+    import recompute_graph as rg
+    from recompute_graph.measure import peak_memory, make_training_step
+    from recompute_graph.losses import default_training_loss
+    torch.manual_seed(0)
+    model, x = _DropoutAttention(), torch.randn(2, 96, 16)
+    optimized = rg.optimize(model, 1.0, example_inputs=(x,), timing="flops")
+    plan = optimized.plan(x)
+    attention = next(n for n in plan.graph if "scaled_dot_product" in n.name)
+    weights_bytes = 2 * 2 * 96 * 96 * 4
+    assert attention.backward_workspace_bytes < 1.5 * weights_bytes
+    measured = peak_memory(make_training_step(optimized, (x,), default_training_loss))
+    predicted = plan.predicted_step_peak_bytes
+    assert measured * 0.95 <= predicted <= measured * 1.05

@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
                 def step(executor: ScheduleExecutor = executor) -> None:
                     model.zero_grad(set_to_none=True)
                     default_loss(run_schedule(executor, list(inputs))).backward()
-                measure(row_label, step, plan.predicted_peak_bytes, f"{plan.solver}: {plan.description}")
+                measure(row_label, step, plan.predicted_step_peak_bytes, f"{plan.solver}: {plan.description}")
                 bar.update()
         if args.peers:
             _measure_peers(args, model, inputs, measure, rows, bar)
