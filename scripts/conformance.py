@@ -1,6 +1,6 @@
 """The whole conformance sweep: every third-party model, every solver, two budgets; writes docs/conformance.md.
 
-    python scripts/conformance.py [--models NAME ...] [--solvers NAME ...] [--out docs/conformance.md]
+    python scripts/conformance.py [--models NAME ...] [--solvers NAME ...] [--out docs/conformance.md] [--threads N]
 
 For every model of ``models_zoo.third_party.CONFORMANCE_MODELS`` (torchvision, timm, transformers at small
 sizes): ``models_zoo.conformance.check_model`` at 0.8 and 0.5 of the activation memory under ``auto`` and
@@ -37,8 +37,10 @@ def main() -> int:
     parser.add_argument("--rows", default="docs/results/conformance_rows.md")
     parser.add_argument("--update", action="store_true",
                         help="rerun only --models and replace their lines in the existing pages")
+    parser.add_argument("--threads", type=int, default=2,
+                        help="torch threads (1, pinned with taskset, leaves the other core to other work)")
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     from recompute_graph.solvers import ilp
     ilp.DEFAULT_TIME_LIMIT = 8.0
     lines, row_lines, passed_models, tried = [], [], 0, 0
@@ -93,10 +95,10 @@ def main() -> int:
     elapsed = time.perf_counter() - start
     header = f"""# Conformance: model code nobody here wrote
 
-Command (rewrites this page; {elapsed / 60:.0f} min on this 2-core machine):
+Command (rewrites this page; {elapsed / 60:.0f} min on this 2-core machine, {args.threads} torch thread(s)):
 
 ```bash
-{COMMAND}
+{COMMAND if args.threads == 2 else f"taskset -c 0 {COMMAND} --threads {args.threads}"}
 ```
 
 **{passed_models} of {tried} models pass every row** ({len(args.models) - tried} not installed here). A model
