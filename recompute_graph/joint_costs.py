@@ -1,0 +1,257 @@
+"""The cost graph of an AOTAutograd joint graph: forward units a solver keeps or recomputes.
+
+``torch.compile`` hands a partitioner the joint forward+backward aten graph (``joint_partition.py``).
+Every node AOTAutograd traced for one forward op of the model, and every node of that op's backward,
+carry the same ``meta["seq_nr"]`` (``addmm`` and the ``mm``/``sum`` of its backward). A *unit* is the
+forward nodes of one ``seq_nr`` (an op with its ``getitem``s; forward nodes without one join the unit
+of their first input that has one, else form their own); its *backward nodes* are the tangent-dependent
+nodes with the same ``seq_nr``. :func:`joint_units` finds them; :func:`joint_cost_graph` prices them as
+a :class:`~recompute_graph.graph.CostGraph` with an implicit backward, so that every solver plans on
+it unchanged.
+
+Model of one unit (bytes from the fake tensors of ``meta["val"]``, storage by storage, so a view owns
+nothing and ``alias_of`` names the unit owning its storage):
+
+* ``output_bytes``: storages the unit creates that other units, or the forward's outputs, read;
+* ``saved_output_bytes`` / ``saved_buffer_bytes`` / ``saved_input_bytes``: forward values the unit's
+  backward nodes read, by who owns them (the unit itself, read by others / only by its backward /
+  another unit, which goes into ``backward_needs``); primals (parameters, inputs) are live anyway and
+  not counted;
+* ``grad_bytes``: the unit's floating-point outputs, when the unit has backward nodes or one of its
+  inputs requires grad; ``param_grad_bytes``: the primal gradients its backward nodes return;
+* ``backward_workspace_bytes``: storages the backward nodes create besides the gradients they return
+  (a pessimistic bound: they are counted as if alive together); ``workspace_bytes``: the forward's
+  internal storages nobody outside reads;
+* costs: FLOPs of each node run on meta tensors under ``FlopCounterMode``, turned into seconds by a
+  ``costs.DeviceProfile`` with the bytes the node reads and writes.
+
+A unit that holds a random op (dropout) or reads state the step updates (BatchNorm) is ``random`` /
+``stateful``: the lowering never recomputes those nodes (it saves their outputs), and the liveness of
+the generated graphs (``joint_lowering.graph_peak_bytes``) is the judge of what a plan then costs.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.flop_counter import FlopCounterMode
+
+from .costs import DEVICE_PROFILES, DeviceProfile
+from .graph import CostGraph, CostNode
+from .joint_capture import RANDOM_TARGETS, op_name, reachable
+from .joint_partition import STATE_READING_TARGETS
+
+__all__ = ["JointUnits", "joint_units", "joint_cost_graph", "is_tangent"]
+
+@dataclass
+class JointUnits:
+    """The joint graph split into forward units (in topological order) and their backward nodes."""
+
+    forward: list[fx.Node]                     # forward nodes (no tangent reaches them), placeholders excluded
+    backward: set[fx.Node]                     # tangent-dependent nodes (tangents included)
+    units: list[list[fx.Node]]                 # forward nodes of each unit, in graph order
+    unit_of: dict[fx.Node, int]                # forward node -> its unit
+    backward_of: list[list[fx.Node]]           # backward nodes of each unit, in graph order
+    unplaced_backward: list[fx.Node] = field(default_factory=list)  # backward nodes of no unit
+    num_fwd_outputs: int = 0
+
+    def forward_outputs(self, graph: fx.Graph) -> list[fx.Node]:
+        output = next(n for n in graph.nodes if n.op == "output")
+        return [n for n in output.args[0][: self.num_fwd_outputs] if isinstance(n, fx.Node)]
+
+    def gradient_outputs(self, graph: fx.Graph) -> list[fx.Node | None]:
+        output = next(n for n in graph.nodes if n.op == "output")
+        return list(output.args[0][self.num_fwd_outputs:])
+
+
+def _is_tensor(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def is_tangent(node: fx.Node) -> bool:
+    return node.op == "placeholder" and "tangents" in node.name
+
+
+def joint_units(joint: fx.GraphModule, num_fwd_outputs: int) -> JointUnits:
+    """Units and backward nodes of ``joint`` (module docstring)."""
+    nodes = list(joint.graph.nodes)
+    tangents = [n for n in nodes if is_tangent(n)]
+    backward = reachable(tangents, lambda n: [u for u in n.users if u.op != "output"])
+    forward = [n for n in nodes if n not in backward and n.op not in ("placeholder", "output")]
+    by_seq: dict[Any, int] = {}
+    units: list[list[fx.Node]] = []
+    unit_of: dict[fx.Node, int] = {}
+    for node in forward:
+        seq = node.meta.get("seq_nr")
+        if seq is None or node.target is operator.getitem:  # joins the unit of its first input
+            index = next((unit_of[a] for a in node.all_input_nodes if a in unit_of), None)
+        else:
+            index = by_seq.get(seq)
+        if index is None:
+            index = len(units)
+            units.append([])
+            if seq is not None:
+                by_seq[seq] = index
+        unit_of[node] = index
+        units[index].append(node)
+    units, unit_of = _topological(units, unit_of)
+    seq_unit = {}
+    for index, members in enumerate(units):
+        for node in members:
+            if node.meta.get("seq_nr") is not None:
+                seq_unit.setdefault(node.meta["seq_nr"], index)
+    backward_of: list[list[fx.Node]] = [[] for _ in units]
+    unplaced = []
+    for node in nodes:
+        if node in backward and not is_tangent(node):
+            index = seq_unit.get(node.meta.get("seq_nr"))
+            (backward_of[index] if index is not None else unplaced).append(node)
+    return JointUnits(forward, backward, units, unit_of, backward_of, unplaced, num_fwd_outputs)
+
+
+def _topological(units: list[list[fx.Node]], unit_of: dict[fx.Node, int]
+                 ) -> tuple[list[list[fx.Node]], dict[fx.Node, int]]:
+    """Order units so that every edge between them points forward; a unit caught in a cycle with
+    another (an op whose nodes interleave with a later op's) is merged into it."""
+    import networkx as nx
+    dag = nx.DiGraph()
+    dag.add_nodes_from(range(len(units)))
+    for node, index in unit_of.items():
+        for a in node.all_input_nodes:
+            if a in unit_of and unit_of[a] != index:
+                dag.add_edge(unit_of[a], index)
+    condensed = nx.condensation(dag)
+    order = list(nx.lexicographical_topological_sort(condensed, key=lambda c: min(condensed.nodes[c]["members"])))
+    position = {n: i for i, n in enumerate(next(iter(unit_of)).graph.nodes)} if unit_of else {}
+    merged = [sorted((node for u in condensed.nodes[c]["members"] for node in units[u]), key=position.get)
+              for c in order]
+    return merged, {node: i for i, members in enumerate(merged) for node in members}
+
+
+def _storage(node: fx.Node) -> list[tuple[int, int]]:
+    """``(storage key, bytes)`` of each tensor in the node's value."""
+    out = []
+    for value in tree_flatten(node.meta.get("val"))[0]:
+        if isinstance(value, torch.Tensor):
+            try:
+                storage = value.untyped_storage()
+                out.append((storage._cdata, storage.nbytes()))
+            except (RuntimeError, NotImplementedError):
+                continue
+    return out
+
+
+def _value_bytes(node: fx.Node) -> int:
+    return sum(nbytes for _, nbytes in _storage(node))
+
+
+def _meta_flops(node: fx.Node) -> int:
+    """FLOPs of one node, run on meta tensors shaped like its inputs' fake values (0 if it cannot run)."""
+    if node.op != "call_function" or node.target is operator.getitem:
+        return 0
+
+    def to_meta(value: Any) -> Any:
+        if isinstance(value, fx.Node):
+            value = value.meta.get("val")
+        if isinstance(value, torch.Tensor):
+            return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+        return value
+    try:
+        args, kwargs = tree_map(to_meta, (node.args, node.kwargs))
+        with FlopCounterMode(display=False) as counter:
+            node.target(*args, **kwargs)
+        return int(counter.get_total_flops())
+    except Exception:  # noqa: BLE001 - an op that cannot run on meta is priced by its bytes alone
+        return 0
+
+
+def _moved_bytes(node: fx.Node) -> int:
+    return _value_bytes(node) + sum(_value_bytes(a) for a in node.all_input_nodes)
+
+
+def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "joint",
+                     device_profile: DeviceProfile | str = "cpu") -> CostGraph:
+    """The implicit-backward :class:`CostGraph` of ``units`` (module docstring), node ``i`` = unit ``i``,
+    named after the unit's first node."""
+    profile = DEVICE_PROFILES[device_profile] if isinstance(device_profile, str) else device_profile
+    graph = joint.graph
+    primal_keys = {key for n in graph.nodes if n.op == "placeholder" for key, _ in _storage(n)}
+    owner: dict[int, int] = {}  # storage key -> unit that created it
+    for index, members in enumerate(units.units):
+        for node in members:
+            for key, _ in _storage(node):
+                if key not in primal_keys:
+                    owner.setdefault(key, index)
+    forward_outputs = set(units.forward_outputs(graph))
+    gradient_outputs = units.gradient_outputs(graph)
+    primals = [n for n in graph.nodes if n.op == "placeholder" and not is_tangent(n)]
+    trainable = {p for p, g in zip(primals, gradient_outputs) if g is not None}
+    requires_grad: list[bool] = []
+    nodes: list[CostNode] = []
+    for index, members in enumerate(units.units):
+        member_set = set(members)
+        own_keys = {key: nbytes for n in members for key, nbytes in _storage(n) if owner.get(key) == index}
+        read_outside = {key for n in members if n in forward_outputs or
+                        any(u not in member_set and u not in units.backward for u in n.users)
+                        for key, _ in _storage(n)}
+        output_bytes = sum(nbytes for key, nbytes in own_keys.items() if key in read_outside)
+        foreign = [owner[key] for n in members if n in forward_outputs or any(u not in member_set for u in n.users)
+                   for key, _ in _storage(n) if key in owner and owner[key] != index]
+        alias_of = foreign[0] if foreign and not output_bytes else None
+        backward_nodes = units.backward_of[index]
+        read_by_backward = {a for b in backward_nodes for a in b.all_input_nodes if a in units.unit_of}
+        saved_output = saved_buffer = saved_input = 0
+        needs: set[int] = set()
+        counted: set[int] = set()
+        for value in read_by_backward:
+            for key, nbytes in _storage(value):
+                if key in counted or key in primal_keys or key not in owner:
+                    continue
+                counted.add(key)
+                if owner[key] == index:
+                    if key in read_outside:
+                        saved_output += nbytes
+                    else:
+                        saved_buffer += nbytes
+                    needs.add(index)
+                else:
+                    saved_input += nbytes
+                    needs.add(owner[key])
+        inputs = {a for n in members for a in n.all_input_nodes if a not in member_set}
+        grad = bool(backward_nodes) or any(
+            (a in trainable) or (a in units.unit_of and requires_grad[units.unit_of[a]]) for a in inputs)
+        requires_grad.append(grad)
+        floating = [n for n in members if _is_tensor(n) and n.meta["val"].is_floating_point()
+                    and (n in forward_outputs or any(u not in member_set for u in n.users))]
+        grad_bytes = sum(_value_bytes(n) for n in floating) if grad else 0
+        returned = [g for g in gradient_outputs if isinstance(g, fx.Node) and g in set(backward_nodes)]
+        returned_keys = {key for g in returned for key, _ in _storage(g)}
+        backward_made = {key: nbytes for b in backward_nodes for key, nbytes in _storage(b)
+                         if key not in primal_keys and key not in owner}
+        forward_flops = sum(_meta_flops(n) for n in members)
+        backward_flops = sum(_meta_flops(b) for b in backward_nodes)
+        workspace = sum(nbytes for key, nbytes in own_keys.items() if key not in read_outside)
+        targets = {op_name(n.target) for n in members if n.op == "call_function"}
+        nodes.append(CostNode(
+            index=index, name=members[0].name, kind="function", target=op_name(members[0].target),
+            predecessors=tuple(sorted({units.unit_of[a] for a in inputs if a in units.unit_of})),
+            output_bytes=output_bytes, alias_of=alias_of, grad_bytes=grad_bytes,
+            saved_input_bytes=saved_input, saved_output_bytes=saved_output, saved_buffer_bytes=saved_buffer,
+            backward_needs=tuple(sorted(needs)), workspace_bytes=max(0, workspace - saved_buffer),
+            backward_workspace_bytes=sum(nbytes for key, nbytes in backward_made.items()
+                                         if key not in returned_keys),
+            param_grad_bytes=sum(_value_bytes(g) for g in returned),
+            forward_cost=sum(profile.seconds(_meta_flops(n), _moved_bytes(n)) for n in members),
+            backward_cost=sum(profile.seconds(_meta_flops(b), _moved_bytes(b)) for b in backward_nodes),
+            forward_flops=forward_flops, backward_flops=backward_flops, requires_grad=grad,
+            random=bool(targets & RANDOM_TARGETS), stateful=bool(targets & STATE_READING_TARGETS)))
+    outputs = tuple(sorted({units.unit_of[n] for n in forward_outputs if n in units.unit_of}))
+    input_bytes = sum(_value_bytes(p) for p in primals if p not in trainable)
+    return CostGraph(name=name, nodes=tuple(nodes), cost_unit="seconds",
+                     cost_source=f"flop-estimate ({profile.name}), joint graph", input_bytes=input_bytes,
+                     parameter_bytes=sum(_value_bytes(p) for p in trainable), source="traced",
+                     output_indices=outputs)

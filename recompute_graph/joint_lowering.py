@@ -1,0 +1,270 @@
+"""Lowering a schedule of a joint graph's units into a forward and a backward graph (compiler path).
+
+A solver plans on ``joint_costs.joint_cost_graph`` (node ``i`` = unit ``i``) and returns a
+:class:`~recompute_graph.schedule.Schedule`. :func:`lower_schedule` turns it into code by rewriting the
+joint graph, then extracting the two graphs AOTAutograd runs with torch's
+``_extract_fwd_bwd_modules``:
+
+* the forward section keeps the joint graph's forward nodes in order;
+* the backward section follows ``schedule.backward_ops``. ``Forward(u)`` there is a recomputation:
+  every node of unit ``u`` is copied (reading the current copies of its inputs), and from then on the
+  backward reads the copies; a later ``Forward(u)`` copies it again, so a value recomputed several
+  times is computed several times. ``Backward(v)`` releases unit ``v``'s backward nodes, each emitted
+  as soon as the backward nodes it reads have been (a gradient sum that AOTAutograd tagged with the
+  op that consumed the value waits for its last term). ``FreeValue`` needs no code: fx frees a value
+  after its last use.
+* the *saved* values are the forward originals the backward section reads (and the primals it reads).
+
+Random and state-reading nodes (dropout, BatchNorm) are never copied: their outputs are saved (a copy
+would draw a new mask or read updated running statistics). :func:`graph_peak_bytes` is the liveness
+of the generated graphs, from the fake values of their nodes: it is the judge of what a plan costs
+once lowered, beside the simulator's prediction.
+
+:func:`budget_backend` is the ``torch.compile`` backend: AOTAutograd with a partitioner that prices
+the joint graph, plans it with ``planner.make_plan`` at the budget, and lowers the plan.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import fx
+
+from .graph import CostGraph
+from .joint_capture import RANDOM_TARGETS, op_name
+from .joint_costs import JointUnits, is_tangent, joint_cost_graph, joint_units
+from .schedule import Backward, Forward, Schedule
+
+__all__ = ["Lowered", "lower_schedule", "graph_peak_bytes", "budget_backend", "last_lowering"]
+
+
+@dataclass(frozen=True)
+class Lowered:
+    """One lowering: the plan, the graphs, what is saved and recomputed, and their liveness peak."""
+
+    graph: CostGraph
+    plan: Any  # planner.RecomputePlan
+    forward_graph: fx.GraphModule
+    backward_graph: fx.GraphModule
+    saved: tuple[str, ...]
+    recomputed: tuple[str, ...]  # names of the backward's recompute nodes, in order (repeats allowed)
+
+    @property
+    def backward_code(self) -> str:
+        """The generated backward as Python: each recompute node is a forward op before its use."""
+        return self.backward_graph.code
+
+    def __repr__(self) -> str:
+        return (f"Lowered({self.plan.solver}: {len(self.saved)} saved, {len(self.recomputed)} recompute nodes; "
+                f"predicted peak {self.plan.predicted_peak_bytes} B)")
+
+
+_LAST: list[Lowered] = []
+
+
+def last_lowering() -> Lowered | None:
+    """The :class:`Lowered` of the most recent :func:`budget_backend` partition, or None."""
+    return _LAST[-1] if _LAST else None
+
+
+def _is_random(node: fx.Node) -> bool:
+    return node.op == "call_function" and op_name(node.target) in RANDOM_TARGETS
+
+
+def rng_snapshot(like: torch.Tensor) -> torch.Tensor:
+    """The state of the generator a random op on ``like``'s device draws from (a node of the forward)."""
+    return torch.cuda.get_rng_state(like.device) if like.is_cuda else torch.get_rng_state()
+
+
+def replay_random(state: torch.Tensor, like: torch.Tensor, target: Any, *args: Any, **kwargs: Any) -> Any:
+    """``target(*args, **kwargs)`` drawing from ``state`` (the snapshot taken before the original ran),
+    the global generator left as it was: a recomputed dropout reproduces its mask."""
+    devices = [like.device] if like.is_cuda else []
+    with torch.random.fork_rng(devices=devices, device_type=like.device.type):
+        if like.is_cuda:
+            torch.cuda.set_rng_state(state, like.device)
+        else:
+            torch.set_rng_state(state)
+        return target(*args, **kwargs)
+
+
+def _first_tensor_input(node: fx.Node) -> fx.Node:
+    return next(a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor))
+
+
+def _snapshot_value(like: fx.Node) -> torch.Tensor:
+    value = like.meta.get("val")
+    nbytes = (torch.cuda.get_rng_state(value.device) if value is not None and value.is_cuda
+              else torch.get_rng_state()).numel()
+    return torch.empty(nbytes, dtype=torch.uint8, device="meta")
+
+
+def lower_schedule(joint: fx.GraphModule, units: JointUnits, schedule: Schedule
+                   ) -> tuple[fx.GraphModule, list[fx.Node], list[fx.Node], list[str]]:
+    """The rewritten joint module, its saved tensor values and symbolic values, and the names of the
+    recompute nodes (module docstring). Pass the first three to ``_extract_fwd_bwd_modules``."""
+    old = joint.graph
+    new = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}      # old node -> its node in the forward section / backward
+    current: dict[fx.Node, fx.Node] = {}  # old forward node -> the copy the backward reads now
+    recomputed_units = {op.node for op in schedule.backward_ops if isinstance(op, Forward)}
+    snapshots: dict[fx.Node, fx.Node] = {}  # random node recomputed later -> its RNG snapshot
+    for node in old.nodes:
+        if node.op == "placeholder" or (node in units.unit_of):
+            if node in units.unit_of and units.unit_of[node] in recomputed_units and _is_random(node):
+                like = env[_first_tensor_input(node)]
+                snapshot = new.call_function(rng_snapshot, (like,))
+                snapshot.meta["val"] = _snapshot_value(like)
+                snapshots[node] = snapshot
+            env[node] = new.node_copy(node, lambda a: env[a])
+    emitted: set[fx.Node] = set()
+    released: list[fx.Node] = []
+    recomputed: list[str] = []
+
+    def read(a: fx.Node) -> fx.Node:
+        if a in units.backward or a.op == "placeholder":
+            return env[a]
+        return current.get(a, env[a])
+
+    def emit_ready() -> None:
+        progress = True
+        while progress:
+            progress = False
+            for node in list(released):
+                if all(a in emitted or a not in units.backward or is_tangent(a) for a in node.all_input_nodes):
+                    env[node] = new.node_copy(node, read)
+                    emitted.add(node)
+                    released.remove(node)
+                    progress = True
+
+    for op in schedule.backward_ops:
+        if isinstance(op, Forward):
+            for node in units.units[op.node]:
+                if node in snapshots:
+                    args, kwargs = fx.node.map_arg((node.args, node.kwargs), read)
+                    copy = new.call_function(replay_random, (snapshots[node], read(_first_tensor_input(node)),
+                                                             node.target, *args), kwargs)
+                    copy.meta = dict(node.meta)
+                else:
+                    copy = new.node_copy(node, read)
+                current[node] = copy
+                recomputed.append(copy.name)
+        elif isinstance(op, Backward):
+            released.extend(units.backward_of[op.node])
+            emit_ready()
+    released.extend(n for n in old.nodes if n in units.backward and not is_tangent(n) and n not in emitted
+                    and n not in released)
+    released.sort(key=list(old.nodes).index)
+    emit_ready()
+    if released:
+        raise RuntimeError(f"joint lowering: {len(released)} backward nodes could not be placed "
+                           f"({released[0].name} first)")
+    output = next(n for n in old.nodes if n.op == "output")
+    forward_outputs = list(output.args[0][: units.num_fwd_outputs])
+    gradients = list(output.args[0][units.num_fwd_outputs:])
+    new.output(tuple(fx.node.map_arg(forward_outputs, lambda a: env[a]))
+               + tuple(fx.node.map_arg(gradients, read)))
+    new.lint()
+    module = fx.GraphModule(joint, new)
+    # saved: the forward originals (and primals) the backward section reads
+    forward_new = {env[n] for n in old.nodes if n.op == "placeholder" and not is_tangent(n)} | \
+                  {env[n] for n in units.unit_of} | set(snapshots.values())
+    backward_new = [n for n in new.nodes if n not in forward_new and n.op not in ("placeholder", "output")]
+    read_from_forward: list[fx.Node] = []
+    for node in backward_new:
+        for a in node.all_input_nodes:
+            if a in forward_new and a not in read_from_forward:
+                read_from_forward.append(a)
+    for value in output.args[0][units.num_fwd_outputs:]:
+        if isinstance(value, fx.Node) and value not in units.backward and read(value) in forward_new:
+            if read(value) not in read_from_forward:
+                read_from_forward.append(read(value))
+    order = {n: i for i, n in enumerate(new.nodes)}
+    read_from_forward.sort(key=order.get)
+    saved = [n for n in read_from_forward if isinstance(n.meta.get("val"), torch.Tensor)]
+    saved_sym = [n for n in read_from_forward if not isinstance(n.meta.get("val"), torch.Tensor)]
+    return module, saved, saved_sym, recomputed
+
+
+def graph_peak_bytes(forward_graph: fx.GraphModule, backward_graph: fx.GraphModule, num_saved: int | None = None
+                     ) -> int:
+    """Peak bytes of activations while the forward then the backward graph run, by their own liveness:
+    every node's new storages (fake values of ``meta["val"]``; views share their base's) are live from
+    the node to its last use; the forward's outputs stay live until the backward reads them last (its
+    saved values) or, for the model's outputs, to the end. Placeholders (parameters, inputs, tangents
+    excepted) are not counted."""
+    def storages(node: fx.Node) -> list[tuple[int, int]]:
+        from .joint_costs import _storage
+        return _storage(node)
+    live: dict[int, int] = {}
+    peak = 0
+    for graph_module, is_backward in ((forward_graph, False), (backward_graph, True)):
+        nodes = list(graph_module.graph.nodes)
+        last_use: dict[fx.Node, int] = {}
+        for i, node in enumerate(nodes):
+            for a in node.all_input_nodes:
+                last_use[a] = i
+        for i, node in enumerate(nodes):
+            if node.op == "placeholder":
+                if is_backward and "tangents" in node.name:
+                    for key, nbytes in storages(node):
+                        live.setdefault(key, nbytes)
+                continue
+            if node.op == "output":
+                continue
+            for key, nbytes in storages(node):
+                live.setdefault(key, nbytes)
+            peak = max(peak, sum(live.values()))
+            for a in node.all_input_nodes:
+                if last_use.get(a) == i and (is_backward or a.op != "placeholder"):
+                    if not is_backward and any(a is o for o in _outputs(graph_module)):
+                        continue
+                    for key, _ in storages(a):
+                        live.pop(key, None)
+        if is_backward:
+            break
+        # forward -> backward: the saved values live on under the backward's placeholder names
+        saved_keys = {key for o in _outputs(forward_graph) for key, _ in storages(o)}
+        live = {key: nbytes for key, nbytes in live.items() if key in saved_keys}
+    return peak
+
+
+def _outputs(graph_module: fx.GraphModule) -> list[fx.Node]:
+    output = next(n for n in graph_module.graph.nodes if n.op == "output")
+    from torch.utils._pytree import tree_flatten
+    return [n for n in tree_flatten(output.args)[0] if isinstance(n, fx.Node)]
+
+
+def plan_and_lower(joint: fx.GraphModule, budget: Any, *, num_fwd_outputs: int, solver: str = "auto",
+                   name: str = "compiled") -> Lowered:
+    """Price ``joint``, plan it at ``budget`` (``planner.make_plan``) and lower the plan."""
+    from torch._functorch.partitioners import _extract_fwd_bwd_modules
+
+    from .planner import make_plan
+    units = joint_units(joint, num_fwd_outputs)
+    graph = joint_cost_graph(joint, units, name)
+    plan = make_plan(graph, budget, solver)
+    module, saved, saved_sym, recomputed = lower_schedule(joint, units, plan.schedule)
+    forward_graph, backward_graph = _extract_fwd_bwd_modules(module, saved, saved_sym,
+                                                             num_fwd_outputs=num_fwd_outputs)
+    lowered = Lowered(graph, plan, forward_graph, backward_graph, tuple(n.name for n in saved), tuple(recomputed))
+    _LAST[:] = [lowered]
+    return lowered
+
+
+def budget_backend(budget: Any, solver: str = "auto") -> Callable[..., Any]:
+    """``torch.compile(model, backend=budget_backend("6GiB"))``: AOTAutograd whose partitioner plans
+    the joint graph with our solvers at ``budget`` (bytes, a size string, or a fraction of store-all)
+    and lowers the plan (:func:`plan_and_lower`); the graphs run as they are (``aot_eager``).
+    ``last_lowering()`` shows the plan, the saved values and the backward's code."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_compiler
+
+    def partition(joint: fx.GraphModule, _inputs: Any, *, num_fwd_outputs: int, **_: Any
+                  ) -> tuple[fx.GraphModule, fx.GraphModule]:
+        lowered = plan_and_lower(joint, budget, num_fwd_outputs=num_fwd_outputs, solver=solver)
+        return lowered.forward_graph, lowered.backward_graph
+
+    compiler = make_boxed_compiler(lambda gm, _example: gm)
+    return aot_autograd(fw_compiler=compiler, bw_compiler=compiler, partition_fn=partition)
