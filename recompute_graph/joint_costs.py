@@ -25,9 +25,10 @@ nothing and ``alias_of`` names the unit owning its storage):
 * costs: FLOPs of each node run on meta tensors under ``FlopCounterMode``, turned into seconds by a
   ``costs.DeviceProfile`` with the bytes the node reads and writes.
 
-A unit that holds a random op (dropout) or reads state the step updates (BatchNorm) is ``random`` /
-``stateful``: the lowering never recomputes those nodes (it saves their outputs), and the liveness of
-the generated graphs (``joint_lowering.graph_peak_bytes``) is the judge of what a plan then costs.
+A unit that holds a random op (dropout) is ``random``, one that reads state the step updates
+(BatchNorm) ``stateful``; the lowering replays a recomputed random op from an RNG snapshot and
+saves a BatchNorm's outputs instead of recomputing it (``joint_lowering``), and the liveness of the generated graphs (``joint_lowering.graph_peak_bytes``)
+judges what a plan costs once lowered.
 """
 from __future__ import annotations
 
@@ -225,13 +226,20 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
         grad = bool(backward_nodes) or any(
             (a in trainable) or (a in units.unit_of and requires_grad[units.unit_of[a]]) for a in inputs)
         requires_grad.append(grad)
-        floating = [n for n in members if _is_tensor(n) and n.meta["val"].is_floating_point()
-                    and (n in forward_outputs or any(u not in member_set for u in n.users))]
-        grad_bytes = sum(_value_bytes(n) for n in floating) if grad else 0
-        returned = [g for g in gradient_outputs if isinstance(g, fx.Node) and g in set(backward_nodes)]
-        returned_keys = {key for g in returned for key, _ in _storage(g)}
+        # the gradient of the unit's outputs that other forward units read, storage by storage
+        floating = {key: nbytes for n in members if _is_tensor(n) and n.meta["val"].is_floating_point()
+                    and (n in forward_outputs or any(u not in member_set and u not in units.backward
+                                                     for u in n.users))
+                    for key, nbytes in _storage(n)}
+        grad_bytes = sum(floating.values()) if grad else 0
+        own_backward = set(backward_nodes)
+        returned = [g for g in gradient_outputs if isinstance(g, fx.Node) and g in own_backward]
+        # passed on: the returned parameter gradients, and the input gradients other units' backward
+        # nodes read (the simulator counts those as the predecessors' grad_bytes)
+        passed_keys = {key for b in backward_nodes if b in returned or any(u not in own_backward for u in b.users)
+                       for key, _ in _storage(b)}
         backward_made = {key: nbytes for b in backward_nodes for key, nbytes in _storage(b)
-                         if key not in primal_keys and key not in owner}
+                         if key not in primal_keys and key not in owner and key not in passed_keys}
         forward_flops = sum(_meta_flops(n) for n in members)
         backward_flops = sum(_meta_flops(b) for b in backward_nodes)
         workspace = sum(nbytes for key, nbytes in own_keys.items() if key not in read_outside)
@@ -242,8 +250,7 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
             output_bytes=output_bytes, alias_of=alias_of, grad_bytes=grad_bytes,
             saved_input_bytes=saved_input, saved_output_bytes=saved_output, saved_buffer_bytes=saved_buffer,
             backward_needs=tuple(sorted(needs)), workspace_bytes=max(0, workspace - saved_buffer),
-            backward_workspace_bytes=sum(nbytes for key, nbytes in backward_made.items()
-                                         if key not in returned_keys),
+            backward_workspace_bytes=sum(backward_made.values()),
             param_grad_bytes=sum(_value_bytes(g) for g in returned),
             forward_cost=sum(profile.seconds(_meta_flops(n), _moved_bytes(n)) for n in members),
             backward_cost=sum(profile.seconds(_meta_flops(b), _moved_bytes(b)) for b in backward_nodes),

@@ -15,10 +15,13 @@ joint graph, then extracting the two graphs AOTAutograd runs with torch's
   after its last use.
 * the *saved* values are the forward originals the backward section reads (and the primals it reads).
 
-Random and state-reading nodes (dropout, BatchNorm) are never copied: their outputs are saved (a copy
-would draw a new mask or read updated running statistics). :func:`graph_peak_bytes` is the liveness
-of the generated graphs, from the fake values of their nodes: it is the judge of what a plan costs
-once lowered, beside the simulator's prediction.
+A random node (dropout) of a unit the schedule recomputes gets an RNG snapshot in the forward
+(:func:`rng_snapshot`, a saved value of ``rng_state_bytes``), and its copy runs under that state
+(:func:`replay_random`), so the recomputed mask is the original's and the global generator is left as it
+was. BatchNorm nodes are never copied: they read the running statistics AOTAutograd writes back after
+the forward, which autograd's version check refuses in the backward; their outputs are saved.
+:func:`graph_peak_bytes` is the liveness of the generated graphs, from the fake values of their nodes:
+the judge of what a plan costs once lowered, beside the simulator's prediction.
 
 :func:`budget_backend` is the ``torch.compile`` backend: AOTAutograd with a partitioner that prices
 the joint graph, plans it with ``planner.make_plan`` at the budget, and lowers the plan.
@@ -34,6 +37,7 @@ from torch import fx
 from .graph import CostGraph
 from .joint_capture import RANDOM_TARGETS, op_name
 from .joint_costs import JointUnits, is_tangent, joint_cost_graph, joint_units
+from .joint_partition import STATE_READING_TARGETS
 from .schedule import Backward, Forward, Schedule
 
 __all__ = ["Lowered", "lower_schedule", "graph_peak_bytes", "budget_backend", "last_lowering"]
@@ -62,10 +66,23 @@ class Lowered:
 
 _LAST: list[Lowered] = []
 
+#: ``(cost graph, schedule) -> schedule``: applied to the plan's schedule before lowering.
+SchedulePass = Callable[[CostGraph, Schedule], Schedule]
+
 
 def last_lowering() -> Lowered | None:
     """The :class:`Lowered` of the most recent :func:`budget_backend` partition, or None."""
     return _LAST[-1] if _LAST else None
+
+
+def _reads_updated_state(node: fx.Node) -> bool:
+    """A BatchNorm node (or an item of its result): it reads running statistics that AOTAutograd
+    writes back after the forward, so a copy in the backward would read them at a newer version
+    (autograd refuses); its outputs are saved instead."""
+    import operator
+    producer = node.args[0] if node.target is operator.getitem else node
+    return (isinstance(producer, fx.Node) and producer.op == "call_function"
+            and op_name(producer.target) in STATE_READING_TARGETS)
 
 
 def _is_random(node: fx.Node) -> bool:
@@ -141,6 +158,8 @@ def lower_schedule(joint: fx.GraphModule, units: JointUnits, schedule: Schedule
     for op in schedule.backward_ops:
         if isinstance(op, Forward):
             for node in units.units[op.node]:
+                if _reads_updated_state(node):
+                    continue
                 if node in snapshots:
                     args, kwargs = fx.node.map_arg((node.args, node.kwargs), read)
                     copy = new.call_function(replay_random, (snapshots[node], read(_first_tensor_input(node)),
@@ -187,46 +206,59 @@ def lower_schedule(joint: fx.GraphModule, units: JointUnits, schedule: Schedule
     return module, saved, saved_sym, recomputed
 
 
-def graph_peak_bytes(forward_graph: fx.GraphModule, backward_graph: fx.GraphModule, num_saved: int | None = None
-                     ) -> int:
-    """Peak bytes of activations while the forward then the backward graph run, by their own liveness:
-    every node's new storages (fake values of ``meta["val"]``; views share their base's) are live from
-    the node to its last use; the forward's outputs stay live until the backward reads them last (its
-    saved values) or, for the model's outputs, to the end. Placeholders (parameters, inputs, tangents
-    excepted) are not counted."""
-    def storages(node: fx.Node) -> list[tuple[int, int]]:
-        from .joint_costs import _storage
-        return _storage(node)
-    live: dict[int, int] = {}
+def graph_peak_bytes(forward_graph: fx.GraphModule, backward_graph: fx.GraphModule) -> int:
+    """Peak bytes of activations while the forward then the backward graph run, by their own liveness
+    (fake values of ``meta["val"]``, storage by storage: a view holds its base's storage). A value is
+    live from its node to its last use; the forward's outputs (the model's outputs and the saved values)
+    stay live into the backward, the saved ones until the backward's last use of them, the model's to
+    the end (the caller's loss holds them); the backward's outputs (gradients) to the end. Storages of
+    the forward's placeholders (parameters, inputs) are not counted."""
+    from collections import Counter
+
+    from .joint_costs import _storage
+    primal_keys = {key for n in forward_graph.graph.nodes if n.op == "placeholder" for key, _ in _storage(n)}
+    holders: Counter[int] = Counter()
+    sizes: dict[int, int] = {}
+
+    def hold(node: fx.Node) -> None:
+        for key, nbytes in _storage(node):
+            if key not in primal_keys:
+                holders[key] += 1
+                sizes[key] = nbytes
+
+    def release(node: fx.Node) -> None:
+        for key, _ in _storage(node):
+            if key in holders:
+                holders[key] -= 1
+                if holders[key] <= 0:
+                    del holders[key]
+
+    def live_bytes() -> int:
+        return sum(sizes[key] for key in holders)
+
     peak = 0
-    for graph_module, is_backward in ((forward_graph, False), (backward_graph, True)):
+    forward_outputs = _outputs(forward_graph)
+    saved_names = {n.name for n in backward_graph.graph.nodes if n.op == "placeholder"}
+    for graph_module, kept in ((forward_graph, set(forward_outputs)), (backward_graph, set(_outputs(backward_graph)))):
         nodes = list(graph_module.graph.nodes)
-        last_use: dict[fx.Node, int] = {}
+        last_use = {a: i for i, node in enumerate(nodes) for a in node.all_input_nodes}
+        if graph_module is backward_graph:
+            for node in forward_outputs:  # the forward's holds end; the backward's placeholders take over
+                release(node)
+            for node in forward_outputs:
+                if node.name not in saved_names:
+                    hold(node)  # a model output, held by the caller
         for i, node in enumerate(nodes):
-            for a in node.all_input_nodes:
-                last_use[a] = i
-        for i, node in enumerate(nodes):
-            if node.op == "placeholder":
-                if is_backward and "tangents" in node.name:
-                    for key, nbytes in storages(node):
-                        live.setdefault(key, nbytes)
-                continue
             if node.op == "output":
                 continue
-            for key, nbytes in storages(node):
-                live.setdefault(key, nbytes)
-            peak = max(peak, sum(live.values()))
-            for a in node.all_input_nodes:
-                if last_use.get(a) == i and (is_backward or a.op != "placeholder"):
-                    if not is_backward and any(a is o for o in _outputs(graph_module)):
-                        continue
-                    for key, _ in storages(a):
-                        live.pop(key, None)
-        if is_backward:
-            break
-        # forward -> backward: the saved values live on under the backward's placeholder names
-        saved_keys = {key for o in _outputs(forward_graph) for key, _ in storages(o)}
-        live = {key: nbytes for key, nbytes in live.items() if key in saved_keys}
+            if node.op != "placeholder" or graph_module is backward_graph:
+                hold(node)
+            peak = max(peak, live_bytes())
+            if not node.users and node not in kept:
+                release(node)
+            for a in set(node.all_input_nodes):
+                if last_use.get(a) == i and a not in kept:
+                    release(a)
     return peak
 
 
@@ -237,15 +269,17 @@ def _outputs(graph_module: fx.GraphModule) -> list[fx.Node]:
 
 
 def plan_and_lower(joint: fx.GraphModule, budget: Any, *, num_fwd_outputs: int, solver: str = "auto",
-                   name: str = "compiled") -> Lowered:
-    """Price ``joint``, plan it at ``budget`` (``planner.make_plan``) and lower the plan."""
+                   name: str = "compiled", schedule_pass: SchedulePass | None = None) -> Lowered:
+    """Price ``joint``, plan it at ``budget`` (``planner.make_plan``) and lower the plan, after
+    ``schedule_pass(graph, schedule)`` when given (a hook to lower other valid schedules)."""
     from torch._functorch.partitioners import _extract_fwd_bwd_modules
 
     from .planner import make_plan
     units = joint_units(joint, num_fwd_outputs)
     graph = joint_cost_graph(joint, units, name)
     plan = make_plan(graph, budget, solver)
-    module, saved, saved_sym, recomputed = lower_schedule(joint, units, plan.schedule)
+    schedule = schedule_pass(graph, plan.schedule) if schedule_pass is not None else plan.schedule
+    module, saved, saved_sym, recomputed = lower_schedule(joint, units, schedule)
     forward_graph, backward_graph = _extract_fwd_bwd_modules(module, saved, saved_sym,
                                                              num_fwd_outputs=num_fwd_outputs)
     lowered = Lowered(graph, plan, forward_graph, backward_graph, tuple(n.name for n in saved), tuple(recomputed))
@@ -253,7 +287,8 @@ def plan_and_lower(joint: fx.GraphModule, budget: Any, *, num_fwd_outputs: int, 
     return lowered
 
 
-def budget_backend(budget: Any, solver: str = "auto") -> Callable[..., Any]:
+def budget_backend(budget: Any, solver: str = "auto", schedule_pass: SchedulePass | None = None
+                   ) -> Callable[..., Any]:
     """``torch.compile(model, backend=budget_backend("6GiB"))``: AOTAutograd whose partitioner plans
     the joint graph with our solvers at ``budget`` (bytes, a size string, or a fraction of store-all)
     and lowers the plan (:func:`plan_and_lower`); the graphs run as they are (``aot_eager``).
@@ -263,7 +298,8 @@ def budget_backend(budget: Any, solver: str = "auto") -> Callable[..., Any]:
 
     def partition(joint: fx.GraphModule, _inputs: Any, *, num_fwd_outputs: int, **_: Any
                   ) -> tuple[fx.GraphModule, fx.GraphModule]:
-        lowered = plan_and_lower(joint, budget, num_fwd_outputs=num_fwd_outputs, solver=solver)
+        lowered = plan_and_lower(joint, budget, num_fwd_outputs=num_fwd_outputs, solver=solver,
+                                 schedule_pass=schedule_pass)
         return lowered.forward_graph, lowered.backward_graph
 
     compiler = make_boxed_compiler(lambda gm, _example: gm)
