@@ -150,6 +150,18 @@ def _value_bytes(node: fx.Node) -> int:
     return sum(nbytes for _, nbytes in _storage(node))
 
 
+def _is_buffer_update(node: fx.Node, buffers: set[fx.Node]) -> bool:
+    """A forward output that is a buffer's new value: made by an op (or an item of one) that reads a
+    non-trainable primal of the same shape and dtype (``running_mean`` -> BatchNorm's new running mean,
+    ``num_batches_tracked + 1``)."""
+    value = node.meta.get("val")
+    producer = node.args[0] if node.target is operator.getitem and isinstance(node.args[0], fx.Node) else node
+    if not isinstance(value, torch.Tensor):
+        return False
+    return any(a in buffers and isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].shape == value.shape
+               and a.meta["val"].dtype == value.dtype for a in producer.all_input_nodes)
+
+
 def _meta_flops(node: fx.Node) -> int:
     """FLOPs of one node, run on meta tensors shaped like its inputs' fake values (0 if it cannot run)."""
     if node.op != "call_function" or node.target is operator.getitem:
@@ -187,7 +199,12 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
             for key, _ in _storage(node):
                 if key not in primal_keys:
                     owner.setdefault(key, index)
-    forward_outputs = set(units.forward_outputs(graph))
+    primals_ = [n for n in graph.nodes if n.op == "placeholder" and not is_tangent(n)]
+    trainable_ = {p for p, g in zip(primals_, units.gradient_outputs(graph)) if g is not None}
+    # the model's outputs; a buffer's new value (BatchNorm's running statistics, written back after the
+    # forward) is not one: it would keep its unit's whole value (the normalized activations) alive
+    forward_outputs = {n for n in units.forward_outputs(graph)
+                       if not _is_buffer_update(n, set(primals_) - trainable_)}
     gradient_outputs = units.gradient_outputs(graph)
     primals = [n for n in graph.nodes if n.op == "placeholder" and not is_tangent(n)]
     trainable = {p for p, g in zip(primals, gradient_outputs) if g is not None}

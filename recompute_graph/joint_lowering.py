@@ -37,7 +37,7 @@ from torch import fx
 from .graph import CostGraph
 from .joint_capture import RANDOM_TARGETS, op_name
 from .joint_costs import JointUnits, is_tangent, joint_cost_graph, joint_units
-from .joint_partition import STATE_READING_TARGETS
+from .joint_partition import STATE_READING_TARGETS, boxed_interpreter
 from .schedule import Backward, Forward, Schedule
 
 __all__ = ["Lowered", "lower_schedule", "graph_peak_bytes", "budget_backend", "last_lowering"]
@@ -291,10 +291,10 @@ def budget_backend(budget: Any, solver: str = "auto", schedule_pass: SchedulePas
                    ) -> Callable[..., Any]:
     """``torch.compile(model, backend=budget_backend("6GiB"))``: AOTAutograd whose partitioner plans
     the joint graph with our solvers at ``budget`` (bytes, a size string, or a fraction of store-all)
-    and lowers the plan (:func:`plan_and_lower`); the graphs run as they are (``aot_eager``).
+    and lowers the plan (:func:`plan_and_lower`); the graphs run as they are
+    (``joint_partition.boxed_interpreter``).
     ``last_lowering()`` shows the plan, the saved values and the backward's code."""
     from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.aot_autograd import make_boxed_compiler
 
     def partition(joint: fx.GraphModule, _inputs: Any, *, num_fwd_outputs: int, **_: Any
                   ) -> tuple[fx.GraphModule, fx.GraphModule]:
@@ -302,5 +302,4 @@ def budget_backend(budget: Any, solver: str = "auto", schedule_pass: SchedulePas
                                  schedule_pass=schedule_pass)
         return lowered.forward_graph, lowered.backward_graph
 
-    compiler = make_boxed_compiler(lambda gm, _example: gm)
-    return aot_autograd(fw_compiler=compiler, bw_compiler=compiler, partition_fn=partition)
+    return aot_autograd(fw_compiler=boxed_interpreter, bw_compiler=boxed_interpreter, partition_fn=partition)

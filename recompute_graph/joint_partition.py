@@ -27,7 +27,7 @@ recompute nodes are moved to their first use (:func:`place_recomputation`), sinc
 joint graph's order, which would recompute everything at the start of the backward.
 
 :func:`recompute_backend` is a ``torch.compile`` backend built on it (forward and backward run by
-``aot_eager``'s boxed interpreter), and ``last_partition()`` shows what the last compilation did:
+:func:`boxed_interpreter`), and ``last_partition()`` shows what the last compilation did:
 the saved values, the recompute nodes and the backward's code.
 """
 from __future__ import annotations
@@ -41,7 +41,7 @@ from torch import fx
 from .joint_capture import RANDOM_TARGETS, op_name, reachable
 
 __all__ = ["Partition", "POLICIES", "partition_with_policy", "place_recomputation", "recompute_backend",
-           "last_partition"]
+           "last_partition", "boxed_interpreter"]
 
 #: A policy gets the forward tensors (in graph order) and returns the names of those it would keep; of
 #: those, the ones the backward's recomputation reaches are saved.
@@ -164,18 +164,24 @@ def place_recomputation(backward_graph: fx.GraphModule, forward_names: set[str])
     return [n.name for n in backward_graph.graph.nodes if n in set(recompute)]
 
 
+def boxed_interpreter(gm: fx.GraphModule, _example_inputs: Any = None) -> Callable[[list], Any]:
+    """A compiler for AOTAutograd that runs ``gm`` as it is, with the *boxed* calling convention done
+    right: the argument list is cleared and each value is dropped after its last use
+    (``fx.Interpreter.boxed_run``). ``make_boxed_compiler(lambda gm, _: gm)`` would keep the list, and
+    so every saved tensor, alive until the backward graph returns (GPT-2: +50 % peak)."""
+    def run(args: list) -> Any:
+        return fx.Interpreter(gm).boxed_run(args)
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run
+
+
 def recompute_backend(policy: Policy | str = "save_compute_bound") -> Callable[..., Any]:
     """A ``torch.compile`` backend: AOTAutograd with :func:`partition_with_policy` as its partitioner,
-    the forward and backward graphs run as they are (``aot_eager``)."""
+    the forward and backward graphs run as they are (:func:`boxed_interpreter`)."""
     from functools import partial
 
     from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.aot_autograd import make_boxed_compiler
-
-    def run_as_is(gm: fx.GraphModule, _example_inputs: Any) -> Any:
-        return gm
-    compiler = make_boxed_compiler(run_as_is)
-    return aot_autograd(fw_compiler=compiler, bw_compiler=compiler,
+    return aot_autograd(fw_compiler=boxed_interpreter, bw_compiler=boxed_interpreter,
                         partition_fn=partial(partition_with_policy, policy=policy))
 
 
