@@ -213,11 +213,12 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
     for index, members in enumerate(units.units):
         member_set = set(members)
         own_keys = {key: nbytes for n in members for key, nbytes in _storage(n) if owner.get(key) == index}
-        read_outside = {key for n in members if n in forward_outputs or
-                        any(u not in member_set and u not in units.backward for u in n.users)
+        def read_by_other_units(n: fx.Node) -> bool:  # the output node counts through forward_outputs
+            return any(u not in member_set and u not in units.backward and u.op != "output" for u in n.users)
+        read_outside = {key for n in members if n in forward_outputs or read_by_other_units(n)
                         for key, _ in _storage(n)}
         output_bytes = sum(nbytes for key, nbytes in own_keys.items() if key in read_outside)
-        foreign = [owner[key] for n in members if n in forward_outputs or any(u not in member_set for u in n.users)
+        foreign = [owner[key] for n in members if n in forward_outputs or read_by_other_units(n)
                    for key, _ in _storage(n) if key in owner and owner[key] != index]
         alias_of = foreign[0] if foreign and not output_bytes else None
         backward_nodes = units.backward_of[index]
@@ -231,11 +232,11 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
                     continue
                 counted.add(key)
                 if owner[key] == index:
-                    if key in read_outside:
+                    if key in read_outside:  # the unit's output: its backward needs its value
                         saved_output += nbytes
-                    else:
+                        needs.add(index)
+                    else:  # internal: held by the backward alone (the simulator keeps it with the tape)
                         saved_buffer += nbytes
-                    needs.add(index)
                 else:
                     saved_input += nbytes
                     needs.add(owner[key])
@@ -245,8 +246,7 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
         requires_grad.append(grad)
         # the gradient of the unit's outputs that other forward units read, storage by storage
         floating = {key: nbytes for n in members if _is_tensor(n) and n.meta["val"].is_floating_point()
-                    and (n in forward_outputs or any(u not in member_set and u not in units.backward
-                                                     for u in n.users))
+                    and (n in forward_outputs or read_by_other_units(n))
                     for key, nbytes in _storage(n)}
         grad_bytes = sum(floating.values()) if grad else 0
         own_backward = set(backward_nodes)

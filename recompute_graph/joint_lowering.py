@@ -18,8 +18,10 @@ joint graph, then extracting the two graphs AOTAutograd runs with torch's
 A random node (dropout) of a unit the schedule recomputes gets an RNG snapshot in the forward
 (:func:`rng_snapshot`, a saved value of ``rng_state_bytes``), and its copy runs under that state
 (:func:`replay_random`), so the recomputed mask is the original's and the global generator is left as it
-was. BatchNorm nodes are never copied: they read the running statistics AOTAutograd writes back after
-the forward, which autograd's version check refuses in the backward; their outputs are saved.
+was. A training-mode BatchNorm is recomputed without its running statistics
+(``_native_batch_norm_legit.no_stats``: the batch's statistics give the same output), since AOTAutograd
+writes them back after the forward and autograd's version check would refuse them in the backward;
+other BatchNorm forms are never copied (their outputs are saved).
 :func:`graph_peak_bytes` is the liveness of the generated graphs, from the fake values of their nodes:
 the judge of what a plan costs once lowered, beside the simulator's prediction.
 
@@ -75,14 +77,34 @@ def last_lowering() -> Lowered | None:
     return _LAST[-1] if _LAST else None
 
 
+def _training_batch_norm(node: fx.Node) -> bool:
+    """``_native_batch_norm_legit_functional`` in training mode: it normalizes by the batch's statistics."""
+    return (node.op == "call_function" and node.target is torch.ops.aten._native_batch_norm_legit_functional.default
+            and bool(node.args[5]))
+
+
 def _reads_updated_state(node: fx.Node) -> bool:
-    """A BatchNorm node (or an item of its result): it reads running statistics that AOTAutograd
-    writes back after the forward, so a copy in the backward would read them at a newer version
-    (autograd refuses); its outputs are saved instead."""
+    """A node that cannot be copied into the backward: a BatchNorm (or an item of its result) that
+    reads running statistics AOTAutograd writes back after the forward (autograd's version check
+    refuses them there), except a training-mode functional BatchNorm, whose copy runs without them
+    (:func:`_copy_batch_norm`); and the new running statistics themselves (items 3 and 4), read from
+    the forward."""
     import operator
-    producer = node.args[0] if node.target is operator.getitem else node
-    return (isinstance(producer, fx.Node) and producer.op == "call_function"
-            and op_name(producer.target) in STATE_READING_TARGETS)
+    if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        return _reads_updated_state(node.args[0]) or (_training_batch_norm(node.args[0]) and node.args[1] >= 3)
+    return (node.op == "call_function" and op_name(node.target) in STATE_READING_TARGETS
+            and not _training_batch_norm(node))
+
+
+def _copy_batch_norm(graph: fx.Graph, node: fx.Node, read: Callable[[fx.Node], fx.Node]) -> fx.Node:
+    """A training-mode BatchNorm recomputed without running statistics
+    (``_native_batch_norm_legit.no_stats``): the same output, mean and inverse std."""
+    data, weight, bias, _mean, _var, training, momentum, eps = node.args
+    args = fx.node.map_arg((data, weight, bias), read)
+    copy = graph.call_function(torch.ops.aten._native_batch_norm_legit.no_stats, (*args, training, momentum, eps))
+    copy.meta = {k: v for k, v in node.meta.items() if k != "val"}
+    copy.meta["val"] = tuple(node.meta["val"][:3])
+    return copy
 
 
 def _is_random(node: fx.Node) -> bool:
@@ -160,7 +182,9 @@ def lower_schedule(joint: fx.GraphModule, units: JointUnits, schedule: Schedule
             for node in units.units[op.node]:
                 if _reads_updated_state(node):
                     continue
-                if node in snapshots:
+                if _training_batch_norm(node):
+                    copy = _copy_batch_norm(new, node, read)
+                elif node in snapshots:
                     args, kwargs = fx.node.map_arg((node.args, node.kwargs), read)
                     copy = new.call_function(replay_random, (snapshots[node], read(_first_tensor_input(node)),
                                                              node.target, *args), kwargs)

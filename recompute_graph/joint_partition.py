@@ -166,11 +166,23 @@ def place_recomputation(backward_graph: fx.GraphModule, forward_names: set[str])
 
 def boxed_interpreter(gm: fx.GraphModule, _example_inputs: Any = None) -> Callable[[list], Any]:
     """A compiler for AOTAutograd that runs ``gm`` as it is, with the *boxed* calling convention done
-    right: the argument list is cleared and each value is dropped after its last use
-    (``fx.Interpreter.boxed_run``). ``make_boxed_compiler(lambda gm, _: gm)`` would keep the list, and
-    so every saved tensor, alive until the backward graph returns (GPT-2: +50 % peak)."""
+    right: the argument list is cleared and each value is dropped after its last use. The graph's code
+    is regenerated in that convention (``torch.fx``'s ``_BoxedCodeGen``: ``def forward(self,
+    args_list)``), or, where that is unavailable, run by ``fx.Interpreter.boxed_run``.
+    ``make_boxed_compiler(lambda gm, _: gm)`` would keep the list, and so every saved tensor, alive
+    until the backward graph returns (GPT-2 tiny: 571 KB measured for a 380 KB plan)."""
+    try:
+        from torch.fx.graph import _BoxedCodeGen
+    except ImportError:  # pragma: no cover - older or newer torch without it
+        def interpret(args: list) -> Any:
+            return fx.Interpreter(gm).boxed_run(args)
+        interpret._boxed_call = True  # type: ignore[attr-defined]
+        return interpret
+    gm.graph.set_codegen(_BoxedCodeGen())
+    gm.recompile()
+
     def run(args: list) -> Any:
-        return fx.Interpreter(gm).boxed_run(args)
+        return gm(args)
     run._boxed_call = True  # type: ignore[attr-defined]
     return run
 
