@@ -3,9 +3,9 @@
 ``torch.compile`` hands a partitioner the joint forward+backward aten graph (``joint_partition.py``).
 Every node AOTAutograd traced for one forward op of the model, and every node of that op's backward,
 carry the same ``meta["seq_nr"]`` (``addmm`` and the ``mm``/``sum`` of its backward). A *unit* is the
-forward nodes of one ``seq_nr`` (an op with its ``getitem``s; forward nodes without one join the unit
-of their first input that has one, else form their own); its *backward nodes* are the tangent-dependent
-nodes with the same ``seq_nr``. :func:`joint_units` finds them; :func:`joint_cost_graph` prices them as
+forward nodes of one ``seq_nr`` (an op with its ``getitem``s; a forward node without one is a unit of
+its own, so that each storage the simulator tracks is one unit's value); its *backward nodes* are
+the tangent-dependent nodes with the same ``seq_nr``. :func:`joint_units` finds them; :func:`joint_cost_graph` prices them as
 a :class:`~recompute_graph.graph.CostGraph` with an implicit backward, so that every solver plans on
 it unchanged.
 
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import fx
@@ -46,7 +46,7 @@ from .graph import CostGraph, CostNode
 from .joint_capture import RANDOM_TARGETS, op_name, reachable
 from .joint_partition import STATE_READING_TARGETS
 
-__all__ = ["JointUnits", "joint_units", "joint_cost_graph", "is_tangent"]
+__all__ = ["JointUnits", "joint_units", "joint_cost_graph", "kernel_workspace_bytes", "is_tangent", "backward_reads"]
 
 @dataclass
 class JointUnits:
@@ -84,53 +84,102 @@ def joint_units(joint: fx.GraphModule, num_fwd_outputs: int) -> JointUnits:
     backward = reachable(tangents, lambda n: [u for u in n.users if u.op != "output"])
     forward = [n for n in nodes if n not in backward and n.op not in ("placeholder", "output")]
     by_seq: dict[Any, int] = {}
-    units: list[list[fx.Node]] = []
-    unit_of: dict[fx.Node, int] = {}
+    groups: list[list[fx.Node]] = []
+    group_of: dict[fx.Node, int] = {}
     for node in forward:
         seq = node.meta.get("seq_nr")
-        if seq is None or node.target is operator.getitem:  # joins the unit of its first input
-            index = next((unit_of[a] for a in node.all_input_nodes if a in unit_of), None)
-        else:
-            index = by_seq.get(seq)
+        if node.target is operator.getitem:  # an item of a multi-output op: the op's group
+            index = next((group_of[a] for a in node.all_input_nodes if a in group_of), None)
+        else:  # a node without seq_nr is a group of its own
+            index = by_seq.get(seq) if seq is not None else None
         if index is None:
-            index = len(units)
-            units.append([])
+            index = len(groups)
+            groups.append([])
             if seq is not None:
                 by_seq[seq] = index
-        unit_of[node] = index
-        units[index].append(node)
-    units, unit_of = _topological(units, unit_of)
-    seq_unit = {}
+        group_of[node] = index
+        groups[index].append(node)
+    # ops traced under one seq_nr that do not read each other (GPT-2's scaling ``mul`` and the causal
+    # mask built beside it) are separate units: each unit's value is one connected computation
+    units = [part for members in groups for part in _connected_parts(members)]
+    unit_of = {node: i for i, members in enumerate(units) for node in members}
+    candidates: dict[Any, list[int]] = {}
     for index, members in enumerate(units):
-        for node in members:
-            if node.meta.get("seq_nr") is not None:
-                seq_unit.setdefault(node.meta["seq_nr"], index)
-    backward_of: list[list[fx.Node]] = [[] for _ in units]
+        for seq in {n.meta.get("seq_nr") for n in members} - {None}:
+            candidates.setdefault(seq, []).append(index)
+    by_seq_backward: dict[Any, list[fx.Node]] = {}
     unplaced = []
     for node in nodes:
         if node in backward and not is_tangent(node):
-            index = seq_unit.get(node.meta.get("seq_nr"))
-            (backward_of[index] if index is not None else unplaced).append(node)
+            seq = node.meta.get("seq_nr")
+            (by_seq_backward.setdefault(seq, []) if seq in candidates else unplaced).append(node)
+    backward_of: list[list[fx.Node]] = [[] for _ in units]
+    for seq, backward_nodes in by_seq_backward.items():
+        backward_of[_owner_of_backward(backward_nodes, candidates[seq], units, unit_of)].extend(backward_nodes)
+    units, unit_of, backward_of = _topological(units, unit_of, backward_of)
     return JointUnits(forward, backward, units, unit_of, backward_of, unplaced, num_fwd_outputs)
 
 
-def _topological(units: list[list[fx.Node]], unit_of: dict[fx.Node, int]
-                 ) -> tuple[list[list[fx.Node]], dict[fx.Node, int]]:
-    """Order units so that every edge between them points forward; a unit caught in a cycle with
-    another (an op whose nodes interleave with a later op's) is merged into it."""
+def backward_reads(units: JointUnits, index: int) -> set[int]:
+    """The other units whose values unit ``index``'s backward nodes read (a linear's weight gradient,
+    traced under the weight transpose's seq_nr, reads the linear's input)."""
+    return {units.unit_of[a] for b in units.backward_of[index] for a in b.all_input_nodes
+            if a in units.unit_of and units.unit_of[a] != index}
+
+
+def _connected_parts(members: list[fx.Node]) -> list[list[fx.Node]]:
+    """``members`` split into the groups connected by data edges among them, in graph order."""
+    member_set = set(members)
+    root = {n: n for n in members}
+
+    def find(n: fx.Node) -> fx.Node:
+        while root[n] is not n:
+            root[n] = root[root[n]]
+            n = root[n]
+        return n
+    for n in members:
+        for a in n.all_input_nodes:
+            if a in member_set:
+                root[find(a)] = find(n)
+    parts: dict[fx.Node, list[fx.Node]] = {}
+    for n in members:
+        parts.setdefault(find(n), []).append(n)
+    return list(parts.values())
+
+
+def _owner_of_backward(backward_nodes: list[fx.Node], candidates: list[int], units: list[list[fx.Node]],
+                       unit_of: dict[fx.Node, int]) -> int:
+    """Of the units sharing a seq_nr, the one whose backward these nodes are: the one they read most,
+    else the last with a floating-point value (a mask built beside an op has no backward)."""
+    reads = [unit_of[a] for b in backward_nodes for a in b.all_input_nodes
+             if a in unit_of and unit_of[a] in candidates]
+    if reads:
+        return max(set(reads), key=lambda i: (reads.count(i), i))
+    floating = [i for i in candidates if any(_is_tensor(n) and n.meta["val"].is_floating_point() for n in units[i])]
+    return (floating or candidates)[-1]
+
+
+def _topological(units: list[list[fx.Node]], unit_of: dict[fx.Node, int], backward_of: list[list[fx.Node]]
+                 ) -> tuple[list[list[fx.Node]], dict[fx.Node, int], list[list[fx.Node]]]:
+    """Order units so that every edge points forward: from the units a unit reads, and from those its
+    backward reads (their values must be live when it runs, to be saved); units caught in a cycle (an
+    op whose nodes interleave with another's) are merged."""
     import networkx as nx
     dag = nx.DiGraph()
     dag.add_nodes_from(range(len(units)))
-    for node, index in unit_of.items():
-        for a in node.all_input_nodes:
-            if a in unit_of and unit_of[a] != index:
-                dag.add_edge(unit_of[a], index)
+    for index, members in enumerate(units):
+        for node in (*members, *backward_of[index]):
+            for a in node.all_input_nodes:
+                if a in unit_of and unit_of[a] != index:
+                    dag.add_edge(unit_of[a], index)
     condensed = nx.condensation(dag)
     order = list(nx.lexicographical_topological_sort(condensed, key=lambda c: min(condensed.nodes[c]["members"])))
     position = {n: i for i, n in enumerate(next(iter(unit_of)).graph.nodes)} if unit_of else {}
     merged = [sorted((node for u in condensed.nodes[c]["members"] for node in units[u]), key=position.get)
               for c in order]
-    return merged, {node: i for i, members in enumerate(merged) for node in members}
+    merged_backward = [sorted((node for u in condensed.nodes[c]["members"] for node in backward_of[u]),
+                              key=position.get) for c in order]
+    return merged, {node: i for i, members in enumerate(merged) for node in members}, merged_backward
 
 
 def _storage(node: fx.Node) -> list[tuple[int, int]]:
@@ -186,10 +235,67 @@ def _moved_bytes(node: fx.Node) -> int:
     return _value_bytes(node) + sum(_value_bytes(a) for a in node.all_input_nodes)
 
 
+def kernel_workspace_bytes(joint: fx.GraphModule, joint_inputs: Sequence[Any]) -> dict[str, int]:
+    """Bytes each node of ``joint`` allocates beyond its outputs while it runs (kernel temporaries: the
+    mkldnn buffers of a CPU convolution's backward, a reduction's scratch), by the allocator
+    (``loss_pricing.allocator_windows``: ``torch.profiler`` memory events on CPU, the caching
+    allocator's statistics on CUDA), from one run of the joint graph on real tensors shaped like
+    ``joint_inputs`` (random floats, zero integers). Empty when they cannot be made (meta, symbolic
+    shapes) or the run fails: the liveness model alone is used then."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    with unset_fake_temporarily():  # a partitioner runs under AOTAutograd's fake mode
+        return _kernel_workspace_bytes(joint, joint_inputs)
+
+
+def _kernel_workspace_bytes(joint: fx.GraphModule, joint_inputs: Sequence[Any]) -> dict[str, int]:
+    from .loss_pricing import allocator_windows, node_window
+    try:
+        real = tree_map(_materialize, list(joint_inputs))  # AOTAutograd passes [primals, tangents]
+    except (TypeError, RuntimeError, ValueError):
+        return {}
+    tensors = [t for t in tree_flatten(real)[0] if isinstance(t, torch.Tensor)]
+    if not tensors or any(t.is_meta for t in tensors):
+        return {}
+    cuda = next((t.device for t in tensors if t.is_cuda), None)
+
+    class _Windowed(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            with node_window(n.name):
+                return super().run_node(n)
+    try:
+        with torch.no_grad(), allocator_windows(False, cuda) as windows:
+            _Windowed(joint).run(*real)
+    except Exception:  # noqa: BLE001 - data-dependent ops on random values: no measurement
+        return {}
+    nodes = {n.name: n for n in joint.graph.nodes}
+    workspace = {}
+    for name, (start, peak, _end) in windows().items():
+        if name in nodes:
+            workspace[name] = max(0, peak - start - _value_bytes(nodes[name]))
+    return workspace
+
+
+def _materialize(value: Any) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return value
+    shape = [int(d) for d in value.shape]
+    stride = [int(d) for d in value.stride()]
+    real = torch.empty_strided(shape, stride, dtype=value.dtype, device=value.device)
+    if real.is_floating_point() or real.is_complex():
+        real.normal_()
+    else:
+        real.zero_()
+    return real
+
+
 def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "joint",
-                     device_profile: DeviceProfile | str = "cpu") -> CostGraph:
+                     device_profile: DeviceProfile | str = "cpu", workspace: dict[str, int] | None = None
+                     ) -> CostGraph:
     """The implicit-backward :class:`CostGraph` of ``units`` (module docstring), node ``i`` = unit ``i``,
-    named after the unit's first node."""
+    named after the unit's first node. ``workspace``: each node's kernel temporaries
+    (:func:`kernel_workspace_bytes`); a unit's forward workspace is the largest of its nodes', and its
+    backward's the largest of its backward nodes' on top of the temporaries they keep."""
+    workspace = workspace or {}
     profile = DEVICE_PROFILES[device_profile] if isinstance(device_profile, str) else device_profile
     graph = joint.graph
     primal_keys = {key for n in graph.nodes if n.op == "placeholder" for key, _ in _storage(n)}
@@ -259,15 +365,20 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
                          if key not in primal_keys and key not in owner and key not in passed_keys}
         forward_flops = sum(_meta_flops(n) for n in members)
         backward_flops = sum(_meta_flops(b) for b in backward_nodes)
-        workspace = sum(nbytes for key, nbytes in own_keys.items() if key not in read_outside)
+        internal = sum(nbytes for key, nbytes in own_keys.items() if key not in read_outside)
         targets = {op_name(n.target) for n in members if n.op == "call_function"}
         nodes.append(CostNode(
             index=index, name=members[0].name, kind="function", target=op_name(members[0].target),
-            predecessors=tuple(sorted({units.unit_of[a] for a in inputs if a in units.unit_of})),
+            # what its backward reads (and the storages' owners) must be live when it runs, to be saved
+            predecessors=tuple(sorted(({units.unit_of[a] for a in inputs if a in units.unit_of}
+                                       | backward_reads(units, index) | needs) - {index})),
             output_bytes=output_bytes, alias_of=alias_of, grad_bytes=grad_bytes,
             saved_input_bytes=saved_input, saved_output_bytes=saved_output, saved_buffer_bytes=saved_buffer,
-            backward_needs=tuple(sorted(needs)), workspace_bytes=max(0, workspace - saved_buffer),
-            backward_workspace_bytes=sum(backward_made.values()),
+            backward_needs=tuple(sorted(needs)),
+            workspace_bytes=max(0, internal - saved_buffer) + max((workspace.get(n.name, 0) for n in members),
+                                                                 default=0),
+            backward_workspace_bytes=sum(backward_made.values()) + max(
+                (workspace.get(b.name, 0) for b in backward_nodes), default=0),
             param_grad_bytes=sum(_value_bytes(g) for g in returned),
             forward_cost=sum(profile.seconds(_meta_flops(n), _moved_bytes(n)) for n in members),
             backward_cost=sum(profile.seconds(_meta_flops(b), _moved_bytes(b)) for b in backward_nodes),

@@ -38,7 +38,7 @@ from torch import fx
 
 from .graph import CostGraph
 from .joint_capture import RANDOM_TARGETS, op_name
-from .joint_costs import JointUnits, is_tangent, joint_cost_graph, joint_units
+from .joint_costs import JointUnits, is_tangent, joint_cost_graph, joint_units, kernel_workspace_bytes
 from .joint_partition import STATE_READING_TARGETS, boxed_interpreter
 from .schedule import Backward, Forward, Schedule
 
@@ -293,14 +293,16 @@ def _outputs(graph_module: fx.GraphModule) -> list[fx.Node]:
 
 
 def plan_and_lower(joint: fx.GraphModule, budget: Any, *, num_fwd_outputs: int, solver: str = "auto",
-                   name: str = "compiled", schedule_pass: SchedulePass | None = None) -> Lowered:
+                   name: str = "compiled", schedule_pass: SchedulePass | None = None,
+                   joint_inputs: Any = None) -> Lowered:
     """Price ``joint``, plan it at ``budget`` (``planner.make_plan``) and lower the plan, after
     ``schedule_pass(graph, schedule)`` when given (a hook to lower other valid schedules)."""
     from torch._functorch.partitioners import _extract_fwd_bwd_modules
 
     from .planner import make_plan
     units = joint_units(joint, num_fwd_outputs)
-    graph = joint_cost_graph(joint, units, name)
+    workspace = kernel_workspace_bytes(joint, joint_inputs) if joint_inputs is not None else {}
+    graph = joint_cost_graph(joint, units, name, workspace=workspace)
     plan = make_plan(graph, budget, solver)
     schedule = schedule_pass(graph, plan.schedule) if schedule_pass is not None else plan.schedule
     module, saved, saved_sym, recomputed = lower_schedule(joint, units, schedule)
@@ -320,10 +322,10 @@ def budget_backend(budget: Any, solver: str = "auto", schedule_pass: SchedulePas
     ``last_lowering()`` shows the plan, the saved values and the backward's code."""
     from torch._dynamo.backends.common import aot_autograd
 
-    def partition(joint: fx.GraphModule, _inputs: Any, *, num_fwd_outputs: int, **_: Any
+    def partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **_: Any
                   ) -> tuple[fx.GraphModule, fx.GraphModule]:
         lowered = plan_and_lower(joint, budget, num_fwd_outputs=num_fwd_outputs, solver=solver,
-                                 schedule_pass=schedule_pass)
+                                 schedule_pass=schedule_pass, joint_inputs=joint_inputs)
         return lowered.forward_graph, lowered.backward_graph
 
     return aot_autograd(fw_compiler=boxed_interpreter, bw_compiler=boxed_interpreter, partition_fn=partition)
