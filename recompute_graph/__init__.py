@@ -34,6 +34,8 @@ _LAZY = {
     "peak_memory": ("measure", "peak_memory"),
     "time_step": ("measure", "time_step"),
     "load_graph": ("benchmark_graphs", "load_graph"),
+    "backend": ("joint_lowering", "budget_backend"),
+    "last_lowering": ("joint_lowering", "last_lowering"),
 }
 
 __all__ = ["CostGraph", "CostNode", "RecomputeError", "TraceError", "ProfileError", "GraphError",

@@ -313,19 +313,22 @@ def plan_and_lower(joint: fx.GraphModule, budget: Any, *, num_fwd_outputs: int, 
     return lowered
 
 
-def budget_backend(budget: Any, solver: str = "auto", schedule_pass: SchedulePass | None = None
-                   ) -> Callable[..., Any]:
+def budget_backend(budget: Any, solver: str = "auto", schedule_pass: SchedulePass | None = None,
+                   price_kernels: bool = True) -> Callable[..., Any]:
     """``torch.compile(model, backend=budget_backend("6GiB"))``: AOTAutograd whose partitioner plans
     the joint graph with our solvers at ``budget`` (bytes, a size string, or a fraction of store-all)
     and lowers the plan (:func:`plan_and_lower`); the graphs run as they are
     (``joint_partition.boxed_interpreter``).
-    ``last_lowering()`` shows the plan, the saved values and the backward's code."""
+    ``last_lowering()`` shows the plan, the saved values and the backward's code. ``price_kernels``:
+    measure each node's kernel workspace on real tensors first (``joint_costs.kernel_workspace_bytes``);
+    without it the plan prices the graphs' liveness alone."""
     from torch._dynamo.backends.common import aot_autograd
 
     def partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **_: Any
                   ) -> tuple[fx.GraphModule, fx.GraphModule]:
         lowered = plan_and_lower(joint, budget, num_fwd_outputs=num_fwd_outputs, solver=solver,
-                                 schedule_pass=schedule_pass, joint_inputs=joint_inputs)
+                                 schedule_pass=schedule_pass,
+                                 joint_inputs=joint_inputs if price_kernels else None)
         return lowered.forward_graph, lowered.backward_graph
 
     return aot_autograd(fw_compiler=boxed_interpreter, bw_compiler=boxed_interpreter, partition_fn=partition)
