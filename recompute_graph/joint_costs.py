@@ -46,7 +46,7 @@ from .graph import CostGraph, CostNode
 from .joint_capture import RANDOM_TARGETS, op_name, reachable
 from .joint_partition import STATE_READING_TARGETS
 
-__all__ = ["JointUnits", "joint_units", "joint_cost_graph", "kernel_workspace_bytes", "is_tangent", "backward_reads"]
+__all__ = ["JointUnits", "joint_units", "joint_cost_graph", "kernel_workspace_bytes", "outputs_loss_bytes", "is_tangent", "backward_reads"]
 
 @dataclass
 class JointUnits:
@@ -288,11 +288,44 @@ def _materialize(value: Any) -> Any:
     return real
 
 
+def outputs_loss_bytes(joint: fx.GraphModule, units: JointUnits, loss_fn: Any) -> int | None:
+    """Transient bytes of ``loss_fn`` on the model's outputs (the joint graph's forward outputs that are
+    not buffer updates, as one tensor or a tuple), forward and backward, above the output gradients it
+    leaves, by the allocator on real tensors shaped like them: what the step adds when the gradients
+    arrive. None on meta or when the loss cannot run on them."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from .loss_pricing import allocator_windows, node_window
+    graph = joint.graph
+    buffers = {p for p, g in zip([n for n in graph.nodes if n.op == "placeholder" and not is_tangent(n)],
+                                 units.gradient_outputs(graph)) if g is None}
+    outputs = [n for n in units.forward_outputs(graph) if not _is_buffer_update(n, buffers) and _is_tensor(n)]
+    if not outputs:
+        return None
+    with unset_fake_temporarily():
+        real = [_materialize(n.meta["val"]) for n in outputs]
+        if any(t.is_meta for t in real):
+            return None
+        leaves = [t.requires_grad_(True) if t.is_floating_point() else t for t in real]
+        cuda = next((t.device for t in real if t.is_cuda), None)
+        try:
+            with allocator_windows(False, cuda) as windows:
+                with node_window("loss"), torch.enable_grad():
+                    loss = loss_fn(leaves[0] if len(leaves) == 1 else tuple(leaves))
+                    grads = torch.autograd.grad(loss, [t for t in leaves if t.requires_grad], allow_unused=True)
+        except Exception:  # noqa: BLE001 - a loss that does not take these outputs: not priced
+            return None
+        kept = sum(g.untyped_storage().nbytes() for g in grads if g is not None)
+        start, peak, end = windows().get("loss", (0, 0, 0))
+        return max(0, peak - start - kept)
+
+
 def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "joint",
-                     device_profile: DeviceProfile | str = "cpu", workspace: dict[str, int] | None = None
-                     ) -> CostGraph:
+                     device_profile: DeviceProfile | str = "cpu", workspace: dict[str, int] | None = None,
+                     loss_bytes: int | None = None) -> CostGraph:
     """The implicit-backward :class:`CostGraph` of ``units`` (module docstring), node ``i`` = unit ``i``,
-    named after the unit's first node. ``workspace``: each node's kernel temporaries
+    named after the unit's first node. ``loss_bytes``: the loss's transient (:func:`outputs_loss_bytes`;
+    None: the planner guesses). ``workspace``: each node's kernel temporaries
     (:func:`kernel_workspace_bytes`); a unit's forward workspace is the largest of its nodes', and its
     backward's the largest of its backward nodes' on top of the temporaries they keep."""
     workspace = workspace or {}
@@ -386,7 +419,7 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
             random=bool(targets & RANDOM_TARGETS), stateful=bool(targets & STATE_READING_TARGETS)))
     outputs = tuple(sorted({units.unit_of[n] for n in forward_outputs if n in units.unit_of}))
     input_bytes = sum(_value_bytes(p) for p in primals if p not in trainable)
-    return CostGraph(name=name, nodes=tuple(nodes), cost_unit="seconds",
+    return CostGraph(name=name, nodes=tuple(nodes), cost_unit="seconds", loss_bytes=loss_bytes,
                      cost_source=f"flop-estimate ({profile.name}), joint graph", input_bytes=input_bytes,
                      parameter_bytes=sum(_value_bytes(p) for p in trainable), source="traced",
                      output_indices=outputs)

@@ -38,7 +38,8 @@ from torch import fx
 
 from .graph import CostGraph
 from .joint_capture import RANDOM_TARGETS, op_name
-from .joint_costs import JointUnits, is_tangent, joint_cost_graph, joint_units, kernel_workspace_bytes
+from .joint_costs import (JointUnits, is_tangent, joint_cost_graph, joint_units, kernel_workspace_bytes,
+                          outputs_loss_bytes)
 from .joint_partition import STATE_READING_TARGETS, boxed_interpreter
 from .schedule import Backward, Forward, Schedule
 
@@ -294,7 +295,7 @@ def _outputs(graph_module: fx.GraphModule) -> list[fx.Node]:
 
 def plan_and_lower(joint: fx.GraphModule, budget: Any, *, num_fwd_outputs: int, solver: str = "auto",
                    name: str = "compiled", schedule_pass: SchedulePass | None = None,
-                   joint_inputs: Any = None) -> Lowered:
+                   joint_inputs: Any = None, loss_fn: Any = None) -> Lowered:
     """Price ``joint``, plan it at ``budget`` (``planner.make_plan``) and lower the plan, after
     ``schedule_pass(graph, schedule)`` when given (a hook to lower other valid schedules)."""
     from torch._functorch.partitioners import _extract_fwd_bwd_modules
@@ -302,7 +303,8 @@ def plan_and_lower(joint: fx.GraphModule, budget: Any, *, num_fwd_outputs: int, 
     from .planner import make_plan
     units = joint_units(joint, num_fwd_outputs)
     workspace = kernel_workspace_bytes(joint, joint_inputs) if joint_inputs is not None else {}
-    graph = joint_cost_graph(joint, units, name, workspace=workspace)
+    loss_bytes = outputs_loss_bytes(joint, units, loss_fn) if loss_fn is not None else None
+    graph = joint_cost_graph(joint, units, name, workspace=workspace, loss_bytes=loss_bytes)
     plan = make_plan(graph, budget, solver)
     schedule = schedule_pass(graph, plan.schedule) if schedule_pass is not None else plan.schedule
     module, saved, saved_sym, recomputed = lower_schedule(joint, units, schedule)
@@ -314,21 +316,26 @@ def plan_and_lower(joint: fx.GraphModule, budget: Any, *, num_fwd_outputs: int, 
 
 
 def budget_backend(budget: Any, solver: str = "auto", schedule_pass: SchedulePass | None = None,
-                   price_kernels: bool = True) -> Callable[..., Any]:
+                   price_kernels: bool = True, loss_fn: Any = None) -> Callable[..., Any]:
     """``torch.compile(model, backend=budget_backend("6GiB"))``: AOTAutograd whose partitioner plans
     the joint graph with our solvers at ``budget`` (bytes, a size string, or a fraction of store-all)
     and lowers the plan (:func:`plan_and_lower`); the graphs run as they are
     (``joint_partition.boxed_interpreter``).
     ``last_lowering()`` shows the plan, the saved values and the backward's code. ``price_kernels``:
     measure each node's kernel workspace on real tensors first (``joint_costs.kernel_workspace_bytes``);
-    without it the plan prices the graphs' liveness alone."""
+    without it the plan prices the graphs' liveness alone. ``loss_fn``: the loss the training loop
+    computes on the compiled module's output (default ``losses.default_training_loss``), priced on
+    the outputs' shapes and kept free beside the step (``planner.loss_allowance_bytes``)."""
+    from .losses import default_training_loss
+    loss_fn = loss_fn or default_training_loss
     from torch._dynamo.backends.common import aot_autograd
 
     def partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **_: Any
                   ) -> tuple[fx.GraphModule, fx.GraphModule]:
         lowered = plan_and_lower(joint, budget, num_fwd_outputs=num_fwd_outputs, solver=solver,
                                  schedule_pass=schedule_pass,
-                                 joint_inputs=joint_inputs if price_kernels else None)
+                                 joint_inputs=joint_inputs if price_kernels else None,
+                                 loss_fn=loss_fn if price_kernels else None)
         return lowered.forward_graph, lowered.backward_graph
 
     return aot_autograd(fw_compiler=boxed_interpreter, bw_compiler=boxed_interpreter, partition_fn=partition)
