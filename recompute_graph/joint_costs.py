@@ -115,9 +115,24 @@ def joint_units(joint: fx.GraphModule, num_fwd_outputs: int) -> JointUnits:
             (by_seq_backward.setdefault(seq, []) if seq in candidates else unplaced).append(node)
     backward_of: list[list[fx.Node]] = [[] for _ in units]
     for seq, backward_nodes in by_seq_backward.items():
-        backward_of[_owner_of_backward(backward_nodes, candidates[seq], units, unit_of)].extend(backward_nodes)
+        owner = _owner_of_backward(backward_nodes, candidates[seq], units, unit_of)
+        backward_of[_consumer_that_reads_it_all(owner, backward_nodes, units, unit_of)].extend(backward_nodes)
     units, unit_of, backward_of = _topological(units, unit_of, backward_of)
     return JointUnits(forward, backward, units, unit_of, backward_of, unplaced, num_fwd_outputs)
+
+
+def _consumer_that_reads_it_all(owner: int, backward_nodes: list[fx.Node], units: list[list[fx.Node]],
+                                unit_of: dict[fx.Node, int]) -> int:
+    """``owner``, or, when these backward nodes read values ``owner``'s forward does not (a linear's
+    weight gradient, traced under the weight transpose's seq_nr, reads the linear's input), the unit
+    reading ``owner``'s value whose forward reads all of them (the linear itself)."""
+    def inputs_of(index: int) -> set[int]:
+        return {unit_of[a] for n in units[index] for a in n.all_input_nodes if a in unit_of} | {index}
+    read = {unit_of[a] for b in backward_nodes for a in b.all_input_nodes if a in unit_of}
+    if read <= inputs_of(owner):
+        return owner
+    consumers = sorted({unit_of[u] for n in units[owner] for u in n.users if u in unit_of} - {owner})
+    return next((c for c in consumers if read <= inputs_of(c) | {owner}), owner)
 
 
 def backward_reads(units: JointUnits, index: int) -> set[int]:
@@ -209,6 +224,19 @@ def _is_buffer_update(node: fx.Node, buffers: set[fx.Node]) -> bool:
         return False
     return any(a in buffers and isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].shape == value.shape
                and a.meta["val"].dtype == value.dtype for a in producer.all_input_nodes)
+
+
+#: aten ops whose result is a view of an input: a backward made only of them hands the gradient on.
+VIEW_TARGETS = frozenset({"view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "slice",
+                          "select", "squeeze", "unsqueeze", "split", "split_with_sizes", "unbind", "alias",
+                          "as_strided", "narrow", "detach", "chunk"})
+
+
+def _passes_gradient_on(backward_nodes: list[fx.Node]) -> bool:
+    """``backward_aliases_grad``: the unit's backward only reshapes the incoming gradient (views and
+    ``getitem``s: a view's or ``cat``'s backward)."""
+    return bool(backward_nodes) and all(b.target is operator.getitem or op_name(b.target) in VIEW_TARGETS
+                                        for b in backward_nodes)
 
 
 def _meta_flops(node: fx.Node) -> int:
@@ -357,8 +385,7 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
         read_outside = {key for n in members if n in forward_outputs or read_by_other_units(n)
                         for key, _ in _storage(n)}
         output_bytes = sum(nbytes for key, nbytes in own_keys.items() if key in read_outside)
-        foreign = [owner[key] for n in members if n in forward_outputs or read_by_other_units(n)
-                   for key, _ in _storage(n) if key in owner and owner[key] != index]
+        foreign = [owner[key] for n in members for key, _ in _storage(n) if key in owner and owner[key] != index]
         alias_of = foreign[0] if foreign and not output_bytes else None
         backward_nodes = units.backward_of[index]
         read_by_backward = {a for b in backward_nodes for a in b.all_input_nodes if a in units.unit_of}
@@ -383,10 +410,14 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
         grad = bool(backward_nodes) or any(
             (a in trainable) or (a in units.unit_of and requires_grad[units.unit_of[a]]) for a in inputs)
         requires_grad.append(grad)
-        # the gradient of the unit's outputs that other forward units read, storage by storage
-        floating = {key: nbytes for n in members if _is_tensor(n) and n.meta["val"].is_floating_point()
-                    and (n in forward_outputs or read_by_other_units(n))
-                    for key, nbytes in _storage(n)}
+        # the gradient of the unit's outputs that other forward units read: as large as each tensor (a
+        # view's gradient is the view's size, not its base storage's), once per storage
+        floating: dict[Any, int] = {}
+        for n in members:
+            if _is_tensor(n) and n.meta["val"].is_floating_point() and (n in forward_outputs or read_by_other_units(n)):
+                value = n.meta["val"]
+                key = (_storage(n) or [(n, 0)])[0][0]
+                floating[key] = max(floating.get(key, 0), value.numel() * value.element_size())
         grad_bytes = sum(floating.values()) if grad else 0
         own_backward = set(backward_nodes)
         returned = [g for g in gradient_outputs if isinstance(g, fx.Node) and g in own_backward]
@@ -402,14 +433,15 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
         targets = {op_name(n.target) for n in members if n.op == "call_function"}
         nodes.append(CostNode(
             index=index, name=members[0].name, kind="function", target=op_name(members[0].target),
-            # what its backward reads (and the storages' owners) must be live when it runs, to be saved
+            # what its backward reads must be live when it runs, to be saved
             predecessors=tuple(sorted(({units.unit_of[a] for a in inputs if a in units.unit_of}
-                                       | backward_reads(units, index) | needs) - {index})),
+                                       | backward_reads(units, index)) - {index})),
             output_bytes=output_bytes, alias_of=alias_of, grad_bytes=grad_bytes,
             saved_input_bytes=saved_input, saved_output_bytes=saved_output, saved_buffer_bytes=saved_buffer,
             backward_needs=tuple(sorted(needs)),
             workspace_bytes=max(0, internal - saved_buffer) + max((workspace.get(n.name, 0) for n in members),
                                                                  default=0),
+            backward_aliases_grad=_passes_gradient_on(backward_nodes),
             backward_workspace_bytes=sum(backward_made.values()) + max(
                 (workspace.get(b.name, 0) for b in backward_nodes), default=0),
             param_grad_bytes=sum(_value_bytes(g) for g in returned),

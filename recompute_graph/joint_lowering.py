@@ -48,7 +48,7 @@ __all__ = ["Lowered", "lower_schedule", "graph_peak_bytes", "budget_backend", "l
 
 @dataclass(frozen=True)
 class Lowered:
-    """One lowering: the plan, the graphs, what is saved and recomputed, and their liveness peak."""
+    """One lowering: the cost graph and plan, the generated graphs, what is saved and recomputed."""
 
     graph: CostGraph
     plan: Any  # planner.RecomputePlan
@@ -56,6 +56,7 @@ class Lowered:
     backward_graph: fx.GraphModule
     saved: tuple[str, ...]
     recomputed: tuple[str, ...]  # names of the backward's recompute nodes, in order (repeats allowed)
+    units: JointUnits | None = None  # the joint graph's units (node i of ``graph`` = unit i)
 
     @property
     def backward_code(self) -> str:
@@ -310,7 +311,8 @@ def plan_and_lower(joint: fx.GraphModule, budget: Any, *, num_fwd_outputs: int, 
     module, saved, saved_sym, recomputed = lower_schedule(joint, units, schedule)
     forward_graph, backward_graph = _extract_fwd_bwd_modules(module, saved, saved_sym,
                                                              num_fwd_outputs=num_fwd_outputs)
-    lowered = Lowered(graph, plan, forward_graph, backward_graph, tuple(n.name for n in saved), tuple(recomputed))
+    lowered = Lowered(graph, plan, forward_graph, backward_graph, tuple(n.name for n in saved), tuple(recomputed),
+                      units)
     _LAST[:] = [lowered]
     return lowered
 
