@@ -117,8 +117,39 @@ def joint_units(joint: fx.GraphModule, num_fwd_outputs: int) -> JointUnits:
     for seq, backward_nodes in by_seq_backward.items():
         owner = _owner_of_backward(backward_nodes, candidates[seq], units, unit_of)
         backward_of[_consumer_that_reads_it_all(owner, backward_nodes, units, unit_of)].extend(backward_nodes)
+    unplaced = _place_by_reads(unplaced, units, unit_of, backward_of)
     units, unit_of, backward_of = _topological(units, unit_of, backward_of)
     return JointUnits(forward, backward, units, unit_of, backward_of, unplaced, num_fwd_outputs)
+
+
+def _place_by_reads(unplaced: list[fx.Node], units: list[list[fx.Node]], unit_of: dict[fx.Node, int],
+                    backward_of: list[list[fx.Node]]) -> list[fx.Node]:
+    """Backward nodes whose seq_nr no forward unit has (an in-place op's backward, functionalized:
+    EfficientNet's ``silu_``): a node that reads forward values goes to the unit, among those values'
+    units and the units reading them, with the nearest seq_nr; one that reads only gradients goes
+    with the first gradient it reads. Returns those left unplaced."""
+    seq_of = [min((n.meta["seq_nr"] for n in members if n.meta.get("seq_nr") is not None), default=None)
+              for members in units]
+    placed: dict[fx.Node, int] = {b: i for i, bs in enumerate(backward_of) for b in bs}
+    left = []
+    for b in unplaced:
+        read = {unit_of[a] for a in b.all_input_nodes if a in unit_of}
+        consumers = {unit_of[u] for i in read for n in units[i] for u in n.users if u in unit_of}
+        candidates = [i for i in read | consumers if seq_of[i] is not None]
+        seq = b.meta.get("seq_nr")
+        if candidates and seq is not None:
+            index = min(candidates, key=lambda i: (abs(seq_of[i] - seq), -i))
+        else:
+            index = next((placed[a] for a in b.all_input_nodes if a in placed), None)
+        if index is None:
+            left.append(b)
+            continue
+        placed[b] = index
+        backward_of[index].append(b)
+    position = {n: k for k, n in enumerate(next(iter(unit_of)).graph.nodes)} if unit_of else {}
+    for nodes in backward_of:
+        nodes.sort(key=position.get)
+    return left
 
 
 def _consumer_that_reads_it_all(owner: int, backward_nodes: list[fx.Node], units: list[list[fx.Node]],
