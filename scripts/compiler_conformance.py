@@ -1,0 +1,114 @@
+"""The conformance models on the compiler path: ``torch.compile(model, backend=rg.backend(f))``.
+
+    python scripts/compiler_conformance.py [--models NAME ...] [--fractions 1.0 0.8] [--out FILE]
+
+For every model of ``models_zoo.third_party.CONFORMANCE_MODELS`` and every fraction ``f`` of the
+store-all budget: one seeded step (the README loop's loss, ``losses.default_training_loss``) of the
+compiled model against eager autograd: the largest gradient error relative to each parameter's largest
+gradient, whether every buffer ends equal, the planner's predicted peak of the last compiled graph
+(``predicted_step_peak_bytes``) and the peak the allocator measures for the whole step. A model that
+``torch.compile`` splits into several graphs (graph breaks) is planned graph by graph, each at ``f`` of
+its own store-all budget, so its prediction covers the last graph only (the row says how many graphs).
+A budget below the floor is planned at the floor (the smallest feasible budget), marked "(floor)".
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+import warnings
+
+import torch
+
+import recompute_graph as rg
+from models_zoo import third_party
+from models_zoo.conformance import call_of
+from recompute_graph.losses import default_training_loss
+from recompute_graph.measure import allocator_peak_memory
+
+
+def row(name: str, fraction: float) -> str:
+    model, call = third_party.build(name)
+    args, kwargs = call_of(call)
+    reference = copy.deepcopy(model)
+
+    def step(module, forward) -> None:
+        module.zero_grad(set_to_none=True)
+        torch.manual_seed(0)
+        default_training_loss(forward(*args, **kwargs)).backward()
+    step(reference, reference)
+    lowerings: list = []
+
+    def compile_at(budget):
+        torch._dynamo.reset()
+        lowerings.clear()
+        backend = rg.backend(budget)
+
+        def counting(gm, example_inputs):
+            compiled = backend(gm, example_inputs)
+            lowerings.append(rg.last_lowering())
+            return compiled
+        return torch.compile(model, backend=counting)
+    start = time.perf_counter()
+    at_floor = ""
+    try:
+        compiled = compile_at(fraction)
+        try:
+            step(model, compiled)
+        except Exception as error:  # noqa: BLE001 - below the floor: plan at the floor, as conformance does
+            cause = error
+            while cause is not None and not isinstance(cause, rg.InfeasibleBudgetError):
+                cause = cause.__cause__
+            if cause is None:
+                raise
+            compiled = compile_at(cause.min_budget_bytes)
+            step(model, compiled)
+            at_floor = " (floor)"
+    except Exception as error:  # noqa: BLE001 - a failing model is a row
+        lines = [line for line in str(error).splitlines() if "Error" in line] or str(error).splitlines() or [""]
+        return f"| {name} | {fraction:.0%} | fail | {type(error).__name__}: {lines[0][:150]} |||||"
+    seconds = time.perf_counter() - start
+    lowered = rg.last_lowering()
+    error = max((((p.grad - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-12)).item()
+                 for p, q in zip(model.parameters(), reference.parameters())
+                 if q.grad is not None and p.grad is not None), default=0.0)
+    missing = sum(1 for p, q in zip(model.parameters(), reference.parameters())
+                  if (q.grad is None) != (p.grad is None))
+    buffers = all(torch.equal(a, b) for a, b in zip(model.buffers(), reference.buffers()))
+    measured = allocator_peak_memory(lambda: step(model, compiled))
+    predicted = lowered.plan.predicted_step_peak_bytes
+    ok = error <= 1e-5 and buffers and not missing
+    graphs = len(lowerings)
+    ratio = f"{predicted / measured:.3f}" if graphs == 1 else f"(last of {graphs} graphs)"
+    return (f"| {name} | {fraction:.0%}{at_floor} | {'pass' if ok else 'FAIL'} | {lowered.plan.solver} | {error:.1e}"
+            f"{'' if buffers else ', buffers differ'}{f', {missing} gradients missing' if missing else ''} | "
+            f"{predicted:,} | {measured:,} | {ratio} | {seconds:.0f} s |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="*", default=list(third_party.CONFORMANCE_MODELS))
+    parser.add_argument("--fractions", nargs="*", type=float, default=[1.0, 0.8])
+    parser.add_argument("--out", default=None, help="also write the table to this file")
+    args = parser.parse_args()
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    lines = ["| model | budget | status | solver | grad error | predicted (B) | measured (B) | predicted / measured | compile+step |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    print("\n".join(lines), flush=True)
+    for name in args.models:
+        if not third_party.available(name):
+            continue
+        for fraction in args.fractions:
+            line = row(name, fraction)
+            lines.append(line)
+            print(line, flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()
