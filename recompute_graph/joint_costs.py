@@ -2,33 +2,43 @@
 
 ``torch.compile`` hands a partitioner the joint forward+backward aten graph (``joint_partition.py``).
 Every node AOTAutograd traced for one forward op of the model, and every node of that op's backward,
-carry the same ``meta["seq_nr"]`` (``addmm`` and the ``mm``/``sum`` of its backward). A *unit* is the
-forward nodes of one ``seq_nr`` (an op with its ``getitem``s; a forward node without one is a unit of
-its own, so that each storage the simulator tracks is one unit's value); its *backward nodes* are
-the tangent-dependent nodes with the same ``seq_nr``. :func:`joint_units` finds them; :func:`joint_cost_graph` prices them as
-a :class:`~recompute_graph.graph.CostGraph` with an implicit backward, so that every solver plans on
-it unchanged.
+carry the same ``meta["seq_nr"]`` (``addmm`` and the ``mm``/``sum`` of its backward).
 
-Model of one unit (bytes from the fake tensors of ``meta["val"]``, storage by storage, so a view owns
-nothing and ``alias_of`` names the unit owning its storage):
+Units (:func:`joint_units`). A *unit* is a connected group of forward nodes of one ``seq_nr`` (an op
+with its ``getitem``s; a causal mask built under the same number is a unit of its own; a node without a
+number is a unit of its own). Its *backward nodes* are the tangent-dependent nodes of that number: of
+the units sharing it, the one they read most; moved to the unit that consumes it when they read values
+its own forward does not (a linear's weight gradient, traced under the weight transpose's number, reads
+the linear's input). Backward nodes whose number no forward unit has (functionalized in-place ops:
+EfficientNet's ``silu_``) are placed by what they read. Units are ordered so that every edge points
+forward, including from the values a unit's backward reads (they must be live when it runs, so they
+are its predecessors); units caught in a cycle are merged.
 
-* ``output_bytes``: storages the unit creates that other units, or the forward's outputs, read;
+Pricing (:func:`joint_cost_graph`), bytes from the fake tensors of ``meta["val"]``, storage by storage
+(a view owns nothing and ``alias_of`` names the unit owning its storage):
+
+* ``output_bytes``: storages the unit creates that other units, or the model's outputs, read (a
+  buffer's new value, BatchNorm's running statistics, is not a model output);
 * ``saved_output_bytes`` / ``saved_buffer_bytes`` / ``saved_input_bytes``: forward values the unit's
   backward nodes read, by who owns them (the unit itself, read by others / only by its backward /
-  another unit, which goes into ``backward_needs``); primals (parameters, inputs) are live anyway and
-  not counted;
-* ``grad_bytes``: the unit's floating-point outputs, when the unit has backward nodes or one of its
-  inputs requires grad; ``param_grad_bytes``: the primal gradients its backward nodes return;
-* ``backward_workspace_bytes``: storages the backward nodes create besides the gradients they return
-  (a pessimistic bound: they are counted as if alive together); ``workspace_bytes``: the forward's
-  internal storages nobody outside reads;
+  another unit, which goes into ``backward_needs``); primals (parameters, inputs) are not counted;
+* ``grad_bytes``: the size of the floating-point outputs other units read (a view's gradient is the
+  view's size), when the unit has backward nodes or reads something that requires grad;
+  ``param_grad_bytes``: the primal gradients its backward nodes return; ``backward_aliases_grad``: its
+  backward nodes are only views of the gradient;
+* ``workspace_bytes`` / ``backward_workspace_bytes``: internal storages nobody outside reads, and the
+  storages the backward nodes keep besides the gradients they pass on (counted as if alive together),
+  plus the largest kernel temporary of the unit's nodes, measured by the allocator on one run of the
+  joint graph on real tensors (:func:`kernel_workspace_bytes`);
+* the loss the training loop computes on the outputs, priced on their shapes
+  (:func:`outputs_loss_bytes`) as ``CostGraph.loss_bytes``;
 * costs: FLOPs of each node run on meta tensors under ``FlopCounterMode``, turned into seconds by a
   ``costs.DeviceProfile`` with the bytes the node reads and writes.
 
-A unit that holds a random op (dropout) is ``random``, one that reads state the step updates
-(BatchNorm) ``stateful``; the lowering replays a recomputed random op from an RNG snapshot and
-saves a BatchNorm's outputs instead of recomputing it (``joint_lowering``), and the liveness of the generated graphs (``joint_lowering.graph_peak_bytes``)
-judges what a plan costs once lowered.
+A unit holding a random op (dropout) is ``random``, one reading state the step updates (BatchNorm)
+``stateful``; ``joint_lowering`` replays a recomputed random op from an RNG snapshot and recomputes a
+training-mode BatchNorm without its running statistics. Without kernel workspace the simulator's peak
+of a schedule is the liveness of the graphs it lowers to (``joint_lowering.graph_peak_bytes``).
 """
 from __future__ import annotations
 
@@ -46,7 +56,8 @@ from .graph import CostGraph, CostNode
 from .joint_capture import RANDOM_TARGETS, op_name, reachable
 from .joint_partition import STATE_READING_TARGETS
 
-__all__ = ["JointUnits", "joint_units", "joint_cost_graph", "kernel_workspace_bytes", "outputs_loss_bytes", "is_tangent", "backward_reads"]
+__all__ = ["JointUnits", "joint_units", "joint_cost_graph", "kernel_workspace_bytes", "outputs_loss_bytes",
+           "is_tangent", "backward_reads"]
 
 @dataclass
 class JointUnits:

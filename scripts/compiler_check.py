@@ -78,7 +78,8 @@ def check(name: str, preset: str, fraction: float, repeats: int) -> str:
         s()
     eager_peak = allocator_peak_memory(steps["eager"])
     medians = interleaved_medians(steps, repeats)
-    return (f"| {name} | {fraction:.0%} | {lowered.plan.solver} | {error:.1e}{'' if buffers else ' (buffers differ)'} | "
+    return (f"| {name} | {fraction:.0%} | {lowered.plan.solver} | "
+            f"{error:.1e}{'' if buffers else ' (buffers differ)'} | "
             f"{len(lowered.recomputed)} | {predicted:,} | {liveness:,} | {measured:,} | {predicted / measured:.3f} | "
             f"{measured / eager_peak:.2f} | x{medians['ours'] / medians['eager']:.2f} | "
             f"x{medians['ours'] / medians['aot_eager']:.2f} | {compile_seconds:.1f} s |")

@@ -59,7 +59,7 @@ def row(name: str, fraction: float) -> str:
         except Exception as error:  # noqa: BLE001 - below the floor: plan at the floor, as conformance does
             cause = error
             while cause is not None and not isinstance(cause, rg.InfeasibleBudgetError):
-                cause = cause.__cause__
+                cause = getattr(cause, "inner_exception", None) or cause.__cause__  # dynamo wraps it
             if cause is None:
                 raise
             compiled = compile_at(cause.min_budget_bytes)
@@ -94,7 +94,8 @@ def main() -> None:
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
-    lines = ["| model | budget | status | solver | grad error | predicted (B) | measured (B) | predicted / measured | compile+step |",
+    lines = ["| model | budget | status | solver | grad error | predicted (B) | measured (B) | predicted / measured "
+             "| compile+step |",
              "|---|---|---|---|---|---|---|---|---|"]
     print("\n".join(lines), flush=True)
     for name in args.models:
