@@ -167,14 +167,18 @@ def _consumer_that_reads_it_all(owner: int, backward_nodes: list[fx.Node], units
                                 unit_of: dict[fx.Node, int]) -> int:
     """``owner``, or, when these backward nodes read values ``owner``'s forward does not (a linear's
     weight gradient, traced under the weight transpose's seq_nr, reads the linear's input), the unit
-    reading ``owner``'s value whose forward reads all of them (the linear itself)."""
+    reading ``owner``'s value, or reading what it reads, whose forward reads all of them (the linear)."""
     def inputs_of(index: int) -> set[int]:
         return {unit_of[a] for n in units[index] for a in n.all_input_nodes if a in unit_of} | {index}
     read = {unit_of[a] for b in backward_nodes for a in b.all_input_nodes if a in unit_of}
     if read <= inputs_of(owner):
         return owner
     consumers = sorted({unit_of[u] for n in units[owner] for u in n.users if u in unit_of} - {owner})
-    return next((c for c in consumers if read <= inputs_of(c) | {owner}), owner)
+    # or a sibling: a unit reading what ``owner`` reads (``t(t(weight))``, made for the backward only,
+    # beside the linear that reads ``t(weight)``)
+    siblings = sorted({unit_of[u] for n in units[owner] for a in n.all_input_nodes for u in a.users
+                       if u in unit_of} - {owner} - set(consumers))
+    return next((c for c in consumers + siblings if read <= inputs_of(c) | {owner}), owner)
 
 
 def backward_reads(units: JointUnits, index: int) -> set[int]:

@@ -7,9 +7,11 @@ joint graph, then extracting the two graphs AOTAutograd runs with torch's
 
 * the forward section keeps the joint graph's forward nodes in order;
 * the backward section follows ``schedule.backward_ops``. ``Forward(u)`` there is a recomputation:
-  every node of unit ``u`` is copied (reading the current copies of its inputs), and from then on the
-  backward reads the copies; a later ``Forward(u)`` copies it again, so a value recomputed several
-  times is computed several times. ``Backward(v)`` releases unit ``v``'s backward nodes, each emitted
+  every node of unit ``u`` is copied (reading the current copies of its inputs), and from then on
+  recomputations read the copies; a later ``Forward(u)`` copies it again, so a value recomputed several
+  times is computed several times. A unit's backward reads what its tape holds: the values as they were
+  when it was last computed with a tape (the originals for a unit taped in the forward), as the
+  simulator prices it. ``Backward(v)`` releases unit ``v``'s backward nodes, each emitted
   as soon as the backward nodes it reads have been (a gradient sum that AOTAutograd tagged with the
   op that consumed the value waits for its last term). ``FreeValue`` needs no code: fx frees a value
   after its last use.
@@ -163,10 +165,23 @@ def lower_schedule(joint: fx.GraphModule, units: JointUnits, schedule: Schedule
     released: list[fx.Node] = []
     recomputed: list[str] = []
 
+    # the schedule's tapes: a unit's backward reads the forward values as they were when it was last
+    # computed with a tape (in the forward: the originals; recomputed: the copies current then), as the
+    # simulator prices it, even when a newer copy exists by the time its backward runs
+    tape_view: dict[int, dict[fx.Node, fx.Node]] = {op.node: {} for op in schedule.forward_ops
+                                                    if isinstance(op, Forward) and op.tape}
+    unit_of_backward = {b: i for i, nodes in enumerate(units.backward_of) for b in nodes}
+
     def read(a: fx.Node) -> fx.Node:
         if a in units.backward or a.op == "placeholder":
             return env[a]
         return current.get(a, env[a])
+
+    def reader_of(node: fx.Node) -> Callable[[fx.Node], fx.Node]:
+        view = tape_view.get(unit_of_backward.get(node, -1))
+        if view is None:
+            return read
+        return lambda a: env[a] if a in units.backward or a.op == "placeholder" else view.get(a, env[a])
 
     def emit_ready() -> None:
         progress = True
@@ -174,7 +189,7 @@ def lower_schedule(joint: fx.GraphModule, units: JointUnits, schedule: Schedule
             progress = False
             for node in list(released):
                 if all(a in emitted or a not in units.backward or is_tangent(a) for a in node.all_input_nodes):
-                    env[node] = new.node_copy(node, read)
+                    env[node] = new.node_copy(node, reader_of(node))
                     emitted.add(node)
                     released.remove(node)
                     progress = True
@@ -195,6 +210,8 @@ def lower_schedule(joint: fx.GraphModule, units: JointUnits, schedule: Schedule
                     copy = new.node_copy(node, read)
                 current[node] = copy
                 recomputed.append(copy.name)
+            if op.tape:
+                tape_view[op.node] = dict(current)
         elif isinstance(op, Backward):
             released.extend(units.backward_of[op.node])
             emit_ready()
