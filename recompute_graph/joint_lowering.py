@@ -32,12 +32,14 @@ the joint graph, plans it with ``planner.make_plan`` at the budget, and lowers t
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from torch import fx
 
+from .errors import InfeasibleBudgetError
 from .graph import CostGraph
 from .joint_capture import RANDOM_TARGETS, op_name
 from .joint_costs import (JointUnits, is_tangent, joint_cost_graph, joint_units, kernel_workspace_bytes,
@@ -45,7 +47,8 @@ from .joint_costs import (JointUnits, is_tangent, joint_cost_graph, joint_units,
 from .joint_partition import STATE_READING_TARGETS, boxed_interpreter
 from .schedule import Backward, Forward, Schedule
 
-__all__ = ["Lowered", "lower_schedule", "graph_peak_bytes", "budget_backend", "last_lowering"]
+__all__ = ["Lowered", "lower_schedule", "graph_peak_bytes", "budget_backend", "last_lowering",
+           "InfeasibleBudgetWarning"]
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,11 @@ class Lowered:
 
 
 _LAST: list[Lowered] = []
+
+
+class InfeasibleBudgetWarning(UserWarning):
+    """A compiled graph could not be planned within the budget and was planned at its floor
+    (``budget_backend(..., on_infeasible="floor")``)."""
 
 #: ``(cost graph, schedule) -> schedule``: applied to the plan's schedule before lowering.
 SchedulePass = Callable[[CostGraph, Schedule], Schedule]
@@ -313,7 +321,7 @@ def _outputs(graph_module: fx.GraphModule) -> list[fx.Node]:
 
 def plan_and_lower(joint: fx.GraphModule, budget: Any, *, num_fwd_outputs: int, solver: str = "auto",
                    name: str = "compiled", schedule_pass: SchedulePass | None = None,
-                   joint_inputs: Any = None, loss_fn: Any = None) -> Lowered:
+                   joint_inputs: Any = None, loss_fn: Any = None, on_infeasible: str = "raise") -> Lowered:
     """Price ``joint``, plan it at ``budget`` (``planner.make_plan``) and lower the plan, after
     ``schedule_pass(graph, schedule)`` when given (a hook to lower other valid schedules)."""
     from torch._functorch.partitioners import _extract_fwd_bwd_modules
@@ -323,7 +331,15 @@ def plan_and_lower(joint: fx.GraphModule, budget: Any, *, num_fwd_outputs: int, 
     workspace = kernel_workspace_bytes(joint, joint_inputs) if joint_inputs is not None else {}
     loss_bytes = outputs_loss_bytes(joint, units, loss_fn) if loss_fn is not None else None
     graph = joint_cost_graph(joint, units, name, workspace=workspace, loss_bytes=loss_bytes)
-    plan = make_plan(graph, budget, solver)
+    try:
+        plan = make_plan(graph, budget, solver)
+    except InfeasibleBudgetError as error:
+        if on_infeasible != "floor":
+            raise
+        warnings.warn(f"graph {name!r}: {error} Planning it at its smallest feasible budget, "
+                      f"{error.min_budget_bytes} bytes (on_infeasible='floor').", InfeasibleBudgetWarning,
+                      stacklevel=2)
+        plan = make_plan(graph, error.min_budget_bytes, solver)
     schedule = schedule_pass(graph, plan.schedule) if schedule_pass is not None else plan.schedule
     module, saved, saved_sym, recomputed = lower_schedule(joint, units, schedule)
     forward_graph, backward_graph = _extract_fwd_bwd_modules(module, saved, saved_sym,
@@ -335,7 +351,8 @@ def plan_and_lower(joint: fx.GraphModule, budget: Any, *, num_fwd_outputs: int, 
 
 
 def budget_backend(budget: Any, solver: str = "auto", schedule_pass: SchedulePass | None = None,
-                   price_kernels: bool = True, loss_fn: Any = None) -> Callable[..., Any]:
+                   price_kernels: bool = True, loss_fn: Any = None, on_infeasible: str = "raise"
+                   ) -> Callable[..., Any]:
     """``torch.compile(model, backend=budget_backend("6GiB"))``: AOTAutograd whose partitioner plans
     the joint graph with our solvers at ``budget`` (bytes, a size string, or a fraction of store-all)
     and lowers the plan (:func:`plan_and_lower`); the graphs run as they are
@@ -344,7 +361,13 @@ def budget_backend(budget: Any, solver: str = "auto", schedule_pass: SchedulePas
     measure each node's kernel workspace on real tensors first (``joint_costs.kernel_workspace_bytes``);
     without it the plan prices the graphs' liveness alone. ``loss_fn``: the loss the training loop
     computes on the compiled module's output (default ``losses.default_training_loss``), priced on
-    the outputs' shapes and kept free beside the step (``planner.loss_allowance_bytes``)."""
+    the outputs' shapes and kept free beside the step (``planner.loss_allowance_bytes``).
+    ``on_infeasible``: ``"raise"`` (``InfeasibleBudgetError``, with the smallest feasible budget) or
+    ``"floor"``: plan that graph at its smallest feasible budget, with an ``InfeasibleBudgetWarning``.
+    A model ``torch.compile`` splits into several graphs (graph breaks) is planned graph by graph, each
+    at ``budget`` (a fraction: of that graph's own store-all step)."""
+    if on_infeasible not in ("raise", "floor"):
+        raise ValueError(f"on_infeasible={on_infeasible!r}: use 'raise' or 'floor'")
     from .losses import default_training_loss
     loss_fn = loss_fn or default_training_loss
     from torch._dynamo.backends.common import aot_autograd
@@ -354,7 +377,7 @@ def budget_backend(budget: Any, solver: str = "auto", schedule_pass: SchedulePas
         lowered = plan_and_lower(joint, budget, num_fwd_outputs=num_fwd_outputs, solver=solver,
                                  schedule_pass=schedule_pass,
                                  joint_inputs=joint_inputs if price_kernels else None,
-                                 loss_fn=loss_fn if price_kernels else None)
+                                 loss_fn=loss_fn if price_kernels else None, on_infeasible=on_infeasible)
         return lowered.forward_graph, lowered.backward_graph
 
     return aot_autograd(fw_compiler=boxed_interpreter, bw_compiler=boxed_interpreter, partition_fn=partition)

@@ -9,7 +9,8 @@ gradient, whether every buffer ends equal, the planner's predicted peak of the l
 (``predicted_step_peak_bytes``) and the peak the allocator measures for the whole step. A model that
 ``torch.compile`` splits into several graphs (graph breaks) is planned graph by graph, each at ``f`` of
 its own store-all budget, so its prediction covers the last graph only (the row says how many graphs).
-A budget below the floor is planned at the floor (the smallest feasible budget), marked "(floor)".
+A graph whose budget is below its floor is planned at the floor (``on_infeasible="floor"``), marked
+"(floor)".
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import recompute_graph as rg
 from models_zoo import third_party
 from models_zoo.conformance import call_of
 from recompute_graph.losses import default_training_loss
+from recompute_graph.joint_lowering import InfeasibleBudgetWarning
 from recompute_graph.measure import allocator_peak_memory
 
 
@@ -43,7 +45,7 @@ def row(name: str, fraction: float) -> str:
     def compile_at(budget):
         torch._dynamo.reset()
         lowerings.clear()
-        backend = rg.backend(budget)
+        backend = rg.backend(budget, on_infeasible="floor")
 
         def counting(gm, example_inputs):
             compiled = backend(gm, example_inputs)
@@ -51,20 +53,12 @@ def row(name: str, fraction: float) -> str:
             return compiled
         return torch.compile(model, backend=counting)
     start = time.perf_counter()
-    at_floor = ""
     try:
-        compiled = compile_at(fraction)
-        try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            compiled = compile_at(fraction)
             step(model, compiled)
-        except Exception as error:  # noqa: BLE001 - below the floor: plan at the floor, as conformance does
-            cause = error
-            while cause is not None and not isinstance(cause, rg.InfeasibleBudgetError):
-                cause = getattr(cause, "inner_exception", None) or cause.__cause__  # dynamo wraps it
-            if cause is None:
-                raise
-            compiled = compile_at(cause.min_budget_bytes)
-            step(model, compiled)
-            at_floor = " (floor)"
+        at_floor = " (floor)" if any(issubclass(w.category, InfeasibleBudgetWarning) for w in caught) else ""
     except Exception as error:  # noqa: BLE001 - a failing model is a row
         lines = [line for line in str(error).splitlines() if "Error" in line] or str(error).splitlines() or [""]
         return f"| {name} | {fraction:.0%} | fail | {type(error).__name__}: {lines[0][:150]} |||||"

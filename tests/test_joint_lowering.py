@@ -117,3 +117,17 @@ def test_budgeted_plans_of_zoo_models_train_exactly_under_torch_compile(name, fr
     assert lowered.recomputed, f"{name}: the plan at {fraction} recomputes nothing"
     assert lowered.plan.predicted_peak_bytes < lowered.plan.store_all_peak_bytes
     assert error < 1e-5 and buffers_equal
+
+
+def test_a_budget_below_a_graphs_floor_raises_or_is_planned_at_the_floor_on_request():
+    from recompute_graph.joint_lowering import InfeasibleBudgetWarning
+    torch.manual_seed(0)
+    model, x = _DropoutMLP(), torch.randn(16, 8)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="smallest feasible budget"):
+        _loss(torch.compile(model, backend=budget_backend(0.3))(x)).backward()
+    with pytest.warns(InfeasibleBudgetWarning, match="smallest feasible budget"):
+        error, _ = _compiled_step_matches_eager(model, (x,), budget_backend(0.3, on_infeasible="floor"))
+    assert error == 0.0 and last_lowering().plan.budget_bytes > 0
+    with pytest.raises(ValueError, match="on_infeasible"):
+        budget_backend(0.3, on_infeasible="ignore")
