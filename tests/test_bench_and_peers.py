@@ -62,3 +62,13 @@ def test_bench_measures_our_plans_and_the_peers_against_store_all(capsys):
     assert rows["torch.utils.checkpoint per block"]["peak_ratio"] < 1.0
     assert rows["torch.compile budget 60%"]["peak_bytes"] is not None
     assert "Rockmate 2" in rows
+
+
+def test_bench_measures_our_compiler_path_with_its_prediction(capsys):
+    code = main(["bench", "unet", "--preset", "tiny", "--timing", "flops", "--fractions", "0.9",
+                 "--solvers", "store_all", "--compiled", "--repeats", "1", "--json", "-q"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0
+    row = {row["label"]: row for row in result["rows"]}["ours compiled @ 90%"]
+    assert row["peak_ratio"] < 0.9
+    assert row["peak_bytes"] * 0.95 <= row["predicted_peak_bytes"] <= row["peak_bytes"] * 1.15

@@ -26,6 +26,8 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--solvers", nargs="*", default=["auto", "chen_sqrt", "chen_greedy"], metavar="NAME",
                         help="our solvers to plan with (default: auto chen_sqrt chen_greedy)")
     parser.add_argument("--peers", action="store_true", help="also measure the peer systems")
+    parser.add_argument("--compiled", action="store_true",
+                        help="also measure our compiler path: torch.compile(model, backend=rg.backend(f))")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per row (median; default 3)")
     add_output_flags(parser)
     parser.set_defaults(run=run)
@@ -61,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
         rows.append({"label": row_label, "peak_bytes": peak, "seconds": seconds, "predicted_peak_bytes": predicted,
                      "note": note})
 
-    runs = 1 + len(args.solvers) * len(args.fractions) + (3 + len(args.fractions) if args.peers else 0)
+    runs = (1 + len(args.solvers) * len(args.fractions) + (3 + len(args.fractions) if args.peers else 0)
+            + (len(args.fractions) if args.compiled else 0))
     with progress_bar(runs, f"benchmarking {label}", not args.quiet, unit="run") as bar:
         measure("original (store-all autograd)", _training_step(model, inputs))
         bar.update()
@@ -82,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
                     default_loss(run_schedule(executor, list(inputs))).backward()
                 measure(row_label, step, plan.predicted_step_peak_bytes, f"{plan.solver}: {plan.description}")
                 bar.update()
+        if args.compiled:
+            _measure_compiled(args, model, inputs, measure, rows, bar)
         if args.peers:
             _measure_peers(args, model, inputs, measure, rows, bar)
     base = rows[0]
@@ -102,6 +107,31 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {row['label']:<36} {format_bytes(row['peak_bytes']):>10} {row['peak_ratio']:>7.2f} "
               f"{row['seconds'] * 1000:>7.1f}ms {row['time_ratio']:>7.2f}  {row['note'][:60]}")
     return 0
+
+
+def _measure_compiled(args: argparse.Namespace, model: Any, inputs: tuple, measure: Any, rows: list,
+                      bar: Any) -> None:
+    """Our compiler path at each fraction: ``torch.compile(model, backend=rg.backend(f))`` (a graph below
+    its floor planned at the floor), predicted peak from the last compiled graph's plan."""
+    import torch
+
+    from ..joint_lowering import budget_backend, last_lowering
+    from ..measure import default_loss
+    for fraction in args.fractions:
+        row_label = f"ours compiled @ {fraction:.0%}"
+        try:
+            torch._dynamo.reset()
+            compiled = torch.compile(model, backend=budget_backend(fraction, on_infeasible="floor",
+                                                                   loss_fn=default_loss))
+            step = _training_step(compiled, inputs)
+            step()  # compiles, so that the plan is known before the row is measured
+            lowered = last_lowering()
+            measure(row_label, step, lowered.plan.predicted_step_peak_bytes,
+                    f"{lowered.plan.solver}, {len(lowered.recomputed)} recompute nodes", module=compiled)
+        except Exception as error:  # noqa: BLE001 - reported as a row
+            rows.append({"label": row_label, "peak_bytes": None, "seconds": None, "predicted_peak_bytes": None,
+                         "note": f"{type(error).__name__}: {str(error).splitlines()[0][:80]}"})
+        bar.update()
 
 
 def _measure_peers(args: argparse.Namespace, model: Any, inputs: tuple, measure: Any, rows: list, bar: Any) -> None:
