@@ -128,9 +128,28 @@ def joint_units(joint: fx.GraphModule, num_fwd_outputs: int) -> JointUnits:
     for seq, backward_nodes in by_seq_backward.items():
         owner = _owner_of_backward(backward_nodes, candidates[seq], units, unit_of)
         backward_of[_consumer_that_reads_it_all(owner, backward_nodes, units, unit_of)].extend(backward_nodes)
-    unplaced = _place_by_reads(unplaced, units, unit_of, backward_of)
+    unplaced = _place_by_reads(_gradient_sums_out(backward_of, backward) + unplaced, units, unit_of, backward_of)
     units, unit_of, backward_of = _topological(units, unit_of, backward_of)
     return JointUnits(forward, backward, units, unit_of, backward_of, unplaced, num_fwd_outputs)
+
+
+def _gradient_sums_out(backward_of: list[list[fx.Node]], backward: set[fx.Node]) -> list[fx.Node]:
+    """Take out of each unit the gradient sums traced under its seq_nr that add other units' gradients
+    (DenseNet's concatenated features: hundreds of ``add``s under the classifier's number), to be
+    placed with the backward that reads them."""
+    taken: list[fx.Node] = []
+    for nodes in backward_of:
+        own = set(nodes)
+        sums: set[fx.Node] = set()
+        for b in nodes:
+            inputs = b.all_input_nodes
+            if (op_name(b.target) == "add" and len(inputs) >= 2
+                    and all(a in backward and (a not in own or a in sums) for a in inputs)):
+                sums.add(b)
+        if sums:
+            nodes[:] = [b for b in nodes if b not in sums]
+            taken.extend(sums)
+    return taken
 
 
 def _place_by_reads(unplaced: list[fx.Node], units: list[list[fx.Node]], unit_of: dict[fx.Node, int],
@@ -138,26 +157,41 @@ def _place_by_reads(unplaced: list[fx.Node], units: list[list[fx.Node]], unit_of
     """Backward nodes whose seq_nr no forward unit has (an in-place op's backward, functionalized:
     EfficientNet's ``silu_``): a node that reads forward values goes to the unit, among those values'
     units and the units reading them, with the nearest seq_nr; one that reads only gradients goes
-    with the first gradient it reads. Returns those left unplaced."""
+    with the backward that reads it, else with the first gradient it reads. Returns those left
+    unplaced."""
+    position = {n: k for k, n in enumerate(next(iter(unit_of)).graph.nodes)} if unit_of else {}
+    unplaced = sorted(unplaced, key=position.get)
     seq_of = [min((n.meta["seq_nr"] for n in members if n.meta.get("seq_nr") is not None), default=None)
               for members in units]
     placed: dict[fx.Node, int] = {b: i for i, bs in enumerate(backward_of) for b in bs}
-    left = []
+    gradient_only = []
     for b in unplaced:
         read = {unit_of[a] for a in b.all_input_nodes if a in unit_of}
         consumers = {unit_of[u] for i in read for n in units[i] for u in n.users if u in unit_of}
         candidates = [i for i in read | consumers if seq_of[i] is not None]
         seq = b.meta.get("seq_nr")
         if candidates and seq is not None:
-            index = min(candidates, key=lambda i: (abs(seq_of[i] - seq), -i))
+            placed[b] = min(candidates, key=lambda i: (abs(seq_of[i] - seq), -i))
+            backward_of[placed[b]].append(b)
         else:
-            index = next((placed[a] for a in b.all_input_nodes if a in placed), None)
+            gradient_only.append(b)
+    # a node that reads only gradients (a sum of gradients, DenseNet's concatenated features): with the
+    # backward that reads it, else with the gradient it reads
+    left = []
+    for b in reversed(gradient_only):
+        index = next((placed[u] for u in b.users if u in placed), None)
+        if index is not None:
+            placed[b] = index
+            backward_of[index].append(b)
+    for b in gradient_only:
+        if b in placed:
+            continue
+        index = next((placed[a] for a in b.all_input_nodes if a in placed), None)
         if index is None:
             left.append(b)
             continue
         placed[b] = index
         backward_of[index].append(b)
-    position = {n: k for k, n in enumerate(next(iter(unit_of)).graph.nodes)} if unit_of else {}
     for nodes in backward_of:
         nodes.sort(key=position.get)
     return left
@@ -276,6 +310,12 @@ def _is_buffer_update(node: fx.Node, buffers: set[fx.Node]) -> bool:
 VIEW_TARGETS = frozenset({"view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "slice",
                           "select", "squeeze", "unsqueeze", "split", "split_with_sizes", "unbind", "alias",
                           "as_strided", "narrow", "detach", "chunk"})
+
+
+def _allocates(node: fx.Node) -> bool:
+    """Whether the node's value has a storage none of its inputs has (it allocates)."""
+    inputs = {key for a in node.all_input_nodes for key, _ in _storage(a)}
+    return any(key not in inputs for key, _ in _storage(node))
 
 
 def _passes_gradient_on(backward_nodes: list[fx.Node]) -> bool:
@@ -422,6 +462,7 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
     primals = [n for n in graph.nodes if n.op == "placeholder" and not is_tangent(n)]
     trainable = {p for p, g in zip(primals, gradient_outputs) if g is not None}
     requires_grad: list[bool] = []
+    parameter_views: list[bool] = []
     nodes: list[CostNode] = []
     for index, members in enumerate(units.units):
         member_set = set(members)
@@ -453,6 +494,12 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
                     saved_input += nbytes
                     needs.add(owner[key])
         inputs = {a for n in members for a in n.all_input_nodes if a not in member_set}
+        # a view of parameters (a linear's ``t(weight)``, ``t(t(weight))``) gets no gradient buffer:
+        # the parameter's gradient is made by backward nodes from the consumer's incoming gradient and
+        # counted where they return it (``param_grad_bytes``)
+        parameter_view = all(a.op == "placeholder" or (a in units.unit_of and parameter_views[units.unit_of[a]])
+                             for a in inputs) and all(_is_tensor(n) and not _allocates(n) for n in members)
+        parameter_views.append(parameter_view)
         grad = bool(backward_nodes) or any(
             (a in trainable) or (a in units.unit_of and requires_grad[units.unit_of[a]]) for a in inputs)
         requires_grad.append(grad)
@@ -464,7 +511,7 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
                 value = n.meta["val"]
                 key = (_storage(n) or [(n, 0)])[0][0]
                 floating[key] = max(floating.get(key, 0), value.numel() * value.element_size())
-        grad_bytes = sum(floating.values()) if grad else 0
+        grad_bytes = sum(floating.values()) if grad and not parameter_view else 0
         own_backward = set(backward_nodes)
         returned = [g for g in gradient_outputs if isinstance(g, fx.Node) and g in own_backward]
         # passed on: the returned parameter gradients, and the input gradients other units' backward
