@@ -325,6 +325,15 @@ def _passes_gradient_on(backward_nodes: list[fx.Node]) -> bool:
                                         for b in backward_nodes)
 
 
+def _rng_state_bytes(primals: list[fx.Node]) -> int:
+    """Bytes of one snapshot of the generator a recomputed random op replays from
+    (``joint_lowering.rng_snapshot``): the CUDA generator's state when the step runs on a GPU, else the
+    CPU generator's."""
+    device = next((n.meta["val"].device for n in primals if _is_tensor(n) and n.meta["val"].is_cuda), None)
+    state = torch.cuda.get_rng_state(device) if device is not None else torch.get_rng_state()
+    return state.numel() * state.element_size()
+
+
 def _meta_flops(node: fx.Node) -> int:
     """FLOPs of one node, run on meta tensors shaped like its inputs' fake values (0 if it cannot run)."""
     if node.op != "call_function" or node.target is operator.getitem:
@@ -547,4 +556,4 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
     return CostGraph(name=name, nodes=tuple(nodes), cost_unit="seconds", loss_bytes=loss_bytes,
                      cost_source=f"flop-estimate ({profile.name}), joint graph", input_bytes=input_bytes,
                      parameter_bytes=sum(_value_bytes(p) for p in trainable), source="traced",
-                     output_indices=outputs)
+                     output_indices=outputs, rng_state_bytes=_rng_state_bytes(primals))
