@@ -225,7 +225,8 @@ def lower_schedule(joint: fx.GraphModule, units: JointUnits, schedule: Schedule
             emit_ready()
     released.extend(n for n in old.nodes if n in units.backward and not is_tangent(n) and n not in emitted
                     and n not in released)
-    released.sort(key=list(old.nodes).index)
+    position = {n: i for i, n in enumerate(old.nodes)}
+    released.sort(key=position.get)
     emit_ready()
     if released:
         raise RuntimeError(f"joint lowering: {len(released)} backward nodes could not be placed "
@@ -241,17 +242,11 @@ def lower_schedule(joint: fx.GraphModule, units: JointUnits, schedule: Schedule
     forward_new = {env[n] for n in old.nodes if n.op == "placeholder" and not is_tangent(n)} | \
                   {env[n] for n in units.unit_of} | set(snapshots.values())
     backward_new = [n for n in new.nodes if n not in forward_new and n.op not in ("placeholder", "output")]
-    read_from_forward: list[fx.Node] = []
-    for node in backward_new:
-        for a in node.all_input_nodes:
-            if a in forward_new and a not in read_from_forward:
-                read_from_forward.append(a)
-    for value in output.args[0][units.num_fwd_outputs:]:
-        if isinstance(value, fx.Node) and value not in units.backward and read(value) in forward_new:
-            if read(value) not in read_from_forward:
-                read_from_forward.append(read(value))
+    read_set = {a for node in backward_new for a in node.all_input_nodes if a in forward_new}
+    read_set |= {read(value) for value in output.args[0][units.num_fwd_outputs:]
+                 if isinstance(value, fx.Node) and value not in units.backward and read(value) in forward_new}
     order = {n: i for i, n in enumerate(new.nodes)}
-    read_from_forward.sort(key=order.get)
+    read_from_forward = sorted(read_set, key=order.get)
     saved = [n for n in read_from_forward if isinstance(n.meta.get("val"), torch.Tensor)]
     saved_sym = [n for n in read_from_forward if not isinstance(n.meta.get("val"), torch.Tensor)]
     return module, saved, saved_sym, recomputed
