@@ -54,10 +54,10 @@ from torch.utils.flop_counter import FlopCounterMode
 from .costs import DEVICE_PROFILES, DeviceProfile
 from .graph import CostGraph, CostNode
 from .joint_capture import RANDOM_TARGETS, op_name, reachable
-from .joint_partition import STATE_READING_TARGETS
+from .joint_partition import STATE_READING_TARGETS, _is_tensor
 
 __all__ = ["JointUnits", "joint_units", "joint_cost_graph", "kernel_workspace_bytes", "outputs_loss_bytes",
-           "is_tangent", "backward_reads"]
+           "is_tangent", "backward_reads", "rng_state_bytes"]
 
 @dataclass
 class JointUnits:
@@ -78,10 +78,6 @@ class JointUnits:
     def gradient_outputs(self, graph: fx.Graph) -> list[fx.Node | None]:
         output = next(n for n in graph.nodes if n.op == "output")
         return list(output.args[0][self.num_fwd_outputs:])
-
-
-def _is_tensor(node: fx.Node) -> bool:
-    return isinstance(node.meta.get("val"), torch.Tensor)
 
 
 def is_tangent(node: fx.Node) -> bool:
@@ -325,13 +321,17 @@ def _passes_gradient_on(backward_nodes: list[fx.Node]) -> bool:
                                         for b in backward_nodes)
 
 
-def _rng_state_bytes(primals: list[fx.Node]) -> int:
-    """Bytes of one snapshot of the generator a recomputed random op replays from
-    (``joint_lowering.rng_snapshot``): the CUDA generator's state when the step runs on a GPU, else the
-    CPU generator's."""
-    device = next((n.meta["val"].device for n in primals if _is_tensor(n) and n.meta["val"].is_cuda), None)
-    state = torch.cuda.get_rng_state(device) if device is not None else torch.get_rng_state()
+def rng_state_bytes(device: torch.device | None) -> int:
+    """Bytes of one snapshot of the generator a random op on ``device`` draws from
+    (``joint_lowering.rng_snapshot``): the CUDA generator's state on a GPU, else the CPU generator's."""
+    state = torch.cuda.get_rng_state(device) if device is not None and device.type == "cuda" else torch.get_rng_state()
     return state.numel() * state.element_size()
+
+
+def _rng_state_bytes(primals: list[fx.Node]) -> int:
+    """:func:`rng_state_bytes` of the device the step runs on (a GPU if a primal is on one)."""
+    return rng_state_bytes(next((n.meta["val"].device for n in primals if _is_tensor(n) and n.meta["val"].is_cuda),
+                                None))
 
 
 def _meta_flops(node: fx.Node) -> int:
@@ -529,8 +529,9 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
                        for key, _ in _storage(b)}
         backward_made = {key: nbytes for b in backward_nodes for key, nbytes in _storage(b)
                          if key not in primal_keys and key not in owner and key not in passed_keys}
-        forward_flops = sum(_meta_flops(n) for n in members)
-        backward_flops = sum(_meta_flops(b) for b in backward_nodes)
+        flops = {n: _meta_flops(n) for n in (*members, *backward_nodes)}
+        forward_flops = sum(flops[n] for n in members)
+        backward_flops = sum(flops[b] for b in backward_nodes)
         internal = sum(nbytes for key, nbytes in own_keys.items() if key not in read_outside)
         targets = {op_name(n.target) for n in members if n.op == "call_function"}
         nodes.append(CostNode(
@@ -547,8 +548,8 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
             backward_workspace_bytes=sum(backward_made.values()) + max(
                 (workspace.get(b.name, 0) for b in backward_nodes), default=0),
             param_grad_bytes=sum(_value_bytes(g) for g in returned),
-            forward_cost=sum(profile.seconds(_meta_flops(n), _moved_bytes(n)) for n in members),
-            backward_cost=sum(profile.seconds(_meta_flops(b), _moved_bytes(b)) for b in backward_nodes),
+            forward_cost=sum(profile.seconds(flops[n], _moved_bytes(n)) for n in members),
+            backward_cost=sum(profile.seconds(flops[b], _moved_bytes(b)) for b in backward_nodes),
             forward_flops=forward_flops, backward_flops=backward_flops, requires_grad=grad,
             random=bool(targets & RANDOM_TARGETS), stateful=bool(targets & STATE_READING_TARGETS)))
     outputs = tuple(sorted({units.unit_of[n] for n in forward_outputs if n in units.unit_of}))

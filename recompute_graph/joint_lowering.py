@@ -42,8 +42,8 @@ from torch import fx
 from .errors import InfeasibleBudgetError
 from .graph import CostGraph
 from .joint_capture import RANDOM_TARGETS, op_name
-from .joint_costs import (JointUnits, is_tangent, joint_cost_graph, joint_units, kernel_workspace_bytes,
-                          outputs_loss_bytes)
+from .joint_costs import (JointUnits, _storage, is_tangent, joint_cost_graph, joint_units,
+                          kernel_workspace_bytes, outputs_loss_bytes, rng_state_bytes)
 from .joint_partition import STATE_READING_TARGETS, boxed_interpreter
 from .schedule import Backward, Forward, Schedule
 
@@ -146,8 +146,7 @@ def _first_tensor_input(node: fx.Node) -> fx.Node:
 
 def _snapshot_value(like: fx.Node) -> torch.Tensor:
     value = like.meta.get("val")
-    nbytes = (torch.cuda.get_rng_state(value.device) if value is not None and value.is_cuda
-              else torch.get_rng_state()).numel()
+    nbytes = rng_state_bytes(value.device if isinstance(value, torch.Tensor) else None)
     return torch.empty(nbytes, dtype=torch.uint8, device="meta")
 
 
@@ -261,7 +260,6 @@ def graph_peak_bytes(forward_graph: fx.GraphModule, backward_graph: fx.GraphModu
     the forward's placeholders (parameters, inputs) are not counted."""
     from collections import Counter
 
-    from .joint_costs import _storage
     primal_keys = {key for n in forward_graph.graph.nodes if n.op == "placeholder" for key, _ in _storage(n)}
     holders: Counter[int] = Counter()
     sizes: dict[int, int] = {}
