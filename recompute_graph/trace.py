@@ -91,6 +91,18 @@ class _SubmoduleTraceFailure(Exception):
         self.error = error
 
 
+def _settle_lazy_torch_tables() -> None:
+    """Build the tables torch builds lazily from ``torch.<name>`` before :meth:`_ModuleLevelTracer.trace`
+    swaps the constructors: Dynamo's table of in-graph torch functions
+    (``torch._dynamo.trace_rules.get_torch_obj_rule_map``, cached on first use) built during a trace
+    records the swapped ``torch.arange`` and ``torch.ones``, and every later ``torch.compile`` of a
+    model that calls them breaks its graph there (the zoo GPT-2 compiled into six graphs)."""
+    import torch._dynamo.trace_rules as trace_rules
+    rule_map = getattr(trace_rules, "get_torch_obj_rule_map", None)
+    if rule_map is not None:
+        rule_map()
+
+
 class _ModuleLevelTracer(fx.Tracer):
     """fx tracer that treats ``opaque`` submodules as leaves and reports which submodule failed."""
 
@@ -103,6 +115,7 @@ class _ModuleLevelTracer(fx.Tracer):
         self.proxy_buffer_attributes = True
 
     def trace(self, root: Any, concrete_args: Any = None) -> fx.Graph:
+        _settle_lazy_torch_tables()
         originals = {name: getattr(torch, name) for name in SHAPE_DEPENDENT_CONSTRUCTORS}
         proxy_originals = {dunder: fx.Proxy.__dict__.get(dunder) for dunder in IN_PLACE_OPERATORS}
         try:

@@ -265,3 +265,26 @@ def test_in_place_writes_into_inputs_are_kept_in_place():
     assert result.functionalized == ()
     x = torch.ones(3)
     assert torch.equal(result.graph_module(x), torch.full((3,), 3.0)) and torch.equal(x, torch.full((3,), 2.0))
+
+
+def test_tracing_in_a_fresh_interpreter_leaves_torch_compile_able_to_trace_the_swapped_constructors():
+    """The trace swaps ``torch.arange``/``torch.ones`` for recording wrappers; a Dynamo table built
+    during that window (first use of torch._dynamo) recorded the wrappers, so a later torch.compile of
+    GPT-2 broke its graph at both constructors. Needs a fresh interpreter (the table is built once)."""
+    import subprocess
+    import sys
+    script = (
+        "import sys, torch\n"
+        "import models_zoo\n"
+        "from recompute_graph.trace import trace\n"
+        "model, inputs = models_zoo.get_model('gpt2', 'tiny')\n"
+        "trace(model)\n"
+        "graphs = []\n"
+        "def count(gm, example_inputs):\n"
+        "    graphs.append(gm)\n"
+        "    return gm\n"
+        "torch.compile(model, backend=count)(*inputs)\n"
+        "print(len(graphs))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "1", done.stderr[-2000:]
