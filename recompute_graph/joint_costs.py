@@ -557,4 +557,8 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
     return CostGraph(name=name, nodes=tuple(nodes), cost_unit="seconds", loss_bytes=loss_bytes,
                      cost_source=f"flop-estimate ({profile.name}), joint graph", input_bytes=input_bytes,
                      parameter_bytes=sum(_value_bytes(p) for p in trainable), source="traced",
-                     output_indices=outputs, rng_state_bytes=_rng_state_bytes(primals))
+                     output_indices=outputs, rng_state_bytes=_rng_state_bytes(primals),
+                     # every differentiable output gets a gradient at the start of the backward: AOTAutograd's
+                     # backward takes one tangent per output, and autograd fills those the loss does not
+                     # reach with zeros (T5's cached keys and values: 36 KB a plan of 331 KB did not see)
+                     loss_gradient_outputs=outputs)

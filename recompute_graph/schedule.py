@@ -164,11 +164,7 @@ def lower_segments(graph: CostGraph, lower_sets: Sequence[Iterable[int]]) -> Sch
     if not graph.implicit_backward:
         raise GraphError(f"graph {graph.name!r} has explicit backward nodes; lower_segments needs a graph "
                          "whose backward is implicit")
-    segments = []
-    previous: frozenset[int] = frozenset()
-    for lower in sets:
-        segments.append(sorted(lower - previous))
-        previous = lower
+    segments = _sources_with_first_reader(graph, sets)
     last = len(segments) - 1
     forward_ops: list[Op] = []
     for i, segment in enumerate(segments):
@@ -182,6 +178,28 @@ def lower_segments(graph: CostGraph, lower_sets: Sequence[Iterable[int]]) -> Sch
                              for v in _recomputed_in_segment(graph, segment)]
         backward_ops += [Backward(v) for v in reversed(segment) if graph.nodes[v].requires_grad]
     return insert_frees(graph, forward_ops, backward_ops)
+
+
+def _sources_with_first_reader(graph: CostGraph, sets: Sequence[frozenset[int]]) -> list[list[int]]:
+    """The segments ``L_i \\ L_{i-1}``, with every source (a node without predecessors: a parameter's
+    transpose, a constant) moved into the segment of its first successor; the sets stay lower sets, since
+    all its successors are in that segment or later ones. A source's backward then runs right after its
+    readers' backward, where its gradient is made: a linear's weight gradient is computed by its
+    reader's backward (the joint graph's ``mm``), and a source left in an early segment would have that
+    gradient arrive at the end of the backward in the simulation (VGG-11-BN: 49 MiB under-predicted)."""
+    segment_of: dict[int, int] = {}
+    previous: frozenset[int] = frozenset()
+    for i, lower in enumerate(sets):
+        for v in lower - previous:
+            segment_of[v] = i
+        previous = lower
+    for node in graph.nodes:
+        if not node.predecessors and node.successors:
+            segment_of[node.index] = min(segment_of[s] for s in node.successors)
+    segments: list[list[int]] = [[] for _ in sets]
+    for v in sorted(segment_of):
+        segments[segment_of[v]].append(v)
+    return segments
 
 
 def _recomputed_in_segment(graph: CostGraph, segment: list[int]) -> list[int]:

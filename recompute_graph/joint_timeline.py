@@ -1,0 +1,105 @@
+"""Node by node, what the allocator sees in a compiled step beside the generated graphs' own liveness.
+
+``compiled_timeline(model, inputs, budget)`` compiles ``model`` with our backend
+(``joint_lowering.budget_backend``), runs its forward and backward graphs through an interpreter that
+wraps every node in an empty-named ``torch.profiler.record_function`` range, and returns one
+:class:`TimelinePoint` per node: the bytes the graphs' liveness holds while it runs
+(``joint_lowering.graph_live_bytes``, activations only, no kernel workspace), and what the CPU allocator
+measured (``measure.AllocatorRecorder.markers``): the level after the node and the peak since the
+previous node, in bytes above the step's start. Where a prediction misses, the first node whose
+measured peak exceeds the liveness by more than the rest of the step says which value the cost graph
+does not see (``excess_bytes``). CPU only (the allocator meter is the profiler's); one graph only
+(a model with graph breaks raises ``ValueError``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import fx
+
+from .losses import default_training_loss
+from .measure import AllocatorRecorder
+
+__all__ = ["TimelinePoint", "compiled_timeline", "marked_interpreter"]
+
+_MARK = "recompute_graph.joint::"
+
+
+@dataclass(frozen=True)
+class TimelinePoint:
+    """While one node of the forward or backward graph ran (bytes above the step's start)."""
+
+    graph: str
+    node: str
+    predicted_live_bytes: int
+    measured_level_bytes: int
+    measured_peak_bytes: int
+
+    @property
+    def excess_bytes(self) -> int:
+        """Measured peak minus the graphs' liveness: kernel workspace, the loss, or a value not priced."""
+        return self.measured_peak_bytes - self.predicted_live_bytes
+
+
+def _graph_tag(gm: fx.GraphModule) -> str:
+    placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    return "backward" if any(name.startswith("tangents") for name in placeholders) else "forward"
+
+
+class _MarkingInterpreter(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.tag = _graph_tag(gm)
+
+    def run_node(self, n: fx.Node) -> Any:
+        with torch.profiler.record_function(f"{_MARK}{self.tag}:{n.name}"):
+            return super().run_node(n)
+
+
+def marked_interpreter(gm: fx.GraphModule, _example_inputs: Any = None) -> Callable[[list], Any]:
+    """An AOTAutograd compiler (boxed convention: the argument list is cleared, each value dropped after
+    its last use) that marks every node with a ``record_function`` range."""
+    def run(args: list) -> Any:
+        return _MarkingInterpreter(gm).boxed_run(args)
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run
+
+
+def compiled_timeline(model: torch.nn.Module, inputs: Sequence[Any], budget: Any, *, solver: str = "auto",
+                      loss_fn: Callable[[Any], torch.Tensor] = default_training_loss,
+                      on_infeasible: str = "floor", kwargs: dict[str, Any] | None = None
+                      ) -> tuple[list[TimelinePoint], Any]:
+    """``(points, lowered)`` of one compiled training step of ``model`` at ``budget`` (module docstring);
+    ``lowered`` is ``joint_lowering.last_lowering()``; ``kwargs``: keyword inputs of the model's call.
+    Parameter gradients are cleared first."""
+    from .joint_lowering import budget_backend, graph_live_bytes, last_lowering
+    lowerings: list[Any] = []
+    backend = budget_backend(budget, solver=solver, loss_fn=loss_fn, on_infeasible=on_infeasible,
+                             graph_compiler=marked_interpreter)
+
+    def counting(gm: fx.GraphModule, example_inputs: Any) -> Any:
+        compiled_graph = backend(gm, example_inputs)
+        lowerings.append(True)
+        return compiled_graph
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=counting)
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        loss_fn(compiled(*inputs, **(kwargs or {}))).backward()
+    step()
+    if len(lowerings) != 1:
+        raise ValueError(f"torch.compile split the model into {len(lowerings)} graphs; the timeline "
+                         "covers models compiled as one graph")
+    lowered = last_lowering()
+    model.zero_grad(set_to_none=True)
+    with AllocatorRecorder() as recorder:
+        step()
+    measured = {label: (level, peak) for label, level, peak in recorder.markers(_MARK)}
+    points = []
+    for tag, name, live in graph_live_bytes(lowered.forward_graph, lowered.backward_graph):
+        level, peak = measured.get(f"{tag}:{name}", (0, 0))
+        points.append(TimelinePoint(tag, name, live, level, peak))
+    return points, lowered
