@@ -130,6 +130,81 @@ def _write_buffers_early(gm: "torch.fx.GraphModule") -> int:
     return moved
 
 
+def _user_frame(stack_trace: str) -> str:
+    """``file:line (code)`` of the innermost frame of ``stack_trace`` outside torch, or ''."""
+    import os
+    import re
+    torch_dir = os.path.dirname(torch.__file__)
+    lines = stack_trace.strip().splitlines()
+    for k in range(len(lines) - 1, -1, -1):
+        match = re.match(r'\s*File "([^"]+)", line (\d+)', lines[k])
+        if match and not os.path.abspath(match.group(1)).startswith(torch_dir):
+            code = lines[k + 1].strip() if k + 1 < len(lines) else ""
+            return f"{match.group(1)}:{match.group(2)}" + (f" ({code})" if code else "")
+    return ""
+
+
+def _refuse_unused_random_draws(graph: torch.fx.Graph, model_name: str) -> None:
+    """TraceError for a random op (dropout, ``rand_like``) whose result the model never uses: the
+    functionalized graph drops it, so every later draw, and the generator after the step, would differ
+    from the model's own (a second dropout would use the first one's mask), even with no recomputation."""
+    live: set[torch.fx.Node] = set()
+    for node in reversed(graph.nodes):
+        if node.op == "output" or any(user in live for user in node.users):
+            live.add(node)
+    for node in graph.nodes:
+        if (node.op == "call_function" and node not in live
+                and getattr(node.target, "_nondeterministic_seeded", False)):
+            where = _user_frame(node.meta.get("stack_trace") or "")
+            where = f"\n  at {where}" if where else ""
+            raise TraceError(
+                f"{model_name} draws random numbers it never uses ({node.target}, node {node.name!r}){where}\n"
+                "  torch.export drops the unused call, which changes every later random draw (dropout masks) "
+                "and the generator's state after the step. Remove the unused call, or make the model "
+                "traceable by torch.fx (optimize(..., tracer='fx')), whose graph keeps it.",
+                module_path="")
+
+
+def _refuse_other_random_draws(model: nn.Module, graph_module: torch.fx.GraphModule, args: tuple,
+                               kwargs: dict) -> None:
+    """TraceError when the functionalized graph of a model that draws random numbers computes
+    something else than the model under the same seed. PyTorch's decomposition of an in-place dropout
+    on a non-contiguous view fills the mask in another element order than eager dropout does (a
+    channels-last activation, flattened), so the masks differ even with no recomputation. Checked by
+    running both once (no grad, on copies of the inputs, buffers and random state put back); skipped
+    on meta tensors and for graphs without random ops."""
+    from .model_state import preserved_state
+    if not any(n.op == "call_function" and getattr(n.target, "_nondeterministic_seeded", False)
+               for n in graph_module.graph.nodes):
+        return
+    leaves = tree_flatten((tuple(args), dict(kwargs)))[0]
+    if any(isinstance(t, torch.Tensor) and t.is_meta for t in leaves):
+        return
+
+    def copies(values: Any) -> Any:
+        return torch.utils._pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, values)
+    with preserved_state(model, rng=True), torch.no_grad():
+        torch.manual_seed(0)
+        expected = [t for t in tree_flatten(model(*copies(tuple(args)), **copies(dict(kwargs))))[0]
+                    if isinstance(t, torch.Tensor)]
+        torch.manual_seed(0)
+        got = [t for t in tree_flatten(torch.fx.Interpreter(graph_module).run(*copies(leaves)))[0]
+               if isinstance(t, torch.Tensor)]
+    for a, b in zip(expected, got):
+        if a.shape != b.shape or not a.is_floating_point():
+            continue
+        scale = float(a.abs().max()) if a.numel() else 0.0
+        if a.numel() and float((a - b).abs().max()) > 1e-3 * max(scale, 1.0):
+            raise TraceError(
+                f"the functionalized graph of {type(model).__name__} draws different random numbers than "
+                "the model: under the same seed its output differs from the model's (a known cause: PyTorch's "
+                "decomposition of an in-place dropout on a non-contiguous view fills the mask in another "
+                "order). It would "
+                "train with other dropout masks, so it is refused. Apply the dropout out of place, or on a "
+                "contiguous tensor (x.contiguous()), or make the model traceable by torch.fx "
+                "(optimize(..., tracer='fx')).", module_path="")
+
+
 def export_trace(model: nn.Module, args: tuple, kwargs: dict) -> ExportedTrace:
     """Export ``model`` for the call ``model(*args, **kwargs)`` (non-strict ``torch.export``).
 
@@ -149,6 +224,7 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict) -> ExportedTrace:
             "if the model returns a custom object, register it with torch.utils._pytree.",
             module_path="", source_location=location) from error
     in_spec, out_spec = program.call_spec.in_spec, program.call_spec.out_spec
+    _refuse_unused_random_draws(program.graph, type(model).__name__)
     try:
         program = program.run_decompositions({})  # functionalized: writes through views become data edges
     except Exception as error:  # noqa: BLE001
@@ -162,4 +238,5 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict) -> ExportedTrace:
     if unsafe:
         raise TraceError(f"the exported graph of {type(model).__name__} still writes into activations "
                          f"through views after functionalization: {unsafe[0]}", module_path="")
+    _refuse_other_random_draws(model, graph_module, args, kwargs)
     return ExportedTrace(TraceResult(graph_module, (), (), functionalized, unsafe), in_spec, out_spec)

@@ -153,7 +153,9 @@ def incoming_gradient_layouts(gm: fx.GraphModule, env: dict, loss_fn: LossFuncti
     handles = []
 
     def recorder(name: str, index: int) -> Callable[[torch.Tensor], None]:
-        def record(grad: torch.Tensor) -> None:
+        def record(grad: torch.Tensor | None) -> None:
+            if grad is None:  # a tensor whose every element is overwritten later (a slice write) gets none
+                return
             layouts.setdefault(name, {})[index] = (tuple(grad.shape), tuple(grad.stride()))
         return record
     try:

@@ -18,8 +18,9 @@ Memory model (bytes of tensor storage above what was live before the step; see d
   a loss holding more (cross-entropy keeps its log-softmax) needs that much more budget. A ``Backward(v)``
   allocates a gradient buffer (``grad_bytes``) for each predecessor needing one that has none yet, has
   ``backward_workspace_bytes`` live on top while it runs (plus, for predecessors that already have a
-  buffer, the incoming gradient and, the first time, the new sum, unless the buffer was handed on by a
-  pass-through backward and nothing else holds it: that one is summed into in place), keeps its parameter gradients
+  buffer, the incoming gradient); then, for those, the new sum is made the first time (unless the buffer
+  was handed on by a pass-through backward and nothing else holds it: that one is summed into in place),
+  after the node's own output gradient is released when nothing else holds it; keeps its parameter gradients
   (``param_grad_bytes``, to the end of the step), then frees the node's tape and its output gradient
   (first, when ``backward_aliases_grad`` says the buffer is handed on to the inputs: the inputs getting
   their first gradient share it, as the views autograd gives them do: an addition's two inputs, the
@@ -225,7 +226,8 @@ class _Simulation:
         if node.backward_aliases_grad and not shared and not held:
             self._unref(handed)
             released = True
-        accumulation = 0
+        incoming_bytes = 0
+        first_sum_bytes = 0
         summed: list[int] = []
         for p in node.predecessors:
             if not graph.nodes[p].requires_grad:
@@ -244,11 +246,18 @@ class _Simulation:
             incoming = 0 if node.backward_aliases_grad else graph.nodes[p].grad_bytes
             handed_and_free = p in self.shared_grads and self.storage_refs.get(self.grad_storage[p], 0) == 1
             first_sum = graph.nodes[p].grad_bytes if p not in self.accumulated and not handed_and_free else 0
-            accumulation += incoming + first_sum
+            incoming_bytes += incoming
+            first_sum_bytes += first_sum
             if first_sum:
                 summed.append(p)
             self.accumulated.add(p)
-        self.op_peak = max(self.op_peak, self.live + node.backward_workspace_bytes + accumulation)
+        # the backward computes the incoming gradients (with its workspace); then its output gradient,
+        # read by nothing else, is released before the sums are made, as autograd's engine and the
+        # generated backward both do
+        handed_free = (self.storage_bytes[handed] if not released and not held and not node.backward_aliases_grad
+                       and self.storage_refs.get(handed) == 1 else 0)
+        self.op_peak = max(self.op_peak, self.live + node.backward_workspace_bytes + incoming_bytes,
+                           self.live - handed_free + incoming_bytes + first_sum_bytes)
         self.peak = max(self.peak, self.op_peak)
         for p in summed:  # the sum replaces the first buffer, which lives on if shared
             previous = self.grad_storage[p]

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, assume, event, example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from recompute_graph import InfeasibleBudgetError, optimize
+from recompute_graph import InfeasibleBudgetError, TraceError, optimize
 from recompute_graph.measure import default_loss, make_training_step, peak_memory
 from recompute_graph.planner import loss_allowance_bytes
 
@@ -145,6 +145,15 @@ def step_result(module: nn.Module, x: torch.Tensor, loss_fn=default_loss):
 @example(spec=[("conv", 0, 0), ("slice_write", 1, 0), ("view_inplace_dropout", 2, 0), ("shape_expand", 3, 0),
                ("conv", 4, 0), ("base_read_after_view_write", 5, 0), ("conv", 6, 0)],
          fraction=0.6, seed=0, auxiliary=True, loss_name="cross_entropy")
+# found by this test: an unused dropout in a model only torch.export traces (a slice write); export's
+# functionalized graph dropped it, so the second dropout drew the first one's mask, even with store-all
+# (such a model is now refused with a TraceError that names the unused call)
+@example(spec=[("conv", 0, 0), ("dropout", 0, 0), ("slice_write", 0, 0), ("conv", 0, 0), ("conv", 0, 0),
+               ("dropout", 0, 0)], fraction=1.0, seed=0, auxiliary=False, loss_name="cross_entropy")
+# found by this test: an in-place dropout on a flattened channels-last view in a model only
+# torch.export traces; its decomposition filled the mask in another order than eager dropout (refused)
+@example(spec=[("layer_norm", 0, 0), ("slice_write", 0, 0), ("conv", 0, 0), ("view_inplace_dropout", 1, 0)],
+         fraction=1.0, seed=0, auxiliary=False, loss_name="cross_entropy")
 def test_random_networks_train_exactly_within_random_budgets(spec, fraction, seed, auxiliary, loss_name):
     torch.manual_seed(seed)
     model = RandomNet(spec, auxiliary)
@@ -160,6 +169,10 @@ def test_random_networks_train_exactly_within_random_budgets(spec, fraction, see
     except InfeasibleBudgetError as error:
         assert error.min_budget_bytes > error.budget_bytes
         event("infeasible budget")
+        return
+    except TraceError as error:
+        assert "random numbers" in str(error), error
+        event("refused: random draws torch.export does not reproduce")
         return
     grads, buffers = step_result(optimized, x, loss_fn)
     for a, b in zip(expected_grads, grads):

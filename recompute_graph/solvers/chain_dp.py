@@ -202,4 +202,4 @@ def chain_dp(graph: CostGraph, budget_bytes: int | None = None, *, max_stages: i
                 high = middle
         return high
 
-    return simulator_checked(plan, budget_bytes, minimal_model_budget)
+    return simulator_checked(plan, budget_bytes, minimal_model_budget, graph)

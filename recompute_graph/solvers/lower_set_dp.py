@@ -451,7 +451,7 @@ def solve_lower_sets(name: str, graph: CostGraph, budget_bytes: int | None, fami
         return Solution.of(name, graph, lower_segments(graph, result.lower_sets),
                            f"{len(result.lower_sets)} segments, {model.name} model, {variant}-centric")
 
-    return simulator_checked(plan, budget_bytes, lambda: minimal_model_budget(model, variant))
+    return simulator_checked(plan, budget_bytes, lambda: minimal_model_budget(model, variant), graph)
 
 
 @register("dp_exact")
