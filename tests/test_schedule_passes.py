@@ -44,6 +44,12 @@ def test_the_adds_are_no_longer_recomputed_and_the_floor_drops():
     for name in ("chain_dp", "dp_exact", "chen_sqrt"):
         solution = SOLVERS[name](graph, None)
         improved = keep_free_tapes(graph, solution.schedule)
+        if "free tapes kept" in solution.description:
+            # the DPs' lowest-peak search already let the pass compete (solvers.simulator_checked):
+            # their answer is its fixed point
+            again = simulate(graph, improved)
+            assert (again.peak_bytes, again.recompute_cost) == (solution.peak_bytes, solution.recompute_cost)
+            continue
         recomputed_adds = [n for n in solution.schedule.recomputed_nodes() if n in free_tape_nodes(graph)]
         if not recomputed_adds:
             continue
