@@ -16,9 +16,7 @@ from .call_graphs import CallGraphs, profile_call, training_mode
 from .optimized_module import PreparedStep, RecomputedModule
 from .errors import PlanMismatchWarning
 from .graph import CostGraph
-from .planner import (Budget, RecomputePlan, loss_allowance_bytes, make_plan, min_budget_for_peak, parse_budget,
-                      planning_margin,
-                      replan_schedule)
+from .planner import Budget, RecomputePlan, make_plan, parse_budget, replan_schedule
 from .rewrite import ScheduleExecutor
 from .saved_plans import load_plan, mismatch_reason
 from .solvers import get_solver
@@ -141,7 +139,7 @@ def _reuse(saved: RecomputePlan, graph: CostGraph, budget: Budget) -> RecomputeP
     reason = mismatch_reason(saved.graph, graph)
     if reason is None:
         reused = replan_schedule(saved, graph, budget)
-        needed = min_budget_for_peak(reused.predicted_peak_bytes, loss_allowance_bytes(graph), planning_margin(graph))
+        needed = reused.min_budget_bytes
         if needed <= reused.budget_bytes:
             return reused
         reason = (f"its predicted peak {reused.predicted_peak_bytes} bytes needs a budget of {needed} bytes, "

@@ -104,3 +104,27 @@ def test_solvers_do_not_import_torch():
     code = ("import sys; import recompute_graph.solvers, recompute_graph.planner, recompute_graph.simulate;"
             "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_plan_fits_when_the_loss_and_the_backward_peak_never_coincide():
+    """A language model's loss on its logits is held at the end of the forward; the step's peak lies in
+    the backward, among the parameter gradients. Planning on their sum found no plan for GPT-2 small at
+    half its store-all budget; the planner now also accepts a plan whose step peak, the loss at its
+    moment, fits."""
+    from recompute_graph import CostGraph, CostNode
+    from recompute_graph.planner import (auto_solvers, loss_allowance_bytes, make_plan, min_budget_for_peak,
+                                         min_feasible_budget, planning_margin, run_solver)
+    n = 8
+    nodes = tuple(CostNode(i, f"n{i}", predecessors=(i - 1,) if i else (), output_bytes=100, grad_bytes=100,
+                           backward_needs=(i - 1,) if i else (), forward_cost=1.0, backward_cost=1.0,
+                           param_grad_bytes=1000) for i in range(n))
+    graph = CostGraph("lm", nodes, output_indices=(n - 1,), source="traced", loss_bytes=3000)
+    smallest = min_feasible_budget(graph)
+    on_the_sum = min(min_budget_for_peak(run_solver(name, graph, None).peak_bytes, loss_allowance_bytes(graph),
+                                         planning_margin(graph)) for name in auto_solvers(graph))
+    assert smallest < on_the_sum
+    plan = make_plan(graph, smallest)
+    assert plan.min_budget_bytes <= plan.budget_bytes == smallest
+    assert plan.predicted_step_peak_bytes * (1 + planning_margin(graph)) <= smallest + 1
+    with pytest.raises(InfeasibleBudgetError):
+        make_plan(graph, smallest - 2)
