@@ -415,7 +415,8 @@ def outputs_loss_bytes(joint: fx.GraphModule, units: JointUnits, loss_fn: Any) -
     """Transient bytes of ``loss_fn`` on the model's outputs (the joint graph's forward outputs that are
     not buffer updates, as one tensor or a tuple), forward and backward, above the output gradients it
     leaves, by the allocator on real tensors shaped like them: what the step adds when the gradients
-    arrive. None on meta or when the loss cannot run on them."""
+    arrive; 0 when an output is a scalar (the model's own loss). None on meta or when the loss cannot
+    run on them."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     from .loss_pricing import allocator_windows, node_window
@@ -425,6 +426,11 @@ def outputs_loss_bytes(joint: fx.GraphModule, units: JointUnits, loss_fn: Any) -
     outputs = [n for n in units.forward_outputs(graph) if not _is_buffer_update(n, buffers) and _is_tensor(n)]
     if not outputs:
         return None
+    if any(n.meta["val"].dim() == 0 and n.meta["val"].is_floating_point() for n in outputs):
+        # a model that returns its own loss (``transformers`` given labels): training backpropagates it,
+        # and its computation is in the graph; ``loss_fn`` on the flat outputs would price another loss
+        # (Llama: 29 KB on a 245 KB step, 10 % over), as ``planner.loss_allowance_bytes`` rules too
+        return 0
     with unset_fake_temporarily():
         real = [_materialize(n.meta["val"]) for n in outputs]
         if any(t.is_meta for t in real):
