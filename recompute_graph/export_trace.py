@@ -134,7 +134,7 @@ def _user_frame(stack_trace: str) -> str:
     """``file:line (code)`` of the innermost frame of ``stack_trace`` outside torch, or ''."""
     import os
     import re
-    torch_dir = os.path.dirname(torch.__file__)
+    from .trace import _TORCH_DIR as torch_dir
     lines = stack_trace.strip().splitlines()
     for k in range(len(lines) - 1, -1, -1):
         match = re.match(r'\s*File "([^"]+)", line (\d+)', lines[k])
@@ -142,6 +142,11 @@ def _user_frame(stack_trace: str) -> str:
             code = lines[k + 1].strip() if k + 1 < len(lines) else ""
             return f"{match.group(1)}:{match.group(2)}" + (f" ({code})" if code else "")
     return ""
+
+
+def _draws_random(node: torch.fx.Node) -> bool:
+    """A call of an op that advances a random generator (tagged ``nondeterministic_seeded``)."""
+    return node.op == "call_function" and getattr(node.target, "_nondeterministic_seeded", False)
 
 
 def _refuse_unused_random_draws(graph: torch.fx.Graph, model_name: str) -> None:
@@ -153,8 +158,7 @@ def _refuse_unused_random_draws(graph: torch.fx.Graph, model_name: str) -> None:
         if node.op == "output" or any(user in live for user in node.users):
             live.add(node)
     for node in graph.nodes:
-        if (node.op == "call_function" and node not in live
-                and getattr(node.target, "_nondeterministic_seeded", False)):
+        if node not in live and _draws_random(node):
             where = _user_frame(node.meta.get("stack_trace") or "")
             where = f"\n  at {where}" if where else ""
             raise TraceError(
@@ -174,8 +178,7 @@ def _refuse_other_random_draws(model: nn.Module, graph_module: torch.fx.GraphMod
     running both once (no grad, on copies of the inputs, buffers and random state put back); skipped
     on meta tensors and for graphs without random ops."""
     from .model_state import preserved_state
-    if not any(n.op == "call_function" and getattr(n.target, "_nondeterministic_seeded", False)
-               for n in graph_module.graph.nodes):
+    if not any(_draws_random(n) for n in graph_module.graph.nodes):
         return
     leaves = tree_flatten((tuple(args), dict(kwargs)))[0]
     if any(isinstance(t, torch.Tensor) and t.is_meta for t in leaves):
