@@ -197,6 +197,10 @@ class CostGraph:
             if getattr(self, name) < 0:
                 raise GraphError(f"CostGraph {self.name!r}: {name} is negative")
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without the memo of derived results (``graph_memo``)."""
+        return {k: v for k, v in self.__dict__.items() if k != "_graph_memo"}
+
     def _check_node(self, position: int, node: CostNode, names: dict[str, int], count: int) -> None:
         where = f"CostGraph {self.name!r}, node {position} ({node.name!r})"
         if node.index != position:

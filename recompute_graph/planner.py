@@ -13,6 +13,7 @@ from typing import Union
 
 from .errors import InfeasibleBudgetError, SolverError
 from .graph import SCALAR_LOSS_BYTES, CostGraph
+from .graph_memo import memoized
 from .schedule import Schedule
 from .schedule_passes import keep_free_tapes
 from .simulate import SimulationResult
@@ -23,7 +24,7 @@ from .units import format_bytes, parse_bytes
 
 __all__ = ["Budget", "parse_budget", "RecomputePlan", "make_plan", "AUTO_SOLVERS", "auto_solvers",
            "min_feasible_budget", "replan_schedule", "loss_allowance_bytes", "usable_bytes_of",
-           "planning_margin", "step_peak_bytes", "min_budget_for_step"]
+           "planning_margin", "step_peak_bytes", "min_budget_for_step", "candidate_pool", "POOL_FRACTIONS"]
 
 Budget = Union[int, float, str]
 #: A plan of a traced model fits a budget when its predicted peak times (1 + PLANNING_MARGIN), plus the
@@ -35,6 +36,10 @@ Budget = Union[int, float, str]
 PLANNING_MARGIN = 0.05
 #: The baselines ``solver="auto"`` always runs besides a lower-set DP (the best feasible answer wins).
 AUTO_SOLVERS = ("store_all", "chen_greedy", "chen_sqrt")
+#: ``solver="auto"`` chooses from a pool of plans fixed per graph (``candidate_pool``): each of its
+#: solvers at these fractions of the store-all budget, and at its lowest peak. A budget on the grid
+#: gets every plan a solver makes for it; one between grid points, the plans of the points below it.
+POOL_FRACTIONS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)
 
 
 def loss_allowance_bytes(graph: CostGraph) -> int:
@@ -217,15 +222,24 @@ def run_solver(name: str, graph: CostGraph, budget_bytes: int | None, variant: s
 
 def make_plan(graph: CostGraph, budget: Budget, solver: str = "auto", *, variant: str = "time") -> RecomputePlan:
     """The best schedule for ``graph`` within ``budget``; InfeasibleBudgetError (with the smallest
-    feasible budget) when none fits. ``variant`` is passed to the lower-set DPs."""
+    feasible budget) when none fits. ``variant`` is passed to the lower-set DPs.
+
+    A named solver plans for ``budget`` itself. ``"auto"`` takes the plan that recomputes least among
+    those of ``candidate_pool(graph)`` whose step fits ``budget`` (``min_budget_for_step``; ties: the
+    lower step peak, then the pool's order). The pool does not depend on the budget, so the chosen
+    plan's predicted peak never grows as the budget shrinks: a plan chosen at a budget that still fits a
+    smaller one is chosen there too, and any other plan chosen there fits the smaller budget. (Choosing
+    among each solver's plans for the budget itself is not monotone: the small U-Net compiled, 80 % of
+    store-all gave 732.9 KB, 70 % gave 744.5 KB.)"""
+    if solver == "auto":
+        return _plan_from_pool(graph, budget, variant)
     parse_budget(budget)
-    names = auto_solvers(graph) if solver == "auto" else (solver,)
-    for name in names:
-        get_solver(name)  # unknown names fail before any work
-        if name not in solvers_for(graph):
-            kind_name = "an implicit backward" if graph.implicit_backward else "explicit backward nodes"
-            raise SolverError(f"solver {name!r} does not take graph {graph.name!r}, which has {kind_name}; "
-                              f"use one of: {', '.join(solvers_for(graph))}")
+    names = (solver,)
+    get_solver(solver)  # unknown names fail before any work
+    if solver not in solvers_for(graph):
+        kind_name = "an implicit backward" if graph.implicit_backward else "explicit backward nodes"
+        raise SolverError(f"solver {solver!r} does not take graph {graph.name!r}, which has {kind_name}; "
+                          f"use one of: {', '.join(solvers_for(graph))}")
     store_all, budget_bytes = _store_all_and_budget(graph, budget)
     store_all_cost = store_all.simulation.compute_cost
     usable_bytes = usable_bytes_of(budget_bytes, loss_allowance_bytes(graph), planning_margin(graph))
@@ -245,16 +259,74 @@ def make_plan(graph: CostGraph, budget: Budget, solver: str = "auto", *, variant
             if failure is None:
                 raise
             raise failure from None  # the solver cannot plan this graph at all: its own message
-        store_all_budget = min_budget_for_peak(store_all.peak_bytes, loss_allowance_bytes(graph),
-                                               planning_margin(graph))
-        raise InfeasibleBudgetError(
-            f"no plan of {'any solver' if solver == 'auto' else repr(solver)} fits a budget of "
-            f"{format_bytes(budget_bytes)} ({budget_bytes} bytes) for {graph.name!r}; the smallest feasible "
-            f"budget is {format_bytes(smallest)} ({smallest} bytes, the fraction "
-            f"{math.ceil(smallest / store_all_budget * 1000) / 1000:g} of what a store-all step needs). "
-            "Raise the budget or try another solver.",
-            budget_bytes=budget_bytes, min_budget_bytes=smallest)
+        raise _infeasible(graph, solver, budget_bytes, smallest, store_all) from None
     return _plan(chosen, graph, budget_bytes, store_all, store_all_cost)
+
+
+def candidate_pool(graph: CostGraph, variant: str = "time") -> tuple[Solution, ...]:
+    """The plans ``solver="auto"`` chooses from, made once per graph (``graph_memo``): store-all, and
+    each other solver of ``auto_solvers(graph)`` at its lowest peak and at every ``POOL_FRACTIONS``
+    fraction of the store-all budget down to its floor. At each fraction a solver plans for the budget
+    less the loss allowance and the margin (``usable_bytes_of``), and, when that plan does not fit it,
+    for the budget less the margin only (its step may still fit: a language model's loss on its logits
+    is held at the end of the forward, the step's peak lies in the backward). Plans with the same
+    schedule are kept once."""
+    return memoized(graph, ("planner.candidate_pool", variant), lambda: _build_pool(graph, variant))
+
+
+def _build_pool(graph: CostGraph, variant: str) -> tuple[Solution, ...]:
+    store_all = SOLVERS["store_all"](graph, None)
+    allowance, margin = loss_allowance_bytes(graph), planning_margin(graph)
+    store_all_budget = min_budget_for_peak(store_all.peak_bytes, allowance, margin)
+    pool = {store_all.schedule: store_all}
+    for name in auto_solvers(graph):
+        if name == "store_all":
+            continue
+        try:
+            floor = run_solver(name, graph, None, variant)
+        except SolverError:  # a heuristic that finds nothing without a budget: try each budget
+            floor_budget = 0
+        else:
+            pool.setdefault(floor.schedule, floor)
+            floor_budget = min_budget_for_step(graph, floor.simulation)
+        for fraction in POOL_FRACTIONS:
+            budget_bytes = int(fraction * store_all_budget)
+            if budget_bytes < floor_budget:
+                break
+            usable = usable_bytes_of(budget_bytes, allowance, margin)
+            for solver_budget in dict.fromkeys((usable, usable_bytes_of(budget_bytes, 0, margin))):
+                try:
+                    solution = run_solver(name, graph, solver_budget, variant)
+                except SolverError:
+                    break
+                pool.setdefault(solution.schedule, solution)
+                if solution.fits(usable):
+                    break
+    return tuple(pool.values())
+
+
+def _plan_from_pool(graph: CostGraph, budget: Budget, variant: str) -> RecomputePlan:
+    """``make_plan(graph, budget, "auto")``: the least recomputing plan of the pool whose step fits."""
+    store_all, budget_bytes = _store_all_and_budget(graph, budget)
+    pool = candidate_pool(graph, variant)
+    fitting = [s for s in pool if _fits_step(graph, s, budget_bytes)]
+    if not fitting:
+        smallest = min(min_budget_for_step(graph, s.simulation) for s in pool)
+        raise _infeasible(graph, "auto", budget_bytes, smallest, store_all)
+    chosen = min(fitting, key=lambda s: (s.recompute_cost, step_peak_bytes(graph, s.simulation)))
+    return _plan(chosen, graph, budget_bytes, store_all, store_all.simulation.compute_cost)
+
+
+def _infeasible(graph: CostGraph, solver: str, budget_bytes: int, smallest: int, store_all: Solution
+                ) -> InfeasibleBudgetError:
+    store_all_budget = min_budget_for_peak(store_all.peak_bytes, loss_allowance_bytes(graph), planning_margin(graph))
+    return InfeasibleBudgetError(
+        f"no plan of {'any solver' if solver == 'auto' else repr(solver)} fits a budget of "
+        f"{format_bytes(budget_bytes)} ({budget_bytes} bytes) for {graph.name!r}; the smallest feasible "
+        f"budget is {format_bytes(smallest)} ({smallest} bytes, the fraction "
+        f"{math.ceil(smallest / store_all_budget * 1000) / 1000:g} of what a store-all step needs). "
+        "Raise the budget or try another solver.",
+        budget_bytes=budget_bytes, min_budget_bytes=smallest)
 
 
 def _plan_for_the_step(graph: CostGraph, names: tuple[str, ...], budget_bytes: int, variant: str
@@ -316,6 +388,8 @@ def _plan(chosen: Solution, graph: CostGraph, budget_bytes: int, store_all: Solu
 
 def min_feasible_budget(graph: CostGraph, solver: str = "auto", *, variant: str = "time") -> int:
     """The smallest budget ``make_plan(graph, budget, solver)`` accepts: that of the lowest-peak plan
-    of the solver(s) (``min_budget_for_step``)."""
-    names = auto_solvers(graph) if solver == "auto" else (solver,)
+    of the solver (``min_budget_for_step``), or of ``candidate_pool`` for ``"auto"``."""
+    if solver == "auto":
+        return min(min_budget_for_step(graph, s.simulation) for s in candidate_pool(graph, variant))
+    names = (solver,)
     return min(min_budget_for_step(graph, run_solver(name, graph, None, variant).simulation) for name in names)

@@ -33,7 +33,11 @@ def test_gradients_under_autocast_equal_the_originals_and_the_plan_is_priced_in_
     for a, b in zip(expected, got):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     float32 = optimize(model, 0.7, example_inputs=inputs, timing="flops", loss_fn=default_loss).recompute_plan
-    assert plan.store_all_peak_bytes < 0.8 * float32.store_all_peak_bytes
+    # activations are priced in bfloat16: half the float32 bytes (the whole peak is not: on a CPU without
+    # native bfloat16 the convolutions' backward allocates float32 workspace, 592 KB against 201 KB on
+    # the small U-Net, and the parameter gradients stay float32)
+    activation_bytes = [sum(n.output_bytes for n in p.graph.nodes) for p in (plan, float32)]
+    assert activation_bytes[0] < 0.6 * activation_bytes[1]
 
 
 def test_a_plan_made_on_the_first_call_follows_the_autocast_setting_of_that_call():

@@ -30,6 +30,7 @@ import numpy as np
 
 from ..errors import SolverError
 from ..graph import CostGraph
+from ..graph_memo import memoized
 from ..schedule import Backward, Forward, Op, Schedule, insert_frees
 from . import Solution, register, simulator_checked
 from .chen import split_candidates
@@ -202,4 +203,5 @@ def chain_dp(graph: CostGraph, budget_bytes: int | None = None, *, max_stages: i
                 high = middle
         return high
 
-    return simulator_checked(plan, budget_bytes, minimal_model_budget, graph)
+    return simulator_checked(plan, budget_bytes, lambda: memoized(
+        graph, ("chain_dp.minimal_budget", max_stages, slots), minimal_model_budget), graph)

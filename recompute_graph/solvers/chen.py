@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 
 from ..graph import CostGraph
+from ..graph_memo import memoized
 from ..schedule import lower_segments, prefix_lower_sets
 from . import Solution, best_of, register
 
@@ -69,14 +70,18 @@ def greedy_cuts(graph: CostGraph, segment_budget_bytes: float) -> list[int]:
 
 @register("chen_greedy")
 def chen_greedy(graph: CostGraph, budget_bytes: int | None = None) -> Solution:
-    """Best greedy plan over a grid of segment budgets (least recomputation that fits ``budget_bytes``)."""
+    """Best greedy plan over a grid of segment budgets (least recomputation that fits ``budget_bytes``).
+    The candidates do not depend on ``budget_bytes``: they are made and simulated once per graph."""
+    return best_of(memoized(graph, "chen_greedy.candidates", lambda: _greedy_candidates(graph)), budget_bytes)
+
+
+def _greedy_candidates(graph: CostGraph) -> list[Solution]:
+    """Chen's greedy plan for each segment budget of the grid, one per distinct set of cuts."""
     stored = [s + n.output_bytes for s, n in zip(graph.stored_bytes_per_node(), graph.nodes)]
     low, high = max(1, min((s for s in stored if s > 0), default=1)), max(2, sum(stored))
     tried: dict[tuple[int, ...], float] = {}
     for k in range(GREEDY_GRID_POINTS + 1):
         segment_budget = low * (high / low) ** (k / GREEDY_GRID_POINTS)
         tried.setdefault(tuple(greedy_cuts(graph, segment_budget)), segment_budget)
-    solutions = [_segments_solution("chen_greedy", graph, list(cuts),
-                                    f"{len(cuts)} checkpoints, segment budget {int(b)} B")
-                 for cuts, b in tried.items()]
-    return best_of(solutions, budget_bytes)
+    return [_segments_solution("chen_greedy", graph, list(cuts), f"{len(cuts)} checkpoints, segment budget {int(b)} B")
+            for cuts, b in tried.items()]
