@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .errors import (BudgetExceededWarning, GraphError, InfeasibleBudgetError, PlanFileError, PlanMismatchWarning, ProfileError,
+from .errors import (BudgetExceededWarning, CompilerFallbackWarning, GraphError, InfeasibleBudgetError, PlanFileError, PlanMismatchWarning, ProfileError,
                      RecomputeError, RewriteError, ScheduleError, SolverError, TraceError)
 from .graph import CostGraph, CostNode
 from .units import format_bytes, parse_bytes
@@ -23,6 +23,7 @@ _LAZY = {
     "verify": ("verification", "verify"),
     "VerifyReport": ("verification", "VerifyReport"),
     "RecomputedModule": ("optimized_module", "RecomputedModule"),
+    "CompiledRecomputedModule": ("compiled_module", "CompiledRecomputedModule"),
     "RecomputePlan": ("planner", "RecomputePlan"),
     "make_plan": ("planner", "make_plan"),
     "simulate": ("simulate", "simulate"),
@@ -40,7 +41,7 @@ _LAZY = {
 
 __all__ = ["CostGraph", "CostNode", "RecomputeError", "TraceError", "ProfileError", "GraphError",
            "SolverError", "InfeasibleBudgetError", "ScheduleError", "RewriteError", "PlanFileError",
-           "PlanMismatchWarning", "BudgetExceededWarning", "parse_bytes", "format_bytes", *_LAZY]
+           "PlanMismatchWarning", "BudgetExceededWarning", "CompilerFallbackWarning", "parse_bytes", "format_bytes", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

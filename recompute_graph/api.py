@@ -4,8 +4,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import warnings
-from typing import Any, Callable, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Sequence, Union
 
 import torch
 from torch import nn
@@ -14,11 +13,13 @@ from torch.utils._pytree import tree_map
 from .costs import profile_graph
 from .call_graphs import CallGraphs, profile_call, training_mode
 from .optimized_module import PreparedStep, RecomputedModule
-from .errors import PlanMismatchWarning
+
+if TYPE_CHECKING:
+    from .compiled_module import CompiledRecomputedModule
 from .graph import CostGraph
-from .planner import Budget, RecomputePlan, make_plan, parse_budget, replan_schedule
+from .planner import Budget, RecomputePlan, make_plan, parse_budget
 from .rewrite import ScheduleExecutor
-from .saved_plans import load_plan, mismatch_reason
+from .saved_plans import load_plan, reuse_plan
 from .solvers import get_solver
 
 __all__ = ["optimize", "plan_for"]
@@ -31,7 +32,7 @@ def optimize(model: nn.Module, budget: Budget, *, example_inputs: Sequence[Any] 
              plan: Union[str, "os.PathLike[str]", RecomputePlan, None] = None,
              autocast: "torch.dtype | None" = None, tracer: str = "auto",
              loss_fn: "Callable[[Any], torch.Tensor] | None" = None, cost_graph: CostGraph | None = None,
-             **options: Any) -> RecomputedModule:
+             compiler: "bool | str" = False, **options: Any) -> "RecomputedModule | CompiledRecomputedModule":
     """Return a module that trains like ``model`` with its step's peak memory within ``budget``.
 
     ``budget``: bytes (int), a size string (``"1.5GiB"``, ``"800MB"``) or a float in (0, 1] = that fraction
@@ -64,6 +65,19 @@ def optimize(model: nn.Module, budget: Budget, *, example_inputs: Sequence[Any] 
     tracing cannot; ``"auto"`` (default) uses fx, and export when fx cannot trace the root module or had
     to keep a submodule opaque (falling back to the fx graph if export fails too).
 
+    ``compiler``: ``False`` (default) runs the plan with the schedule executor over the traced graph
+    (``rewrite.py``). ``True`` takes the compiler path (``compiled_module.py``): ``torch.compile`` with
+    our budgeted partitioner, which plans the functional joint forward+backward graph and generates a
+    forward and a backward graph with the recompute nodes; it returns a ``CompiledRecomputedModule``
+    (``.recompute_plan``, ``.backward_code``) and raises ``CaptureError`` when the model cannot be
+    captured as one graph. ``"auto"``: the compiler path, and the executor, after a
+    ``CompilerFallbackWarning`` that says why, when it fails (capture, or planning the example call).
+    A saved ``plan`` must come from the same path (``plan_for(..., compiler=True)`` makes one on meta
+    tensors); with ``"auto"``, a plan of the executor's graph is not reused by the compiler (a
+    ``PlanMismatchWarning`` says so). ``cost_graph``, ``tracer`` and the profiling ``options`` belong to
+    the executor's graph: with ``compiler=True`` they raise ValueError, with ``"auto"`` they choose the
+    executor.
+
     Raises ValueError for a bad budget, solver or tracer name, TypeError for an unknown option, TraceError
     when the model cannot be traced and InfeasibleBudgetError (with ``min_budget_bytes``) when nothing
     fits. The user's model is never modified: the returned module shares its parameters and buffers.
@@ -75,6 +89,19 @@ def optimize(model: nn.Module, budget: Budget, *, example_inputs: Sequence[Any] 
     unknown = sorted(set(options) - set(PROFILE_OPTIONS))
     if unknown:
         raise TypeError(f"optimize() got unknown options {unknown}; accepted: {', '.join(PROFILE_OPTIONS)}")
+    if compiler not in (False, True, "auto"):
+        raise ValueError(f"compiler={compiler!r}: use False (the schedule executor), True (torch.compile with "
+                         "our partitioner) or 'auto' (the compiler, falling back to the executor)")
+    executor_only = {"cost_graph": cost_graph} if cost_graph is not None else {}
+    executor_only.update(options)
+    if tracer != "auto":
+        executor_only["tracer"] = tracer
+    if compiler is True and executor_only:
+        raise ValueError(f"optimize(..., compiler=True) does not take {', '.join(sorted(executor_only))}: "
+                         "they belong to the schedule executor's graph; drop them or use compiler=False")
+    if compiler and not executor_only:
+        return _optimize_compiled(model, budget, example_inputs, example_kwargs, solver, autocast, loss_fn,
+                                  fallback=compiler == "auto", saved_plan=saved)
     graphs = CallGraphs(model, tracer)
 
     def prepare(args: tuple, kwargs: dict) -> PreparedStep:
@@ -84,7 +111,7 @@ def optimize(model: nn.Module, budget: Budget, *, example_inputs: Sequence[Any] 
             with contextlib.nullcontext() if call.exported else training_mode(call.trace.graph_module):
                 graph = profile_graph(call.trace, call.inputs_of(args, kwargs), name=type(model).__name__,
                                       loss_fn=loss_fn, output_of=call.output_of, **options)
-        chosen = _reuse(saved, graph, budget) if saved is not None else None
+        chosen = reuse_plan(saved, graph, budget, stacklevel=4) if saved is not None else None
         if chosen is None:
             chosen = make_plan(graph, budget, solver)
         executor = ScheduleExecutor(call.trace.graph_module, graph, chosen.schedule)
@@ -98,6 +125,27 @@ def optimize(model: nn.Module, budget: Budget, *, example_inputs: Sequence[Any] 
     return optimized
 
 
+def _optimize_compiled(model: nn.Module, budget: Budget, example_inputs: Sequence[Any] | None,
+                       example_kwargs: dict[str, Any] | None, solver: str, autocast: "torch.dtype | None",
+                       loss_fn: Any, fallback: bool, saved_plan: RecomputePlan | None = None
+                       ) -> "RecomputedModule | CompiledRecomputedModule":
+    """``optimize``'s compiler path, planned on the example call when there is one; with ``fallback``,
+    the executor's module when the compiler path fails (``CompiledRecomputedModule``'s ``fallback``)."""
+    from .compiled_module import CompiledRecomputedModule
+
+    def executor() -> RecomputedModule:
+        return optimize(model, budget, solver=solver, autocast=autocast, loss_fn=loss_fn, plan=saved_plan)
+    compiled = CompiledRecomputedModule(model, budget, solver=solver, loss_fn=loss_fn,
+                                        fallback=executor if fallback else None, saved_plan=saved_plan)
+    if example_inputs is not None or example_kwargs is not None:
+        args, kwargs = tuple(example_inputs or ()), dict(example_kwargs or {})
+        with _autocast_for(autocast, [*args, *kwargs.values()]):
+            compiled.plan(*args, **kwargs)
+        if compiled.delegate is not None:
+            return compiled.delegate
+    return compiled
+
+
 def _autocast_for(dtype: "torch.dtype | None", inputs: Sequence[Any]) -> Any:
     """``torch.autocast`` on the inputs' device type with ``dtype``, or nothing when ``dtype`` is None."""
     if dtype is None:
@@ -108,7 +156,7 @@ def _autocast_for(dtype: "torch.dtype | None", inputs: Sequence[Any]) -> Any:
 
 def plan_for(build: "Callable[[], tuple[nn.Module, Any]]", budget: Budget, *, solver: str = "auto",
              device_profile: str = "cpu", progress: bool = False, tracer: str = "auto",
-             loss_fn: "Callable[[Any], torch.Tensor] | None" = None) -> RecomputePlan:
+             loss_fn: "Callable[[Any], torch.Tensor] | None" = None, compiler: bool = False) -> RecomputePlan:
     """Plan a model without the device and without its weights: ``build()`` runs under
     ``torch.device("meta")`` and returns ``(model, example_inputs)``, where ``example_inputs`` is a
     sequence of positional inputs or a dict of keyword arguments (``{"input_ids": ..., "labels": ...}``
@@ -117,6 +165,9 @@ def plan_for(build: "Callable[[], tuple[nn.Module, Any]]", budget: Budget, *, so
     planned at ``budget``. Save the plan (``plan.save(path)``) and apply it to the real model later with
     ``optimize(model, budget, example_inputs=..., plan=path)``: the graph of the real model has the same
     structure fingerprint, so the plan is reused as is. ``tracer`` and ``loss_fn`` as in ``optimize()``.
+    ``compiler=True`` plans the compiler path's joint graph instead (captured by ``torch.compile`` on the
+    meta tensors, without kernel workspace, which is priced when the plan is applied): reuse it with
+    ``optimize(model, budget, example_inputs=..., compiler=True, plan=path)``.
     """
     with torch.device("meta"):
         model, inputs = build()
@@ -128,21 +179,11 @@ def plan_for(build: "Callable[[], tuple[nn.Module, Any]]", budget: Budget, *, so
         return moved[id(value)] if isinstance(value, torch.Tensor) else value
     to_meta = functools.partial(tree_map, meta_tensor)
     args, kwargs = ((), to_meta(dict(inputs))) if isinstance(inputs, dict) else (to_meta(tuple(inputs)), {})
+    if compiler:
+        from .compiled_module import CompiledRecomputedModule
+        parse_budget(budget)
+        return CompiledRecomputedModule(model.train(), budget, solver=solver, loss_fn=loss_fn,
+                                        device_profile=device_profile).plan(*args, **kwargs)
     _, graph = profile_call(model, args, kwargs, tracer=tracer, name=type(model).__name__, timing="flops",
                             device_profile=device_profile, progress=progress, loss_fn=loss_fn)
     return make_plan(graph, budget, solver)
-
-
-def _reuse(saved: RecomputePlan, graph: CostGraph, budget: Budget) -> RecomputePlan | None:
-    """``saved`` re-priced on ``graph`` when it is the same structure and fits ``budget``; else None after
-    a PlanMismatchWarning that says why."""
-    reason = mismatch_reason(saved.graph, graph)
-    if reason is None:
-        reused = replan_schedule(saved, graph, budget)
-        needed = reused.min_budget_bytes
-        if needed <= reused.budget_bytes:
-            return reused
-        reason = (f"its predicted peak {reused.predicted_peak_bytes} bytes needs a budget of {needed} bytes, "
-                  f"over the {reused.budget_bytes} asked for")
-    warnings.warn(f"saved plan not reused: {reason}; making a new plan", PlanMismatchWarning, stacklevel=4)
-    return None

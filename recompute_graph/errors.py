@@ -60,6 +60,12 @@ class BudgetExceededWarning(UserWarning):
     with is not the one planned for: pass it to ``optimize(..., loss_fn=...)``; ``rg.verify`` says more."""
 
 
+class CompilerFallbackWarning(UserWarning):
+    """``optimize(..., compiler="auto")`` could not take the compiler path for this model (the message
+    says why: a graph ``torch.compile`` cannot capture, an op the lowering does not handle) and plans it
+    with the schedule executor instead."""
+
+
 class ScheduleError(RecomputeError, ValueError):
     """A schedule cannot run: a value used before it exists, a backward before its inputs, ..."""
 

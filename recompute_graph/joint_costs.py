@@ -398,6 +398,19 @@ def _kernel_workspace_bytes(joint: fx.GraphModule, joint_inputs: Sequence[Any]) 
     return workspace
 
 
+def _kernel_peak_bytes(node: fx.Node, workspace: dict[str, int], returned: list[fx.Node]) -> int:
+    """A backward node's kernel temporaries (``kernel_workspace_bytes``, net of all its outputs) and,
+    when it has any, the parameter gradients it returns: the simulator adds a unit's parameter gradients
+    after its backward's peak, but a kernel that makes both (a convolution's backward) holds the weight's
+    gradient beside its temporaries (the small ResNet-18 compiled: 297 KB of temporaries with a 37 KB
+    weight gradient, 0.91 of the allocator's peak before)."""
+    temporaries = workspace.get(node.name, 0)
+    if not temporaries:
+        return 0
+    made = {g for g in returned if g is node or (g.target is operator.getitem and g.args[0] is node)}
+    return temporaries + sum(_value_bytes(g) for g in made)
+
+
 def _materialize(value: Any) -> Any:
     if not isinstance(value, torch.Tensor):
         return value
@@ -552,7 +565,7 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
                                                                  default=0),
             backward_aliases_grad=_passes_gradient_on(backward_nodes),
             backward_workspace_bytes=sum(backward_made.values()) + max(
-                (workspace.get(b.name, 0) for b in backward_nodes), default=0),
+                (_kernel_peak_bytes(b, workspace, returned) for b in backward_nodes), default=0),
             param_grad_bytes=sum(_value_bytes(g) for g in returned),
             forward_cost=sum(profile.seconds(flops[n], _moved_bytes(n)) for n in members),
             backward_cost=sum(profile.seconds(flops[b], _moved_bytes(b)) for b in backward_nodes),

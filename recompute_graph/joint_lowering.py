@@ -346,18 +346,25 @@ def _outputs(graph_module: fx.GraphModule) -> list[fx.Node]:
 
 def plan_and_lower(joint: fx.GraphModule, budget: Any, *, num_fwd_outputs: int, solver: str = "auto",
                    name: str = "compiled", schedule_pass: SchedulePass | None = None,
-                   joint_inputs: Any = None, loss_fn: Any = None, on_infeasible: str = "raise") -> Lowered:
+                   joint_inputs: Any = None, loss_fn: Any = None, on_infeasible: str = "raise",
+                   saved_plan: Any = None, device_profile: Any = "cpu") -> Lowered:
     """Price ``joint``, plan it at ``budget`` (``planner.make_plan``) and lower the plan, after
-    ``schedule_pass(graph, schedule)`` when given (a hook to lower other valid schedules)."""
+    ``schedule_pass(graph, schedule)`` when given (a hook to lower other valid schedules).
+    ``saved_plan``: a ``RecomputePlan`` to reuse instead of solving when its cost graph has the joint
+    cost graph's structure and fits the budget (``saved_plans.reuse_plan``; a ``PlanMismatchWarning``
+    says why not otherwise). ``device_profile``: what times FLOPs (``costs.DEVICE_PROFILES``)."""
     from torch._functorch.partitioners import _extract_fwd_bwd_modules
 
     from .planner import make_plan
+    from .saved_plans import reuse_plan
     units = joint_units(joint, num_fwd_outputs)
     workspace = kernel_workspace_bytes(joint, joint_inputs) if joint_inputs is not None else {}
     loss_bytes = outputs_loss_bytes(joint, units, loss_fn) if loss_fn is not None else None
-    graph = joint_cost_graph(joint, units, name, workspace=workspace, loss_bytes=loss_bytes)
+    graph = joint_cost_graph(joint, units, name, workspace=workspace, loss_bytes=loss_bytes,
+                             device_profile=device_profile)
     try:
-        plan = make_plan(graph, budget, solver)
+        plan = reuse_plan(saved_plan, graph, budget) if saved_plan is not None else None
+        plan = plan or make_plan(graph, budget, solver)
     except InfeasibleBudgetError as error:
         if on_infeasible != "floor":
             raise
@@ -377,7 +384,9 @@ def plan_and_lower(joint: fx.GraphModule, budget: Any, *, num_fwd_outputs: int, 
 
 def budget_backend(budget: Any, solver: str = "auto", schedule_pass: SchedulePass | None = None,
                    price_kernels: bool = True, loss_fn: Any = None, on_infeasible: str = "raise",
-                   graph_compiler: Callable[..., Any] = boxed_interpreter) -> Callable[..., Any]:
+                   graph_compiler: Callable[..., Any] = boxed_interpreter,
+                   on_lowered: Callable[[Lowered], None] | None = None, saved_plan: Any = None,
+                   device_profile: Any = "cpu") -> Callable[..., Any]:
     """``torch.compile(model, backend=budget_backend("6GiB"))``: AOTAutograd whose partitioner plans
     the joint graph with our solvers at ``budget`` (bytes, a size string, or a fraction of store-all)
     and lowers the plan (:func:`plan_and_lower`); the graphs run as they are
@@ -390,7 +399,9 @@ def budget_backend(budget: Any, solver: str = "auto", schedule_pass: SchedulePas
     ``on_infeasible``: ``"raise"`` (``InfeasibleBudgetError``, with the smallest feasible budget) or
     ``"floor"``: plan that graph at its smallest feasible budget, with an ``InfeasibleBudgetWarning``.
     ``graph_compiler``: what runs the generated graphs (AOTAutograd's boxed convention; the node-marking
-    interpreter of ``joint_timeline`` measures them node by node).
+    interpreter of ``joint_timeline`` measures them node by node). ``on_lowered(lowered)``: called with
+    each graph's :class:`Lowered` (``optimize(..., compiler=True)`` keeps its module's own).
+    ``saved_plan`` and ``device_profile``: as in :func:`plan_and_lower`.
     A model ``torch.compile`` splits into several graphs (graph breaks) is planned graph by graph, each
     at ``budget`` (a fraction: of that graph's own store-all step)."""
     if on_infeasible not in ("raise", "floor"):
@@ -404,7 +415,10 @@ def budget_backend(budget: Any, solver: str = "auto", schedule_pass: SchedulePas
         lowered = plan_and_lower(joint, budget, num_fwd_outputs=num_fwd_outputs, solver=solver,
                                  schedule_pass=schedule_pass,
                                  joint_inputs=joint_inputs if price_kernels else None,
-                                 loss_fn=loss_fn if price_kernels else None, on_infeasible=on_infeasible)
+                                 loss_fn=loss_fn if price_kernels else None, on_infeasible=on_infeasible,
+                                 saved_plan=saved_plan, device_profile=device_profile)
+        if on_lowered is not None:
+            on_lowered(lowered)
         return lowered.forward_graph, lowered.backward_graph
 
     return aot_autograd(fw_compiler=graph_compiler, bw_compiler=graph_compiler, partition_fn=partition)

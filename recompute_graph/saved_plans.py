@@ -26,7 +26,7 @@ from .units import format_bytes
 if TYPE_CHECKING:  # pragma: no cover
     from .planner import RecomputePlan
 
-__all__ = ["PLAN_FORMAT", "structure_fingerprint", "mismatch_reason", "plan_to_dict", "plan_from_dict",
+__all__ = ["PLAN_FORMAT", "structure_fingerprint", "mismatch_reason", "reuse_plan", "plan_to_dict", "plan_from_dict",
            "save_plan", "load_plan"]
 
 PLAN_FORMAT = "recompute_graph.RecomputePlan/1"
@@ -45,6 +45,26 @@ def _structure(graph: CostGraph) -> dict[str, Any]:
         "graph": {k: v for k, v in data.items() if k not in _GRAPH_FIELDS_IGNORED},
         "nodes": [{k: v for k, v in node.items() if k not in _TIME_FIELDS} for node in data["nodes"]],
     }
+
+
+def reuse_plan(saved: "RecomputePlan", graph: CostGraph, budget: Any, stacklevel: int = 3) -> "RecomputePlan | None":
+    """``saved`` re-priced on ``graph`` when it is the same structure and fits ``budget``; else None after
+    a ``PlanMismatchWarning`` that says why (the caller then makes a new plan)."""
+    import warnings
+
+    from .errors import PlanMismatchWarning
+    from .planner import replan_schedule
+    reason = mismatch_reason(saved.graph, graph)
+    if reason is None:
+        reused = replan_schedule(saved, graph, budget)
+        needed = reused.min_budget_bytes
+        if needed <= reused.budget_bytes:
+            return reused
+        reason = (f"its predicted peak {reused.predicted_peak_bytes} bytes needs a budget of {needed} bytes, "
+                  f"over the {reused.budget_bytes} asked for")
+    warnings.warn(f"saved plan not reused: {reason}; making a new plan", PlanMismatchWarning,
+                  stacklevel=stacklevel + 1)
+    return None
 
 
 def structure_fingerprint(graph: CostGraph) -> str:

@@ -1,0 +1,185 @@
+"""The module ``optimize(model, budget, compiler=True)`` returns: the compiler path behind one call.
+
+:class:`CompiledRecomputedModule` shares the original's submodules, parameters and buffers (same
+objects, same ``state_dict`` keys), like the executor's ``RecomputedModule``. In training mode with grad
+enabled it runs ``torch.compile(model, backend=budget_backend(budget, ...), fullgraph=True,
+dynamic=False)``: Dynamo captures the call, AOTAutograd traces the functional joint forward+backward
+graph, our partitioner prices it, plans it at the budget with the planner's solvers and lowers the plan
+into a forward graph that returns the kept values and a backward graph with the recompute nodes
+written out where they run (``joint_lowering``). In ``eval()`` or under ``torch.no_grad()`` it runs the
+original's plain forward.
+
+Planning happens on the first training call of each input signature (shapes, dtypes, call structure,
+autocast setting; ``dynamic=False``, so a new shape is compiled and planned again), or at once on
+example inputs (:meth:`CompiledRecomputedModule.plan`). Either way the first call of a signature is
+first run as a trial forward whose effects are undone (BatchNorm buffers put back, random generators
+restored, the output dropped): a budget that cannot be met raises ``InfeasibleBudgetError`` and a model
+that cannot be captured whole raises ``CaptureError`` naming why, with the model as it was; with a
+``fallback`` (``optimize(..., compiler="auto")``) the module warns (``CompilerFallbackWarning``) and
+hands every later call to the module ``fallback()`` builds, the schedule executor's.
+
+Invariants: gradients, BatchNorm statistics and dropout masks are those of eager autograd (the
+lowering replays recomputed dropouts from RNG snapshots and recomputes BatchNorm without touching its
+running statistics); a step's predicted peak is ``recompute_plan.predicted_step_peak_bytes``, bytes.
+"""
+from __future__ import annotations
+
+import inspect
+import warnings
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch._dynamo.exc import TorchDynamoException
+from torch.utils._pytree import tree_flatten
+
+from .errors import CompilerFallbackWarning, InfeasibleBudgetError, RecomputeError
+from .joint_capture import CaptureError
+from .joint_lowering import Lowered, budget_backend
+from .optimized_module import _signature_key
+
+__all__ = ["CompiledRecomputedModule"]
+
+
+class CompiledRecomputedModule(nn.Module):
+    """Wraps a model and trains it through ``torch.compile`` with our budgeted partitioner.
+
+    ``saved_plan``: a ``RecomputePlan`` (``plan.save(path)`` of an earlier one, or ``plan_for(...,
+    compiler=True)`` made on meta tensors) reused instead of solving when the joint cost graph has its
+    structure (``saved_plans.reuse_plan``); ``device_profile``: what times FLOPs in the cost graph.
+
+    ``recompute_plan``: the :class:`~recompute_graph.planner.RecomputePlan` of the last signature
+    planned (None before the first); ``lowerings``: every :class:`~recompute_graph.joint_lowering.Lowered`
+    made for this module, oldest first; ``backward_code``: the generated backward of the last one, each
+    recompute node a forward op on the line before its use.
+    """
+
+    def __init__(self, model: nn.Module, budget: Any, *, solver: str = "auto",
+                 loss_fn: "Callable[[Any], torch.Tensor] | None" = None, on_infeasible: str = "raise",
+                 fallback: "Callable[[], nn.Module] | None" = None, saved_plan: Any = None,
+                 device_profile: Any = "cpu") -> None:
+        super().__init__()
+        for name, child in model._modules.items():
+            self._modules[name] = child
+        for name, parameter in model._parameters.items():
+            self._parameters[name] = parameter
+        for name, buffer in model._buffers.items():
+            self._buffers[name] = buffer
+        self._non_persistent_buffers_set = set(model._non_persistent_buffers_set)
+        self.training = model.training
+        lowerings: list[Lowered] = []
+        backend = budget_backend(budget, solver=solver, loss_fn=loss_fn, on_infeasible=on_infeasible,
+                                 on_lowered=lowerings.append, saved_plan=saved_plan, device_profile=device_profile)
+        object.__setattr__(self, "_original", model)
+        object.__setattr__(self, "_original_class", type(model).__name__)
+        object.__setattr__(self, "_signature", inspect.signature(model.forward))
+        object.__setattr__(self, "_compiled", torch.compile(model, backend=backend, fullgraph=True, dynamic=False))
+        object.__setattr__(self, "_lowerings", lowerings)
+        object.__setattr__(self, "_planned", {})  # signature key -> the plan made for it
+        object.__setattr__(self, "_fallback", fallback)
+        object.__setattr__(self, "delegate", None)  # the fallback module, once the compiler path failed
+
+    @property
+    def lowerings(self) -> tuple[Lowered, ...]:
+        return tuple(self._lowerings)
+
+    @property
+    def recompute_plan(self) -> Any:
+        if self.delegate is not None:
+            return self.delegate.recompute_plan
+        return self._lowerings[-1].plan if self._lowerings else None
+
+    @property
+    def backward_code(self) -> str:
+        """The generated backward of the last graph planned, as Python ("" before the first)."""
+        return self._lowerings[-1].backward_code if self._lowerings else ""
+
+    def train(self, mode: bool = True) -> "CompiledRecomputedModule":
+        """Set training mode here, in the shared submodules and on the original root module."""
+        super().train(mode)
+        self._original.training = mode
+        return self
+
+    def _check_call(self, args: tuple, kwargs: dict) -> None:
+        try:
+            self._signature.bind(*args, **kwargs)
+        except TypeError as error:
+            raise TypeError(f"{self._original_class}.forward: {error}") from None
+
+    def plan(self, *args: Any, **kwargs: Any) -> Any:
+        """Plan for training calls like this one now (compiling the model for them) and return the
+        plan; the call's effects are undone (see the module docstring)."""
+        self._check_call(args, kwargs)
+        if self.delegate is not None:
+            return self.delegate.plan(*args, **kwargs)
+        key = _signature_key(args, kwargs)
+        if key not in self._planned:
+            try:
+                self._trial(args, kwargs)
+            except InfeasibleBudgetError:
+                raise
+            except RecomputeError as error:
+                if self._fallback is None:
+                    raise
+                warnings.warn(f"{self._original_class}: the compiler path failed ({error}); planning with the "
+                              "schedule executor instead", CompilerFallbackWarning, stacklevel=3)
+                object.__setattr__(self, "delegate", self._fallback())
+                return self.delegate.plan(*args, **kwargs)
+            self._planned[key] = self.recompute_plan
+        return self._planned[key]
+
+    def _trial(self, args: tuple, kwargs: dict) -> None:
+        """One compiled forward in training mode with grad, undone: buffers copied back, generators
+        restored, output dropped. Errors of the compiler come out as the library's own."""
+        buffers = [(b, b.detach().clone()) for b in self._original.buffers()]
+        devices = sorted({t.device.index or 0 for t in tree_flatten((args, kwargs))[0]
+                          if isinstance(t, torch.Tensor) and t.is_cuda})
+        was_training = self.training
+        self.train(True)
+        try:
+            with torch.random.fork_rng(devices=devices), torch.enable_grad():
+                self._compiled(*args, **kwargs)
+        except TorchDynamoException as error:
+            raise _library_error(error, self._original_class) from error
+        finally:
+            with torch.no_grad():
+                for buffer, saved in buffers:
+                    buffer.copy_(saved)
+            self.train(was_training)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_call(args, kwargs)
+        needs_grad = torch.is_grad_enabled() and (
+            any(p.requires_grad for p in self.parameters())
+            or any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten((args, kwargs))[0]))
+        if not (self.training and needs_grad):
+            return self._original(*args, **kwargs)
+        self.plan(*args, **kwargs)
+        if self.delegate is not None:
+            return self.delegate(*args, **kwargs)
+        try:
+            return self._compiled(*args, **kwargs)
+        except TorchDynamoException as error:  # a recompilation (a guard Dynamo added) planned again
+            raise _library_error(error, self._original_class) from error
+
+    def extra_repr(self) -> str:
+        if self.delegate is not None:
+            return f"{self._original_class}, the compiler path failed: {self.delegate.extra_repr()}"
+        plan = self.recompute_plan
+        return (f"{self._original_class}, compiled, plan: "
+                f"{plan.one_line() if plan is not None else 'on first training call'}")
+
+
+def _library_error(error: Exception, model_name: str) -> Exception:
+    """The library's error inside Dynamo's wrapper (``InfeasibleBudgetError`` ...), or a
+    ``CaptureError`` saying why the model could not be captured whole."""
+    inner = getattr(error, "inner_exception", None)
+    for candidate in (inner, error):
+        if isinstance(candidate, RecomputeError):
+            return candidate
+    cause = inner if inner is not None else error
+    lines = [line for line in str(cause).strip().splitlines() if line.strip()]
+    return CaptureError(
+        f"{model_name} could not be compiled and planned as one graph ({type(cause).__name__}: "
+        f"{(lines[0] if lines else '')[:300]}). Use optimize(..., compiler=False) for the schedule "
+        "executor, or compiler='auto' to fall back to it with a warning.")

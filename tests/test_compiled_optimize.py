@@ -1,0 +1,170 @@
+"""``optimize(model, budget, compiler=...)``: the compiler path (torch.compile with our budgeted
+partitioner) behind the one call users make, checked against eager autograd on the zoo and on model
+code nobody here wrote, with its errors and its fallback to the schedule executor."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import models_zoo
+import recompute_graph as rg
+from recompute_graph.measure import allocator_peak_memory, default_loss
+
+
+def _step(module, inputs, kwargs=None):
+    module.zero_grad(set_to_none=True)
+    torch.manual_seed(0)
+    default_loss(module(*inputs, **(kwargs or {}))).backward()
+
+
+def _gradient_error(model, reference):
+    return max(((p.grad - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-12)).item()
+               for p, q in zip(model.parameters(), reference.parameters()) if q.grad is not None)
+
+
+def _buffers_equal(model, reference):
+    return all(torch.equal(a, b) for a, b in zip(model.buffers(), reference.buffers()))
+
+
+@pytest.mark.parametrize("name, fraction", [("resnet18", 0.9), ("gpt2", 0.8)])  # BatchNorm; dropout
+def test_the_compiler_path_trains_exactly_and_planning_leaves_the_model_as_it_was(name, fraction):
+    torch._dynamo.reset()
+    model, inputs = models_zoo.get_model(name, "tiny")
+    reference = copy.deepcopy(model)
+    generator_state = torch.get_rng_state()
+    optimized = rg.optimize(model, fraction, example_inputs=inputs, compiler=True)
+    assert isinstance(optimized, rg.CompiledRecomputedModule)
+    assert torch.equal(torch.get_rng_state(), generator_state)  # the planning call's dropout drew nothing
+    assert _buffers_equal(model, reference) and all(p.grad is None for p in model.parameters())
+    plan = optimized.recompute_plan
+    assert plan is not None and plan.recomputed_nodes and "compiled, plan:" in repr(optimized)
+    assert len(optimized.lowerings) == 1 and "def forward" in optimized.backward_code
+    for _ in range(2):  # two steps: BatchNorm statistics updated once per step, the same dropout masks
+        _step(reference, inputs)
+        _step(optimized, inputs)
+        assert _gradient_error(model, reference) == 0.0 and _buffers_equal(model, reference)
+    assert len(optimized.lowerings) == 1  # planned once, on the example call
+    measured = allocator_peak_memory(lambda: _step(optimized, inputs))
+    assert measured <= plan.budget_bytes
+    assert measured * 0.9 <= plan.predicted_step_peak_bytes <= measured * 1.2
+    assert optimized.state_dict().keys() == model.state_dict().keys()
+
+
+def test_eval_and_no_grad_run_the_plain_forward_and_an_unplanned_module_plans_on_its_first_training_call():
+    torch._dynamo.reset()
+    model, inputs = models_zoo.get_model("mlp", "tiny")
+    optimized = rg.optimize(model, 0.9, compiler=True)
+    assert optimized.recompute_plan is None and "on first training call" in repr(optimized)
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(*inputs), model(*inputs), rtol=0, atol=0)
+    optimized.eval()
+    assert not model.training
+    optimized(*inputs)
+    assert optimized.recompute_plan is None  # neither compiled nor planned
+    optimized.train()
+    reference = copy.deepcopy(model)
+    _step(reference, inputs)
+    _step(optimized, inputs)
+    assert optimized.recompute_plan is not None and _gradient_error(model, reference) == 0.0
+
+
+def test_an_infeasible_budget_raises_the_typed_error_and_changes_nothing():
+    torch._dynamo.reset()
+    model, inputs = models_zoo.get_model("resnet18", "tiny")
+    reference = copy.deepcopy(model)
+    with pytest.raises(rg.InfeasibleBudgetError) as caught:
+        rg.optimize(model, 0.05, example_inputs=inputs, compiler=True)
+    assert caught.value.min_budget_bytes > caught.value.budget_bytes
+    assert _buffers_equal(model, reference)
+    optimized = rg.optimize(model, caught.value.min_budget_bytes, example_inputs=inputs, compiler=True)
+    assert optimized.recompute_plan.min_budget_bytes <= caught.value.min_budget_bytes
+
+
+def test_bad_compiler_arguments_are_refused_before_any_work():
+    model, inputs = models_zoo.get_model("mlp", "tiny")
+    with pytest.raises(ValueError, match="compiler="):
+        rg.optimize(model, 0.5, compiler="inductor")
+    with pytest.raises(ValueError, match="does not take cost_graph"):
+        rg.optimize(model, 0.5, example_inputs=inputs, compiler=True,
+                    cost_graph=rg.optimize(model, 1.0, example_inputs=inputs).recompute_plan.graph)
+    with pytest.raises(ValueError, match="timing"):
+        rg.optimize(model, 0.5, compiler=True, timing="flops")
+
+
+class _BreaksTheGraph(nn.Module):
+    """Code Dynamo will not put in a graph (here an explicit graph break; in the wild, a call into a C
+    extension or a print): torch.compile cannot capture the step as one graph, torch.fx can."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 64), nn.Linear(64, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        torch._dynamo.graph_break()
+        return self.b(torch.tanh(h))
+
+
+def test_a_model_that_cannot_be_captured_whole_is_refused_or_falls_back_with_a_warning_that_says_why():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, x = _BreaksTheGraph(), torch.randn(32, 16)
+    with pytest.raises(rg.TraceError, match="could not be compiled"):
+        rg.optimize(model, 0.9, example_inputs=(x,), compiler=True)
+    with pytest.warns(rg.CompilerFallbackWarning, match="compiler path failed"):
+        optimized = rg.optimize(model, 0.9, example_inputs=(x,), compiler="auto")
+    assert isinstance(optimized, rg.RecomputedModule)
+    reference = copy.deepcopy(model)
+    _step(reference, (x,))
+    _step(optimized, (x,))
+    assert _gradient_error(model, reference) == 0.0
+    lazy = rg.optimize(model, 0.9, compiler="auto")  # no example: the fallback happens on the first call
+    with pytest.warns(rg.CompilerFallbackWarning):
+        _step(lazy, (x,))
+    assert lazy.delegate is not None and lazy.recompute_plan is lazy.delegate.recompute_plan
+    assert _gradient_error(model, reference) == 0.0
+
+
+def test_third_party_model_code_trains_exactly_through_optimize_on_the_compiler_path():
+    """timm's ViT: attention reads views of one qkv storage, shapes read in Python."""
+    from models_zoo import third_party
+    from models_zoo.conformance import call_of
+    if not third_party.available("timm_vit_tiny"):
+        pytest.skip("timm is not installed")
+    torch._dynamo.reset()
+    model, call = third_party.build("timm_vit_tiny")
+    args, kwargs = call_of(call)
+    reference = copy.deepcopy(model)
+    optimized = rg.optimize(model, 0.8, example_inputs=args or None, example_kwargs=kwargs or None,
+                            compiler=True)
+    _step(reference, args, kwargs)
+    _step(optimized, args, kwargs)
+    assert optimized.recompute_plan.recomputed_nodes
+    assert _gradient_error(model, reference) < 1e-5 and _buffers_equal(model, reference)
+
+
+def test_a_plan_made_on_meta_tensors_is_saved_and_reused_by_the_compiler_path(tmp_path):
+    """``plan_for(..., compiler=True)`` plans the joint graph without the weights or the device; the
+    real model's joint graph has the same structure, so the saved plan is reused, not solved again."""
+    import warnings
+    torch._dynamo.reset()
+    plan = rg.plan_for(lambda: models_zoo.get_model("gpt2", "tiny"), 0.8, compiler=True)
+    assert plan.recomputed_nodes
+    path = tmp_path / "gpt2_tiny.plan.json"
+    plan.save(str(path))
+    torch.manual_seed(0)
+    model, inputs = models_zoo.get_model("gpt2", "tiny")
+    reference = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", rg.PlanMismatchWarning)
+        optimized = rg.optimize(model, 0.8, example_inputs=inputs, compiler=True, plan=path)
+    assert optimized.recompute_plan.description.startswith("reused saved plan")
+    assert optimized.recompute_plan.schedule == plan.schedule
+    _step(reference, inputs)
+    _step(optimized, inputs)
+    assert _gradient_error(model, reference) == 0.0
+    torch._dynamo.reset()
+    shorter = (inputs[0][:, : inputs[0].shape[1] // 2],)  # another sequence length: another structure
+    with pytest.warns(rg.PlanMismatchWarning, match="saved plan not reused"):
+        rg.optimize(model, 0.8, example_inputs=shorter, compiler=True, plan=path)
