@@ -33,7 +33,7 @@ def _assert_same_gradients(results: dict) -> None:
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def _worker(rank: int, store_path: str, results_dir: str) -> None:
+def _worker(rank: int, store_path: str, results_dir: str, compiler: bool = False) -> None:
     import copy
 
     import models_zoo
@@ -47,7 +47,8 @@ def _worker(rank: int, store_path: str, results_dir: str) -> None:
         reference = copy.deepcopy(model)
         torch.manual_seed(100 + rank)  # different data on every rank
         batches = [torch.randn(2, 3, 32, 32) for _ in range(STEPS)]
-        optimized = optimize(model, 0.6, example_inputs=(batches[0],), timing="flops")
+        options = {"compiler": True} if compiler else {"timing": "flops"}
+        optimized = optimize(model, 0.6, example_inputs=(batches[0],), **options)
         assert optimized.recompute_plan.recomputed_nodes
         results = {}
         for name, module in (("reference", reference), ("optimized", optimized)):
@@ -59,8 +60,9 @@ def _worker(rank: int, store_path: str, results_dir: str) -> None:
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
-def test_ddp_gradients_of_the_optimized_module_equal_the_unoptimized_ddp_run(tmp_path):
-    mp.spawn(_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD_SIZE, join=True)
+@pytest.mark.parametrize("compiler", [False, True], ids=["executor", "compiler"])
+def test_ddp_gradients_of_the_optimized_module_equal_the_unoptimized_ddp_run(tmp_path, compiler):
+    mp.spawn(_worker, args=(str(tmp_path / "store"), str(tmp_path), compiler), nprocs=WORLD_SIZE, join=True)
     for rank in range(WORLD_SIZE):
         results = torch.load(tmp_path / f"rank{rank}.pt")
         _assert_same_gradients(results)
@@ -72,7 +74,7 @@ def test_ddp_gradients_of_the_optimized_module_equal_the_unoptimized_ddp_run(tmp
         torch.testing.assert_close(a, b)
 
 
-def _fsdp_worker(rank: int, store_path: str, results_dir: str) -> None:
+def _fsdp_worker(rank: int, store_path: str, results_dir: str, compiler: bool = False) -> None:
     import copy
 
     import models_zoo
@@ -86,7 +88,8 @@ def _fsdp_worker(rank: int, store_path: str, results_dir: str) -> None:
         reference = copy.deepcopy(model)
         torch.manual_seed(100 + rank)
         batches = [torch.randint(0, 97, (2, 32)) for _ in range(STEPS)]
-        optimized = optimize(model, 0.75, example_inputs=(batches[0],), timing="flops")
+        options = {"compiler": True} if compiler else {"timing": "flops"}
+        optimized = optimize(model, 0.75, example_inputs=(batches[0],), **options)
         assert optimized.recompute_plan.recomputed_nodes
         results = {}
         for name, module in (("reference", reference), ("optimized", optimized)):
@@ -98,7 +101,9 @@ def _fsdp_worker(rank: int, store_path: str, results_dir: str) -> None:
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
-def test_fsdp2_gradients_of_the_optimized_module_equal_the_unoptimized_fsdp2_run(tmp_path):
-    mp.spawn(_fsdp_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD_SIZE, join=True)
+@pytest.mark.parametrize("compiler", [False, True], ids=["executor", "compiler"])
+def test_fsdp2_gradients_of_the_optimized_module_equal_the_unoptimized_fsdp2_run(tmp_path, compiler):
+    mp.spawn(_fsdp_worker, args=(str(tmp_path / "store"), str(tmp_path), compiler), nprocs=WORLD_SIZE,
+             join=True)
     for rank in range(WORLD_SIZE):
         _assert_same_gradients(torch.load(tmp_path / f"fsdp{rank}.pt"))
