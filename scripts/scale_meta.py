@@ -3,6 +3,7 @@ meta tensors, planned by each solver; planning time and predicted peak.
 
     python scripts/scale_meta.py [--layers 12 24 36 48] [--width 1600] [--heads 25] [--seq-len 1024]
                                  [--batch 8] [--budget 0.5] [--solvers auto dp_approx chen_greedy chain_dp]
+                                 [--compiler]
 
 For each depth: pricing time (trace + meta pass, FLOP times for an H200), then per solver the plan at
 ``--budget`` (fraction of store-all) and the solver's lowest peak, with their times.
@@ -30,7 +31,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--budget", type=float, default=0.5)
     parser.add_argument("--solvers", nargs="*", default=["auto", "dp_approx", "chen_greedy", "chen_sqrt", "chain_dp"])
+    parser.add_argument("--compiler", action="store_true",
+                        help="plan the compiler path's joint graph instead: rg.plan_for(..., compiler=True), "
+                             "timed whole (capture by torch.compile on meta, pricing, the auto pool, lowering)")
     args = parser.parse_args()
+    if args.compiler:
+        return compiler_rows(args)
     print(f"| layers | parameters | nodes | pricing | solver | plan at {args.budget:.0%}: peak | overhead | time "
           "| lowest peak | time |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -54,6 +60,25 @@ def main() -> None:
             lowest = min_feasible_budget(graph, solver)
             print(f"| {layers} | {parameters / 1e9:.2f} B | {len(graph)} | {pricing:.1f} s | {solver} | {planned} | "
                   f"{format_bytes(lowest)} | {time.perf_counter() - start:.1f} s |", flush=True)
+
+
+def compiler_rows(args: argparse.Namespace) -> None:
+    """``rg.plan_for(..., compiler=True)`` per depth: the whole time and the plan."""
+    import recompute_graph as rg
+    print(f"| layers | joint units | plan_for(compiler=True) at {args.budget:.0%} | solver | predicted peak | "
+          "store-all | overhead |")
+    print("|---|---|---|---|---|---|---|")
+    for layers in args.layers:
+        torch._dynamo.reset()
+
+        def build(layers: int = layers) -> tuple:
+            return models_zoo.get_model("gpt2", "paper", layers=layers, width=args.width, heads=args.heads,
+                                        seq_len=args.seq_len, batch=args.batch)
+        start = time.perf_counter()
+        plan = rg.plan_for(build, args.budget, compiler=True, device_profile="h200")
+        print(f"| {layers} | {len(plan.graph)} | {time.perf_counter() - start:.1f} s | {plan.solver} | "
+              f"{format_bytes(plan.predicted_peak_bytes)} | {format_bytes(plan.store_all_peak_bytes)} | "
+              f"+{plan.predicted_compute_overhead:.1%} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,6 @@ sets ``↓v`` (plus ``∅`` and ``V``), ``O(n² · front)``.
 """
 from __future__ import annotations
 
-import bisect
 import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -249,8 +248,8 @@ class ExecutionModel:
         held = sum(g.nodes[o].grad_bytes for o in g.gradient_outputs)
         workspace = max((max(n.workspace_bytes, n.backward_workspace_bytes) for n in g.nodes), default=0)
         self.constant = held + workspace
-        self._members = (np.array([[s >> v & 1 for v in range(family.n)] for s in family.sets], dtype=bool)
-                         if in_flight == "segment" else None)
+        self._members = _membership(family) if in_flight == "segment" else None
+        self._arrays: tuple | None = None  # numpy views of the family for transitions_from
         self._grad_array = np.array(self.grad, dtype=np.float64)
         self._in_flight_from: tuple[int, np.ndarray] | None = None
 
@@ -259,10 +258,38 @@ class ExecutionModel:
         or of the whole graph (``"graph"``)."""
         if self.in_flight_bound == "graph":
             return 2.0 * float(self._grad_array.max(initial=0.0))
+        return float(self._in_flight_row(a)[b])
+
+    def transitions_from(self, a: int) -> list[tuple[float, int, float, float]]:
+        """``(peak, b, overhead, kept)`` of every step from lower set ``a`` to a strict superset ``b``, in
+        the order of ``b``: :meth:`transition` for all of them at once (numpy over the family; the
+        byte sums are of integers, exact in float64, so the values are :meth:`transition`'s)."""
+        f = self.family
+        if self._arrays is None:
+            members = self._members if self._members is not None else _membership(f)
+            boundary = np.array([[mask >> v & 1 for v in range(f.n)] for mask in f.boundary], dtype=bool)
+            self._arrays = (members, boundary, np.array(f.size), np.array(self.set_stored, dtype=np.float64),
+                            np.array(self.set_time, dtype=np.float64), np.array(self.kept_weight, dtype=np.float64))
+        members, boundary, size, set_stored, set_time, kept_weight = self._arrays
+        later = np.arange(a + 1, len(f.sets))
+        later = later[(size[later] > size[a]) & members[later][:, members[a]].all(axis=1)]
+        if not len(later):
+            return []
+        outside = ~members[a]
+        crossing = boundary[later] & outside
+        arrived = crossing @ self._grad_array
+        kept = crossing @ kept_weight
+        in_flight = (np.full(len(later), 2.0 * float(self._grad_array.max(initial=0.0)))
+                     if self.in_flight_bound == "graph" else self._in_flight_row(a)[later])
+        peak = (set_stored[later] - set_stored[a] + arrived + self.params_after[a] + self.constant + in_flight)
+        overhead = np.where(later == len(f.sets) - 1, 0.0, set_time[later] - set_time[a])
+        return list(zip(peak.tolist(), later.tolist(), overhead.tolist(), kept.tolist()))
+
+    def _in_flight_row(self, a: int) -> np.ndarray:
         if self._in_flight_from is None or self._in_flight_from[0] != a:
             segments = self._members & ~self._members[a]
             self._in_flight_from = (a, 2 * (segments * self._grad_array).max(axis=1, initial=0.0))
-        return float(self._in_flight_from[1][b])
+        return self._in_flight_from[1]
 
     def transition(self, a: int, b: int) -> tuple[float, float, float]:
         f = self.family
@@ -275,6 +302,11 @@ class ExecutionModel:
                 + self.in_flight(a, b))
         kept = sum(self.kept_weight[v] for v in boundary)
         return overhead, peak, kept
+
+
+def _membership(family: LowerSetFamily) -> np.ndarray:
+    """``[i, v]``: whether node ``v`` is in lower set ``i`` of ``family``."""
+    return np.array([[s >> v & 1 for v in range(family.n)] for s in family.sets], dtype=bool)
 
 
 def model_for(graph: CostGraph) -> Callable[[LowerSetFamily], PaperModel | ExecutionModel]:
@@ -300,11 +332,14 @@ def transitions(model: PaperModel | ExecutionModel) -> list[list[tuple[float, in
     f = model.family
     table = []
     for a, lower in enumerate(f.sets):
-        row = []
-        for b in range(a + 1, len(f.sets)):
-            if f.size[b] > f.size[a] and not lower & ~f.sets[b]:
-                overhead, peak, kept = model.transition(a, b)
-                row.append((peak, b, overhead, kept))
+        if isinstance(model, ExecutionModel):
+            row = model.transitions_from(a)
+        else:
+            row = []
+            for b in range(a + 1, len(f.sets)):
+                if f.size[b] > f.size[a] and not lower & ~f.sets[b]:
+                    overhead, peak, kept = model.transition(a, b)
+                    row.append((peak, b, overhead, kept))
         row.sort(key=lambda item: item[0])
         table.append(row)
     model._transitions = table
@@ -345,6 +380,7 @@ def run_dp(model: PaperModel | ExecutionModel, budget: float, variant: str = "ti
     if f.sets[0] != 0 or f.sets[-1] != (1 << f.n) - 1:
         raise SolverError("the lower-set family must contain ∅ and V")
     table = transitions(model)
+    rows = _transition_arrays(model)
     states = _States()
     incoming: list[list[tuple]] = [[] for _ in range(count)]
     front_start = np.zeros(count, dtype=np.int64)
@@ -358,16 +394,20 @@ def run_dp(model: PaperModel | ExecutionModel, budget: float, variant: str = "ti
         if front_size[a] == 0 or a == count - 1:
             continue
         first = front_start[a]
-        kept_list = states.columns[1][first:first + front_size[a]].tolist()
-        least = kept_list[0]
-        for peak, b, overhead, kept in table[a]:
-            if least + peak > budget:
-                break
-            # a state arriving at b with more checkpoint memory than b's cheapest next step allows is dead
-            room = budget - kept - (table[b][0][0] if b < count - 1 and table[b] else 0.0)
-            k = min(bisect.bisect_right(kept_list, budget - peak), bisect.bisect_right(kept_list, room))
-            if k:
-                incoming[b].append((a, k, overhead, kept, peak))
+        kept_front = states.columns[1][first:first + front_size[a]]
+        peaks, targets, kept, overheads, next_least = rows[a]
+        usable = int(np.searchsorted(peaks, budget - kept_front[0], side="right"))
+        if not usable:
+            continue
+        peaks, targets, kept, overheads = peaks[:usable], targets[:usable], kept[:usable], overheads[:usable]
+        # a state arriving at b with more checkpoint memory than b's cheapest next step allows is dead
+        room = budget - kept - next_least[:usable]
+        k = np.minimum(np.searchsorted(kept_front, budget - peaks, side="right"),
+                       np.searchsorted(kept_front, room, side="right"))
+        live = np.nonzero(k)[0]
+        for b, k_b, overhead, kept_b, peak in zip(targets[live].tolist(), k[live].tolist(), overheads[live].tolist(),
+                                                  kept[live].tolist(), peaks[live].tolist()):
+            incoming[b].append((a, k_b, overhead, kept_b, peak))
     last = count - 1
     if front_size[last] == 0:
         return None
@@ -434,20 +474,27 @@ def feasible(model: PaperModel | ExecutionModel, budget: float) -> bool:
     for a in range(count - 1):
         if least[a] == np.inf:
             continue
-        peaks, targets, kept = rows[a]
+        peaks, targets, kept = rows[a][:3]
         k = int(np.searchsorted(peaks, budget - least[a], side="right"))
         if k:
             np.minimum.at(least, targets[:k], least[a] + kept[:k])
     return bool(least[-1] < np.inf)
 
 
-def _transition_arrays(model: PaperModel | ExecutionModel) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """``transitions(model)`` as arrays per lower set: peaks (sorted), targets, kept bytes (cached)."""
+def _transition_arrays(model: PaperModel | ExecutionModel) -> list[tuple[np.ndarray, ...]]:
+    """``transitions(model)`` as arrays per lower set (cached): peaks (sorted), targets, kept bytes,
+    overheads, and each target's cheapest next step (its smallest transition peak; 0 for V)."""
     cached = getattr(model, "_transition_arrays", None)
     if cached is None:
-        cached = model._transition_arrays = [
-            (np.array([t[0] for t in row], dtype=float), np.array([t[1] for t in row], dtype=np.int64),
-             np.array([t[3] for t in row], dtype=float)) for row in transitions(model)]
+        table = transitions(model)
+        last = len(table) - 1
+        least_next = np.array([row[0][0] if b < last and row else 0.0 for b, row in enumerate(table)])
+        cached = model._transition_arrays = []
+        for row in table:
+            targets = np.array([t[1] for t in row], dtype=np.int64)
+            cached.append((np.array([t[0] for t in row], dtype=float), targets,
+                           np.array([t[3] for t in row], dtype=float), np.array([t[2] for t in row], dtype=float),
+                           least_next[targets]))
     return cached
 
 
