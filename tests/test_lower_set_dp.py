@@ -130,3 +130,19 @@ def test_a_large_gradient_at_the_head_does_not_weigh_on_every_segment():
     chen = run_solver("chen_greedy", graph, None).peak_bytes
     for name in ("dp_exact", "dp_approx"):
         assert run_solver(name, graph, None).peak_bytes <= chen
+
+
+@settings(max_examples=40, deadline=None)
+@given(cost_graphs(max_nodes=9), st.sampled_from(["segment", "graph"]), st.booleans())
+def test_the_execution_models_vectorized_transitions_are_its_pairwise_ones(graph, in_flight, exact):
+    """``ExecutionModel.transitions_from(a)`` (numpy over the family, what the DP's table is built
+    from) gives :meth:`transition`'s values for every strict superset, and no other target."""
+    family = enumerate_lower_sets(graph) if exact else principal_lower_sets(graph)
+    model = ExecutionModel(family, in_flight)
+    for a, lower in enumerate(family.sets):
+        expected = []
+        for b in range(a + 1, len(family.sets)):
+            if family.size[b] > family.size[a] and not lower & ~family.sets[b]:
+                overhead, peak, kept = model.transition(a, b)
+                expected.append((peak, b, overhead, kept))
+        assert model.transitions_from(a) == expected
