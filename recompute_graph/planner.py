@@ -24,7 +24,8 @@ from .units import format_bytes, parse_bytes
 
 __all__ = ["Budget", "parse_budget", "RecomputePlan", "make_plan", "AUTO_SOLVERS", "auto_solvers",
            "min_feasible_budget", "replan_schedule", "loss_allowance_bytes", "usable_bytes_of",
-           "planning_margin", "step_peak_bytes", "min_budget_for_step", "candidate_pool", "POOL_FRACTIONS"]
+           "planning_margin", "step_peak_bytes", "min_budget_for_step", "candidate_pool", "POOL_FRACTIONS",
+           "POOL_FRACTIONS_LARGE", "LARGE_GRAPH_NODES"]
 
 Budget = Union[int, float, str]
 #: A plan of a traced model fits a budget when its predicted peak times (1 + PLANNING_MARGIN), plus the
@@ -40,6 +41,10 @@ AUTO_SOLVERS = ("store_all", "chen_greedy", "chen_sqrt")
 #: solvers at these fractions of the store-all budget, and at its lowest peak. A budget on the grid
 #: gets every plan a solver makes for it; one between grid points, the plans of the points below it.
 POOL_FRACTIONS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)
+#: The grid for graphs of more than ``LARGE_GRAPH_NODES`` nodes, where one lower-set DP run takes seconds
+#: (a 48-layer GPT-2-XL-wide decoder, 1,591 nodes: 2-4 s per run, two runs per budget).
+POOL_FRACTIONS_LARGE = (1.0, 0.8, 0.6, 0.5, 0.4, 0.2)
+LARGE_GRAPH_NODES = 1000
 
 
 def loss_allowance_bytes(graph: CostGraph) -> int:
@@ -266,7 +271,8 @@ def make_plan(graph: CostGraph, budget: Budget, solver: str = "auto", *, variant
 def candidate_pool(graph: CostGraph, variant: str = "time") -> tuple[Solution, ...]:
     """The plans ``solver="auto"`` chooses from, made once per graph (``graph_memo``): store-all, and
     each other solver of ``auto_solvers(graph)`` at its lowest peak and at every ``POOL_FRACTIONS``
-    fraction of the store-all budget down to its floor. At each fraction a solver plans for the budget
+    fraction of the store-all budget down to its floor (``POOL_FRACTIONS_LARGE`` above
+    ``LARGE_GRAPH_NODES`` nodes). At each fraction a solver plans for the budget
     less the loss allowance and the margin (``usable_bytes_of``), and, when that plan does not fit it,
     for the budget less the margin only (its step may still fit: a language model's loss on its logits
     is held at the end of the forward, the step's peak lies in the backward). Plans with the same
@@ -289,7 +295,7 @@ def _build_pool(graph: CostGraph, variant: str) -> tuple[Solution, ...]:
         else:
             pool.setdefault(floor.schedule, floor)
             floor_budget = min_budget_for_step(graph, floor.simulation)
-        for fraction in POOL_FRACTIONS:
+        for fraction in POOL_FRACTIONS if len(graph) <= LARGE_GRAPH_NODES else POOL_FRACTIONS_LARGE:
             budget_bytes = int(fraction * store_all_budget)
             if budget_bytes < floor_budget:
                 break

@@ -61,6 +61,13 @@ def _bits(mask: int) -> list[int]:
     return out
 
 
+def _bit_matrix(masks: Sequence[int], n: int) -> np.ndarray:
+    """``[i, v]``: bit ``v`` of ``masks[i]``, as a boolean matrix."""
+    width = max(1, (n + 7) // 8)
+    raw = np.frombuffer(b"".join(m.to_bytes(width, "little") for m in masks), dtype=np.uint8)
+    return np.unpackbits(raw.reshape(len(masks), width), axis=1, bitorder="little")[:, :n].astype(bool)
+
+
 @dataclass
 class LowerSetFamily:
     """Lower sets as bitmasks, sorted by cardinality, with the per-set sums the models need."""
@@ -95,6 +102,34 @@ class LowerSetFamily:
 
     def total(self, weights: Sequence[float], mask: int) -> float:
         return sum(weights[v] for v in _bits(mask))
+
+    @property
+    def members(self) -> np.ndarray:
+        """``[i, v]``: whether node ``v`` is in lower set ``i`` (built once)."""
+        if getattr(self, "_members", None) is None:
+            self._members = _bit_matrix(self.sets, self.n)
+        return self._members
+
+    @property
+    def words(self) -> np.ndarray:
+        """The sets as rows of 64-bit words (bit ``v`` of the set is bit ``v % 64`` of word ``v // 64``)."""
+        if getattr(self, "_words", None) is None:
+            count = max(1, (self.n + 63) // 64)
+            self._words = np.frombuffer(b"".join(s.to_bytes(8 * count, "little") for s in self.sets),
+                                        dtype="<u8").reshape(len(self.sets), count)
+        return self._words
+
+    def supersets_after(self, a: int) -> np.ndarray:
+        """Indices ``b > a`` of the strict supersets of set ``a`` (sets are sorted by size, then value)."""
+        words = self.words
+        later = np.arange(a + 1, len(self.sets))
+        contains = ((words[a + 1:] & words[a]) == words[a]).all(axis=1)
+        return later[contains & (np.asarray(self.size[a + 1:]) > self.size[a])]
+
+    def totals(self, weights: Sequence[float]) -> np.ndarray:
+        """``total(weights, s)`` of every set, as one product with ``members`` (exact for integer-valued
+        weights, such as bytes and quantized times)."""
+        return self.members @ np.asarray(weights, dtype=np.float64)
 
 
 def free_sources(graph: CostGraph) -> int:
@@ -240,15 +275,14 @@ class ExecutionModel:
         self.grad = [node.grad_bytes if node.requires_grad else 0 for node in g.nodes]
         stored = g.stored_bytes_per_node()
         self.time = quantized_times(g)
-        self.set_stored = [family.total(stored, s) for s in family.sets]
-        self.set_time = [family.total(self.time, s) for s in family.sets]
+        self.set_stored = family.totals(stored).tolist()
+        self.set_time = family.totals(self.time).tolist()
         params = [node.param_grad_bytes for node in g.nodes]
-        total_params = sum(params)
-        self.params_after = [total_params - family.total(params, s) for s in family.sets]
+        self.params_after = (sum(params) - family.totals(params)).tolist()
         held = sum(g.nodes[o].grad_bytes for o in g.gradient_outputs)
         workspace = max((max(n.workspace_bytes, n.backward_workspace_bytes) for n in g.nodes), default=0)
         self.constant = held + workspace
-        self._members = _membership(family) if in_flight == "segment" else None
+        self._members = family.members if in_flight == "segment" else None
         self._arrays: tuple | None = None  # numpy views of the family for transitions_from
         self._grad_array = np.array(self.grad, dtype=np.float64)
         self._in_flight_from: tuple[int, np.ndarray] | None = None
@@ -262,25 +296,29 @@ class ExecutionModel:
 
     def transitions_from(self, a: int) -> list[tuple[float, int, float, float]]:
         """``(peak, b, overhead, kept)`` of every step from lower set ``a`` to a strict superset ``b``, in
-        the order of ``b``: :meth:`transition` for all of them at once (numpy over the family; the
-        byte sums are of integers, exact in float64, so the values are :meth:`transition`'s)."""
+        the order of ``b``: :meth:`transition` for all of them at once. A node of ``∂(b)`` inside ``a``
+        is in ``∂(a)``, so the sums over ``∂(b)`` minus ``a`` are those over ``∂(b)`` less those over
+        ``∂(b) ∩ ∂(a)`` (numpy; byte sums of integers are exact in float64, so the values are
+        :meth:`transition`'s)."""
         f = self.family
         if self._arrays is None:
-            members = self._members if self._members is not None else _membership(f)
-            boundary = np.array([[mask >> v & 1 for v in range(f.n)] for mask in f.boundary], dtype=bool)
-            self._arrays = (members, boundary, np.array(f.size), np.array(self.set_stored, dtype=np.float64),
-                            np.array(self.set_time, dtype=np.float64), np.array(self.kept_weight, dtype=np.float64))
-        members, boundary, size, set_stored, set_time, kept_weight = self._arrays
-        later = np.arange(a + 1, len(f.sets))
-        later = later[(size[later] > size[a]) & members[later][:, members[a]].all(axis=1)]
+            boundary = _bit_matrix(f.boundary, f.n)
+            self._arrays = (boundary, boundary @ self._grad_array, boundary @ np.asarray(self.kept_weight, float),
+                            np.array(self.set_stored, dtype=np.float64), np.array(self.set_time, dtype=np.float64),
+                            np.asarray(self.kept_weight, dtype=np.float64))
+        boundary, boundary_grad, boundary_kept, set_stored, set_time, kept_weight = self._arrays
+        later = f.supersets_after(a)
         if not len(later):
             return []
-        outside = ~members[a]
-        crossing = boundary[later] & outside
-        arrived = crossing @ self._grad_array
-        kept = crossing @ kept_weight
-        in_flight = (np.full(len(later), 2.0 * float(self._grad_array.max(initial=0.0)))
-                     if self.in_flight_bound == "graph" else self._in_flight_row(a)[later])
+        inside = np.asarray(f.boundary_nodes[a], dtype=np.int64)
+        shared = boundary[later][:, inside].astype(np.float64)
+        arrived = boundary_grad[later] - shared @ self._grad_array[inside]
+        kept = boundary_kept[later] - shared @ kept_weight[inside]
+        if self.in_flight_bound == "graph":
+            in_flight = np.full(len(later), 2.0 * float(self._grad_array.max(initial=0.0)))
+        else:
+            segments = self._members[later] & ~self._members[a]
+            in_flight = 2 * np.where(segments, self._grad_array, 0.0).max(axis=1, initial=0.0)
         peak = (set_stored[later] - set_stored[a] + arrived + self.params_after[a] + self.constant + in_flight)
         overhead = np.where(later == len(f.sets) - 1, 0.0, set_time[later] - set_time[a])
         return list(zip(peak.tolist(), later.tolist(), overhead.tolist(), kept.tolist()))
@@ -302,11 +340,6 @@ class ExecutionModel:
                 + self.in_flight(a, b))
         kept = sum(self.kept_weight[v] for v in boundary)
         return overhead, peak, kept
-
-
-def _membership(family: LowerSetFamily) -> np.ndarray:
-    """``[i, v]``: whether node ``v`` is in lower set ``i`` of ``family``."""
-    return np.array([[s >> v & 1 for v in range(family.n)] for s in family.sets], dtype=bool)
 
 
 def model_for(graph: CostGraph) -> Callable[[LowerSetFamily], PaperModel | ExecutionModel]:
