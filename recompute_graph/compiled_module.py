@@ -24,7 +24,6 @@ running statistics); a step's predicted peak is ``recompute_plan.predicted_step_
 """
 from __future__ import annotations
 
-import inspect
 import warnings
 from typing import Any, Callable
 
@@ -36,12 +35,12 @@ from torch.utils._pytree import tree_flatten
 from .errors import CompilerFallbackWarning, InfeasibleBudgetError, RecomputeError
 from .joint_capture import CaptureError
 from .joint_lowering import Lowered, budget_backend
-from .optimized_module import _signature_key
+from .optimized_module import SharedModelModule, _signature_key
 
 __all__ = ["CompiledRecomputedModule"]
 
 
-class CompiledRecomputedModule(nn.Module):
+class CompiledRecomputedModule(SharedModelModule):
     """Wraps a model and trains it through ``torch.compile`` with our budgeted partitioner.
 
     ``saved_plan``: a ``RecomputePlan`` (``plan.save(path)`` of an earlier one, or ``plan_for(...,
@@ -58,21 +57,10 @@ class CompiledRecomputedModule(nn.Module):
                  loss_fn: "Callable[[Any], torch.Tensor] | None" = None, on_infeasible: str = "raise",
                  fallback: "Callable[[], nn.Module] | None" = None, saved_plan: Any = None,
                  device_profile: Any = "cpu") -> None:
-        super().__init__()
-        for name, child in model._modules.items():
-            self._modules[name] = child
-        for name, parameter in model._parameters.items():
-            self._parameters[name] = parameter
-        for name, buffer in model._buffers.items():
-            self._buffers[name] = buffer
-        self._non_persistent_buffers_set = set(model._non_persistent_buffers_set)
-        self.training = model.training
+        super().__init__(model)
         lowerings: list[Lowered] = []
         backend = budget_backend(budget, solver=solver, loss_fn=loss_fn, on_infeasible=on_infeasible,
                                  on_lowered=lowerings.append, saved_plan=saved_plan, device_profile=device_profile)
-        object.__setattr__(self, "_original", model)
-        object.__setattr__(self, "_original_class", type(model).__name__)
-        object.__setattr__(self, "_signature", inspect.signature(model.forward))
         object.__setattr__(self, "_compiled", torch.compile(model, backend=backend, fullgraph=True, dynamic=False))
         object.__setattr__(self, "_lowerings", lowerings)
         object.__setattr__(self, "_planned", {})  # signature key -> the plan made for it
@@ -93,18 +81,6 @@ class CompiledRecomputedModule(nn.Module):
     def backward_code(self) -> str:
         """The generated backward of the last graph planned, as Python ("" before the first)."""
         return self._lowerings[-1].backward_code if self._lowerings else ""
-
-    def train(self, mode: bool = True) -> "CompiledRecomputedModule":
-        """Set training mode here, in the shared submodules and on the original root module."""
-        super().train(mode)
-        self._original.training = mode
-        return self
-
-    def _check_call(self, args: tuple, kwargs: dict) -> None:
-        try:
-            self._signature.bind(*args, **kwargs)
-        except TypeError as error:
-            raise TypeError(f"{self._original_class}.forward: {error}") from None
 
     def plan(self, *args: Any, **kwargs: Any) -> Any:
         """Plan for training calls like this one now (compiling the model for them) and return the
@@ -149,10 +125,7 @@ class CompiledRecomputedModule(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._check_call(args, kwargs)
-        needs_grad = torch.is_grad_enabled() and (
-            any(p.requires_grad for p in self.parameters())
-            or any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten((args, kwargs))[0]))
-        if not (self.training and needs_grad):
+        if not self._trains(args, kwargs):
             return self._original(*args, **kwargs)
         self.plan(*args, **kwargs)
         if self.delegate is not None:

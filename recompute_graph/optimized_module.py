@@ -21,7 +21,7 @@ from .executor_state import autocast_state
 from .units import format_bytes
 from .rewrite import ScheduleExecutor
 
-__all__ = ["PeakWatch", "PreparedStep", "RecomputedModule", "placeholder_binder", "run_schedule"]
+__all__ = ["PeakWatch", "PreparedStep", "RecomputedModule", "SharedModelModule", "placeholder_binder", "run_schedule"]
 
 
 class _ScheduleFunction(torch.autograd.Function):
@@ -113,17 +113,12 @@ class PreparedStep(NamedTuple):
     output_of: Callable[[Any], Any]
 
 
-class RecomputedModule(nn.Module):
-    """Wraps a model and executes a recomputation plan in training.
+class SharedModelModule(nn.Module):
+    """A module that shares ``model``'s submodules, parameters and buffers (same objects, same
+    ``state_dict`` keys) and binds calls as ``model.forward`` does: the base of the modules ``optimize``
+    returns (the executor's :class:`RecomputedModule` and ``compiled_module.CompiledRecomputedModule``)."""
 
-    ``prepare(args, kwargs)`` returns the :class:`PreparedStep` for calls like ``model(*args, **kwargs)``;
-    it is asked again whenever the call's structure, shapes, dtypes or the autocast setting change (one
-    plan is cached per signature). ``eval_forward(args, kwargs)`` runs the plain forward (``eval()``,
-    ``torch.no_grad()``). ``recompute_plan`` is the plan of the last signature used.
-    """
-
-    def __init__(self, model: nn.Module, prepare: Callable[[tuple, dict], PreparedStep],
-                 eval_forward: Callable[[tuple, dict], Any]) -> None:
+    def __init__(self, model: nn.Module) -> None:
         super().__init__()
         for name, child in model._modules.items():
             self._modules[name] = child
@@ -133,16 +128,11 @@ class RecomputedModule(nn.Module):
             self._buffers[name] = buffer
         self._non_persistent_buffers_set = set(model._non_persistent_buffers_set)
         self.training = model.training
-        object.__setattr__(self, "_prepare", prepare)
-        object.__setattr__(self, "_eval_forward", eval_forward)
-        object.__setattr__(self, "_plans", {})
-        object.__setattr__(self, "_watched", set())  # ids of the prepared steps whose first step was checked
         object.__setattr__(self, "_original_class", type(model).__name__)
         object.__setattr__(self, "_signature", inspect.signature(model.forward))
-        object.__setattr__(self, "recompute_plan", None)
         object.__setattr__(self, "_original", model)
 
-    def train(self, mode: bool = True) -> "RecomputedModule":
+    def train(self, mode: bool = True) -> "SharedModelModule":
         """Set training mode here, in the shared submodules and on the original root module (whose own
         ``forward`` may read ``self.training`` when it runs the plain forward)."""
         super().train(mode)
@@ -154,6 +144,32 @@ class RecomputedModule(nn.Module):
             self._signature.bind(*args, **kwargs)
         except TypeError as error:
             raise TypeError(f"{self._original_class}.forward: {error}") from None
+
+    def _trains(self, args: tuple, kwargs: dict) -> bool:
+        """Whether this call is a training step: training mode, grad enabled, and a parameter or an
+        input that requires grad (otherwise the plain forward runs)."""
+        return self.training and torch.is_grad_enabled() and (
+            any(p.requires_grad for p in self.parameters())
+            or any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten((args, kwargs))[0]))
+
+
+class RecomputedModule(SharedModelModule):
+    """Wraps a model and executes a recomputation plan in training.
+
+    ``prepare(args, kwargs)`` returns the :class:`PreparedStep` for calls like ``model(*args, **kwargs)``;
+    it is asked again whenever the call's structure, shapes, dtypes or the autocast setting change (one
+    plan is cached per signature). ``eval_forward(args, kwargs)`` runs the plain forward (``eval()``,
+    ``torch.no_grad()``). ``recompute_plan`` is the plan of the last signature used.
+    """
+
+    def __init__(self, model: nn.Module, prepare: Callable[[tuple, dict], PreparedStep],
+                 eval_forward: Callable[[tuple, dict], Any]) -> None:
+        super().__init__(model)
+        object.__setattr__(self, "_prepare", prepare)
+        object.__setattr__(self, "_eval_forward", eval_forward)
+        object.__setattr__(self, "_plans", {})
+        object.__setattr__(self, "_watched", set())  # ids of the prepared steps whose first step was checked
+        object.__setattr__(self, "recompute_plan", None)
 
     def plan(self, *args: Any, **kwargs: Any) -> Any:
         """Plan (or fetch the cached plan) for calls like this one; returns the plan."""
@@ -170,10 +186,7 @@ class RecomputedModule(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._check_call(args, kwargs)
-        needs_grad = torch.is_grad_enabled() and (
-            any(p.requires_grad for p in self.parameters())
-            or any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten((args, kwargs))[0]))
-        if not (self.training and needs_grad):
+        if not self._trains(args, kwargs):
             return self._eval_forward(args, kwargs)
         step = self._prepared(args, kwargs)
         if step.executor.parameters_changed():
