@@ -130,7 +130,7 @@ def test_a_plan_fits_when_the_loss_and_the_backward_peak_never_coincide():
         make_plan(graph, smallest - 2)
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(cost_graphs(max_nodes=10), st.none() | st.integers(0, 3000),
        st.lists(st.floats(0.05, 1.0), min_size=2, max_size=6))
 def test_the_auto_plans_peak_never_grows_as_the_budget_shrinks(graph, loss_bytes, fractions):
