@@ -30,11 +30,11 @@ from typing import Any, Callable
 import torch
 from torch import nn
 from torch._dynamo.exc import TorchDynamoException
-from torch.utils._pytree import tree_flatten
 
 from .errors import CompilerFallbackWarning, InfeasibleBudgetError, RecomputeError
 from .joint_capture import CaptureError
 from .joint_lowering import Lowered, budget_backend
+from .model_state import preserved_state
 from .optimized_module import SharedModelModule, _signature_key
 
 __all__ = ["CompiledRecomputedModule"]
@@ -105,22 +105,17 @@ class CompiledRecomputedModule(SharedModelModule):
         return self._planned[key]
 
     def _trial(self, args: tuple, kwargs: dict) -> None:
-        """One compiled forward in training mode with grad, undone: buffers copied back, generators
-        restored, output dropped. Errors of the compiler come out as the library's own."""
-        buffers = [(b, b.detach().clone()) for b in self._original.buffers()]
-        devices = sorted({t.device.index or 0 for t in tree_flatten((args, kwargs))[0]
-                          if isinstance(t, torch.Tensor) and t.is_cuda})
+        """One compiled forward in training mode with grad, undone (``model_state.preserved_state``:
+        buffers by value, the random generators), output dropped. Errors of the compiler come out as
+        the library's own."""
         was_training = self.training
         self.train(True)
         try:
-            with torch.random.fork_rng(devices=devices), torch.enable_grad():
+            with preserved_state(self._original, rng=True), torch.enable_grad():
                 self._compiled(*args, **kwargs)
         except TorchDynamoException as error:
             raise _library_error(error, self._original_class) from error
         finally:
-            with torch.no_grad():
-                for buffer, saved in buffers:
-                    buffer.copy_(saved)
             self.train(was_training)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
