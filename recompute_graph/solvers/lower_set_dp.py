@@ -412,7 +412,6 @@ def run_dp(model: PaperModel | ExecutionModel, budget: float, variant: str = "ti
     count = len(f.sets)
     if f.sets[0] != 0 or f.sets[-1] != (1 << f.n) - 1:
         raise SolverError("the lower-set family must contain ∅ and V")
-    table = transitions(model)
     rows = _transition_arrays(model)
     states = _States()
     incoming: list[list[tuple]] = [[] for _ in range(count)]
