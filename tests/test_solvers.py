@@ -16,7 +16,7 @@ from strategies import cost_graphs
 from test_schedule import chain
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=50, deadline=None)
 @given(cost_graphs(), st.floats(0.3, 1.0))
 def test_every_solver_returns_a_valid_schedule_whose_claim_is_the_simulation(graph, fraction):
     store_all = SOLVERS["store_all"](graph, None)

@@ -40,168 +40,16 @@ from ..graph import CostGraph
 from ..graph_memo import memoized
 from ..schedule import lower_segments
 from . import Solution, best_of, register, simulator_checked
+from .lower_sets import (DEFAULT_MAX_LOWER_SETS, LowerSetFamily, _bit_matrix, _bits, enumerate_lower_sets,
+                         free_sources, ordering_predecessors, principal_lower_sets)
 
 __all__ = ["DEFAULT_MAX_LOWER_SETS", "free_sources", "ordering_predecessors", "PaperModel", "ExecutionModel", "LowerSetFamily", "enumerate_lower_sets",
            "principal_lower_sets", "run_dp", "strategy_cost", "minimal_model_budget", "dp_exact", "dp_approx",
            "model_for", "dp_for", "AUTO_EXACT_LIMIT"]
 
-DEFAULT_MAX_LOWER_SETS = 3000
 #: ``solver="auto"`` runs dp_exact up to this many lower sets, dp_approx above.
 AUTO_EXACT_LIMIT = 1500
-COUNT_CAP = 200_000
 PAPER_UNIT_PREFIX = "kusumoto2019"
-
-
-def _bits(mask: int) -> list[int]:
-    out = []
-    while mask:
-        low = mask & -mask
-        out.append(low.bit_length() - 1)
-        mask ^= low
-    return out
-
-
-def _bit_matrix(masks: Sequence[int], n: int) -> np.ndarray:
-    """``[i, v]``: bit ``v`` of ``masks[i]``, as a boolean matrix."""
-    width = max(1, (n + 7) // 8)
-    raw = np.frombuffer(b"".join(m.to_bytes(width, "little") for m in masks), dtype=np.uint8)
-    return np.unpackbits(raw.reshape(len(masks), width), axis=1, bitorder="little")[:, :n].astype(bool)
-
-
-@dataclass
-class LowerSetFamily:
-    """Lower sets as bitmasks, sorted by cardinality, with the per-set sums the models need."""
-
-    graph: CostGraph
-    sets: list[int]
-
-    def __post_init__(self) -> None:
-        g = self.graph
-        self.n = len(g)
-        self.succ = [sum(1 << s for s in node.successors) for node in g.nodes]
-        self.pred = [sum(1 << p for p in node.predecessors) for node in g.nodes]
-        self.sets.sort(key=lambda s: (bin(s).count("1"), s))
-        self.size = [bin(s).count("1") for s in self.sets]
-        self.boundary = [self._boundary(s) for s in self.sets]
-        self.boundary_nodes = [_bits(mask) for mask in self.boundary]
-
-    def _boundary(self, lower: int) -> int:
-        return sum(1 << v for v in _bits(lower) if self.succ[v] & ~lower)
-
-    def out_neighbours(self, lower: int) -> int:
-        mask = 0
-        for v in _bits(lower):
-            mask |= self.succ[v]
-        return mask & ~lower
-
-    def in_neighbours(self, nodes: int) -> int:
-        mask = 0
-        for v in _bits(nodes):
-            mask |= self.pred[v]
-        return mask
-
-    def total(self, weights: Sequence[float], mask: int) -> float:
-        return sum(weights[v] for v in _bits(mask))
-
-    @property
-    def members(self) -> np.ndarray:
-        """``[i, v]``: whether node ``v`` is in lower set ``i`` (built once)."""
-        if getattr(self, "_members", None) is None:
-            self._members = _bit_matrix(self.sets, self.n)
-        return self._members
-
-    @property
-    def words(self) -> np.ndarray:
-        """The sets as rows of 64-bit words (bit ``v`` of the set is bit ``v % 64`` of word ``v // 64``)."""
-        if getattr(self, "_words", None) is None:
-            count = max(1, (self.n + 63) // 64)
-            self._words = np.frombuffer(b"".join(s.to_bytes(8 * count, "little") for s in self.sets),
-                                        dtype="<u8").reshape(len(self.sets), count)
-        return self._words
-
-    def supersets_after(self, a: int) -> np.ndarray:
-        """Indices ``b > a`` of the strict supersets of set ``a`` (sets are sorted by size, then value)."""
-        words = self.words
-        later = np.arange(a + 1, len(self.sets))
-        contains = ((words[a + 1:] & words[a]) == words[a]).all(axis=1)
-        return later[contains & (np.asarray(self.size[a + 1:]) > self.size[a])]
-
-    def totals(self, weights: Sequence[float]) -> np.ndarray:
-        """``total(weights, s)`` of every set, as one product with ``members`` (exact for integer-valued
-        weights, such as bytes and quantized times)."""
-        return self.members @ np.asarray(weights, dtype=np.float64)
-
-
-def free_sources(graph: CostGraph) -> int:
-    """Nodes with no predecessor whose output needs no gradient (``torch.ones(...)`` masks, slices of a
-    model input): computing one before its first consumer's segment only costs memory, so lower sets
-    take such a node together with its first consumer (and V takes the unused ones). Random nodes are
-    never free: their order is fixed (:func:`ordering_predecessors`)."""
-    return sum(1 << n.index for n in graph.nodes if not n.predecessors and not n.requires_grad and not n.random)
-
-
-def ordering_predecessors(graph: CostGraph) -> list[int]:
-    """Per node, the bitmask of the nodes a lower set containing it must contain: its predecessors and,
-    for a node that draws random numbers (dropout), the previous random node in program order. Random
-    nodes are then first computed in program order, so they draw from the RNG stream in the order the
-    original model does and produce the same masks (the executor replays them on recomputation)."""
-    masks = []
-    previous_random = None
-    for node in graph.nodes:
-        mask = sum(1 << p for p in node.predecessors)
-        if node.random:
-            if previous_random is not None:
-                mask |= 1 << previous_random
-            previous_random = node.index
-        masks.append(mask)
-    return masks
-
-
-def enumerate_lower_sets(graph: CostGraph, limit: int = DEFAULT_MAX_LOWER_SETS,
-                         count_up_to: int = COUNT_CAP) -> LowerSetFamily:
-    """All lower sets (with ∅ and V) without duplicates, free sources joined to their consumers (see
-    :func:`free_sources`). SolverError when there are more than ``limit``; the message says how many
-    there are, counted up to ``count_up_to`` (pass ``limit`` to stop at once)."""
-    free = free_sources(graph)
-    pred = ordering_predecessors(graph)
-    full = (1 << len(graph)) - 1
-    candidates = [v for v in range(len(graph)) if not free >> v & 1]
-    seen = {0, full}
-    frontier = [0]
-    cap = max(limit, count_up_to)
-    while frontier and len(seen) <= cap:
-        grown = []
-        for lower in frontier:
-            for v in candidates:
-                bit = 1 << v
-                if not lower & bit and pred[v] & ~(lower | free) == 0:
-                    bigger = lower | bit | (pred[v] & free)
-                    if bigger not in seen:
-                        seen.add(bigger)
-                        grown.append(bigger)
-            if len(seen) > cap:
-                break
-        frontier = grown
-    if len(seen) > limit:
-        count = f"more than {cap:,}" if len(seen) > cap else f"{len(seen):,}"
-        raise SolverError(f"graph {graph.name!r} has {count} lower sets, over the limit of {limit:,} for "
-                          "dp_exact: use dp_approx (principal lower sets only) or raise max_lower_sets")
-    return LowerSetFamily(graph, list(seen))
-
-
-def principal_lower_sets(graph: CostGraph) -> LowerSetFamily:
-    """``∅``, ``V`` and ``↓v = {v} ∪ ancestors(v)`` for every node that is not a free source (the
-    approximate DP's family); ancestors include the earlier random nodes of a random node."""
-    free = free_sources(graph)
-    ordering = ordering_predecessors(graph)
-    down = []
-    for node in graph.nodes:
-        mask = 1 << node.index
-        for p in _bits(ordering[node.index]):
-            mask |= down[p]
-        down.append(mask)
-    principal = [mask for v, mask in enumerate(down) if not free >> v & 1]
-    return LowerSetFamily(graph, sorted({0, (1 << len(graph)) - 1, *principal}))
 
 
 class PaperModel:
@@ -565,15 +413,57 @@ def solve_lower_sets(name: str, graph: CostGraph, budget_bytes: int | None,
     solutions = []
     for model in models:
         def plan(model_budget: float, model: PaperModel | ExecutionModel = model) -> Solution | None:
-            result = run_dp(model, model_budget, variant)
-            if result is None:
-                return None
-            return Solution.of(name, graph, lower_segments(graph, result.lower_sets),
-                               f"{len(result.lower_sets)} segments, {model.name} model, {variant}-centric")
+            return _answers(model, name, variant).plan(graph, model_budget)
 
         solutions.append(simulator_checked(plan, budget_bytes, lambda model=model: _minimal_budget(model),
                                            graph))
     return best_of(solutions, budget_bytes)
+
+
+class _Answers:
+    """The DP's answers in one model for one variant, with their simulated plans, kept across budgets.
+
+    The DP is exact in its model: its answer at budget ``B`` has model peak ``p <= B`` and is optimal
+    among the strategies of peak at most ``B``, so it is an optimal answer at every budget in
+    ``[p, B]`` too (the strategies feasible there are a subset that still contains it). Below a budget
+    where the DP found nothing, it finds nothing (feasibility is monotone). So the bisections of
+    ``simulator_checked`` and the planner's pool, which ask for many nearby budgets, run the DP once per
+    distinct answer and simulate each answer once."""
+
+    def __init__(self, model: PaperModel | ExecutionModel, name: str, variant: str) -> None:
+        self.model, self.name, self.variant = model, name, variant
+        self.known: list[list] = []  # [model peak, largest budget asked, lower sets, plan]
+        self.infeasible_up_to = -math.inf  # the largest budget where the DP found nothing
+
+    def plan(self, graph: CostGraph, model_budget: float) -> Solution | None:
+        """The simulated plan of the DP's answer at ``model_budget`` (None when the model has none)."""
+        if model_budget <= self.infeasible_up_to:
+            return None
+        for peak, asked, _, solution in self.known:
+            if peak <= model_budget <= asked:
+                return solution
+        result = run_dp(self.model, model_budget, self.variant)
+        if result is None:
+            self.infeasible_up_to = max(self.infeasible_up_to, model_budget)
+            return None
+        for entry in self.known:
+            if entry[2] == result.lower_sets:
+                entry[1] = max(entry[1], model_budget)
+                entry[0] = min(entry[0], result.peak)
+                return entry[3]
+        solution = Solution.of(self.name, graph, lower_segments(graph, result.lower_sets),
+                               f"{len(result.lower_sets)} segments, {self.model.name} model, {self.variant}-centric")
+        self.known.append([result.peak, model_budget, result.lower_sets, solution])
+        return solution
+
+
+def _answers(model: PaperModel | ExecutionModel, name: str, variant: str) -> _Answers:
+    """The answer cache of ``model`` for ``(name, variant)``, kept on the model (memoized per graph by
+    ``solve_lower_sets`` when the family comes from a factory)."""
+    caches = model.__dict__.setdefault("_answers", {})
+    if (name, variant) not in caches:
+        caches[name, variant] = _Answers(model, name, variant)
+    return caches[name, variant]
 
 
 def _models(graph: CostGraph, family: LowerSetFamily) -> list[PaperModel | ExecutionModel]:
@@ -598,7 +488,21 @@ def dp_exact(graph: CostGraph, budget_bytes: int | None = None, *, variant: str 
     if max_lower_sets != DEFAULT_MAX_LOWER_SETS:
         return solve_lower_sets("dp_exact", graph, budget_bytes, enumerate_lower_sets(graph, max_lower_sets),
                                 variant)
-    return solve_lower_sets("dp_exact", graph, budget_bytes, lambda: enumerate_lower_sets(graph), variant)
+    return solve_lower_sets("dp_exact", graph, budget_bytes, lambda: _all_lower_sets(graph), variant)
+
+
+def _all_lower_sets(graph: CostGraph) -> LowerSetFamily:
+    """``enumerate_lower_sets(graph)``, or its SolverError, once per graph (counting the lower sets of a
+    graph over the limit takes seconds: 87,473 of them in the small Hugging Face GPT-2, 2.5 s)."""
+    def build() -> LowerSetFamily | SolverError:
+        try:
+            return enumerate_lower_sets(graph)
+        except SolverError as error:
+            return error
+    family = memoized(graph, "lower_set_dp.all_lower_sets", build)
+    if isinstance(family, SolverError):
+        raise SolverError(str(family))
+    return family
 
 
 @register("dp_approx")
@@ -612,6 +516,10 @@ def dp_for(graph: CostGraph) -> str | None:
     ``AUTO_EXACT_LIMIT`` lower sets, else dp_approx; None for graphs with explicit backward nodes."""
     if not graph.implicit_backward:
         return None
+    return memoized(graph, "lower_set_dp.dp_for", lambda: _dp_for(graph))
+
+
+def _dp_for(graph: CostGraph) -> str:
     try:
         enumerate_lower_sets(graph, AUTO_EXACT_LIMIT, count_up_to=AUTO_EXACT_LIMIT)
     except SolverError:

@@ -2,7 +2,7 @@
 
 The CI subset (``third_party.FAST_SUBSET``, chosen for the patterns that broke before: ViT shape reads,
 EfficientNet's in-place dropout on a view, T5's writes through views) runs under ``auto`` at 0.8 and 0.5
-of the activation memory; two models also run under every solver that applies. Every row checks the
+of the activation memory; two models also run under every solver that applies, at 0.5. Every row checks the
 gradients against the original (relative to the model's largest gradient, 1e-5), BatchNorm buffers
 updated once, the allocator-measured peak within the budget and the prediction within 10 %. The whole
 sweep (every model, every solver) is ``python scripts/conformance.py``, which writes docs/conformance.md.
@@ -29,9 +29,11 @@ def describe(row) -> str:
 def test_third_party_models_train_exactly_within_their_budgets(name):
     if not third_party.available(name):
         pytest.skip(f"{third_party.CONFORMANCE_MODELS[name][0]} is not installed")
-    solvers = EVERY_SOLVER if name in ALL_SOLVERS_ON else ("auto",)
-    rows = check_model(name, solvers=solvers)
-    assert len(rows) == 2 * len(solvers)
+    rows = check_model(name, solvers=("auto",))
+    assert len(rows) == 2
+    if name in ALL_SOLVERS_ON:  # every other solver at half the activation memory, where all of them recompute
+        rows += check_model(name, fractions=(0.5,), solvers=EVERY_SOLVER[1:])
+        assert len(rows) == 2 + len(EVERY_SOLVER) - 1
     ran = [row for row in rows if not row.skipped]
     assert ran, "no solver ran"
     for row in rows:
