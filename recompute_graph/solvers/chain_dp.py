@@ -104,6 +104,10 @@ def optimal_time(chain: Chain, budget: float, slots: int = DEFAULT_SLOTS) -> flo
 
 
 def _tables(chain: Chain, budget: float, slots: int):
+    """Rotor's tables: ``opt[i, l, m]``, the least time of stages ``i..l`` with ``m`` slots, and
+    ``what[i, l, m]``, the first stage ``j`` run without tapes after a checkpoint (-1: stage ``i`` runs with
+    its tape first). The candidates of a cell are compared at once over ``j`` and ``m``; ties go to the
+    earliest, as in rotor's loop."""
     sizes = discretize(chain, budget, slots)
     if sizes is None:
         return None
@@ -111,35 +115,33 @@ def _tables(chain: Chain, budget: float, slots: int):
     length = len(chain.stages)
     size = slots + 1
     m = np.arange(size)
-    inf = np.inf
-    opt: dict[tuple[int, int], np.ndarray] = {}
-    what: dict[tuple[int, int], np.ndarray] = {}
+    opt = np.full((length, length, size), np.inf)
+    what = np.full((length, length, size), -1, dtype=np.int64)
     for i in range(length):
         need = max(cw[i + 1] + cbw[i + 1], cw[i] + cw[i + 1] + cbw[i + 1])
-        opt[i, i] = np.where(m >= need, chain.fw[i] + chain.bw[i], inf)
-        what[i, i] = np.full(size, -1)
+        opt[i, i] = np.where(m >= need, chain.fw[i] + chain.bw[i], np.inf)
     prefix = np.concatenate(([0.0], np.cumsum(chain.fw)))
-    for span in range(1, length):
-        for i in range(length - span):
-            l = i + span
-            best = _shift(opt[i + 1, l], cbw[i + 1]) + opt[i, i]
-            choice = np.full(size, -1)
-            for j in range(i + 1, l + 1):
-                leaf = (prefix[j] - prefix[i]) + _shift(opt[j, l], cw[j]) + opt[i, j - 1]
-                better = leaf < best
-                best = np.where(better, leaf, best)
-                choice = np.where(better, j, choice)
-            opt[i, l], what[i, l] = best, choice
+    cw_index, cbw_index = (m[None, :] - np.asarray(c[:length], dtype=np.int64)[:, None] for c in (cw, cbw))
+    for span in range(1, length):  # every cell (i, i + span) at once
+        first = np.arange(length - span)
+        last = first + span
+        offsets = np.arange(1, span + 1)
+        j = first[:, None] + offsets[None, :]  # (cells, span): the candidate j of each cell
+        # tape first: stage i keeps its tape, then i+1..l with cbw[i+1] fewer slots
+        tape_first = _shifted(opt[first + 1, last], cbw_index[first + 1]) + opt[first, first]
+        # stage i..j-1 run without tapes, j..l with cw[j] fewer slots, then i..j-1 again
+        rest = _shifted(opt[j, last[:, None]], cw_index[j])
+        leaves = (prefix[j] - prefix[first][:, None])[:, :, None] + rest + opt[first[:, None], j - 1]
+        candidates = np.concatenate((tape_first[:, None, :], leaves), axis=1)
+        best = np.argmin(candidates, axis=1)  # the earliest of equal times, as rotor's loop
+        opt[first, last] = np.take_along_axis(candidates, best[:, None, :], axis=1)[:, 0, :]
+        what[first, last] = np.where(best == 0, -1, best + first[:, None])
     return opt, what, cw, cbw
 
 
-def _shift(values: np.ndarray, by: int) -> np.ndarray:
-    """``result[m] = values[m - by]`` (∞ where ``m < by``)."""
-    if by <= 0:
-        return values
-    if by >= len(values):
-        return np.full(len(values), np.inf)
-    return np.concatenate((np.full(by, np.inf), values[:-by]))
+def _shifted(values: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """``values[..., index]`` along the last axis, ∞ where ``index < 0``."""
+    return np.where(index >= 0, np.take_along_axis(values, np.maximum(index, 0), axis=-1), np.inf)
 
 
 def _rebuild(i: int, l: int, m: int, what: dict, cw: list[int], cbw: list[int], ops: list) -> None:

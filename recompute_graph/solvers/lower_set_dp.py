@@ -318,6 +318,10 @@ def _merge(records: list[tuple], target: int, states: _States, front_start: np.n
     source_kept = states.columns[1][index]
     overheads = states.columns[0][index] + overhead
     kept_bytes = source_kept + kept
+    if total > _PREFILTER_ABOVE:
+        survivors = _not_dominated_across_buckets(overheads, kept_bytes)
+        index, overheads, kept_bytes, source_kept, peak = (
+            a[survivors] for a in (index, overheads, kept_bytes, source_kept, peak))
     peaks = np.maximum(states.columns[2][index], source_kept + peak)
     order = np.lexsort((peaks, overheads, kept_bytes))  # by kept bytes, then overhead, then peak
     ordered = overheads[order]
@@ -327,6 +331,28 @@ def _merge(records: list[tuple], target: int, states: _States, front_start: np.n
     front_start[target] = states.add([overheads[keep], kept_bytes[keep], peaks[keep], index[keep],
                                       np.full(len(keep), target)])
     front_size[target] = len(keep)
+
+
+#: Candidate states of one merge above which dominated ones are first dropped by buckets of checkpoint bytes.
+_PREFILTER_ABOVE = 2048
+_BUCKETS = 512
+
+
+def _not_dominated_across_buckets(overheads: np.ndarray, kept_bytes: np.ndarray) -> np.ndarray:
+    """Which candidates survive a cheap first pass of the front's rule: split the range of checkpoint bytes
+    into ``_BUCKETS`` equal buckets and drop a candidate whose overhead is at least the least overhead of
+    a lower bucket (a state with strictly less checkpoint memory and no more overhead dominates it).
+    Exact: the sort that follows would drop it too, and the states it leaves keep their running minimum
+    (the dominating state comes first). ``O(n)`` instead of the sort's ``O(n log n)``; in the exact DP on
+    ResNet-152 about 1 % of the candidates survive a merge."""
+    low, high = float(kept_bytes.min()), float(kept_bytes.max())
+    if high <= low:
+        return np.ones(len(kept_bytes), dtype=bool)
+    bucket = np.minimum(((kept_bytes - low) * (_BUCKETS / (high - low))).astype(np.int64), _BUCKETS - 1)
+    least = np.full(_BUCKETS + 1, np.inf)
+    np.minimum.at(least, bucket + 1, overheads)
+    before = np.minimum.accumulate(least)  # before[j]: the least overhead in buckets below j
+    return overheads < before[bucket]
 
 
 def strategy_cost(model: PaperModel | ExecutionModel, lower_sets: Sequence[frozenset[int]]) -> tuple[float, float]:
