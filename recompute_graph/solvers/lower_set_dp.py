@@ -148,16 +148,16 @@ class ExecutionModel:
         is in ``∂(a)``, so the sums over ``∂(b)`` minus ``a`` are those over ``∂(b)`` less those over
         ``∂(b) ∩ ∂(a)`` (numpy; byte sums of integers are exact in float64, so the values are
         :meth:`transition`'s)."""
+        later, peak, overhead, kept = self.transition_arrays_from(a)
+        return list(zip(peak.tolist(), later.tolist(), overhead.tolist(), kept.tolist()))
+
+    def transition_arrays_from(self, a: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`transitions_from` as arrays: targets ``b`` (ascending), peaks, overheads, kept bytes."""
         f = self.family
-        if self._arrays is None:
-            boundary = _bit_matrix(f.boundary, f.n)
-            self._arrays = (boundary, boundary @ self._grad_array, boundary @ np.asarray(self.kept_weight, float),
-                            np.array(self.set_stored, dtype=np.float64), np.array(self.set_time, dtype=np.float64),
-                            np.asarray(self.kept_weight, dtype=np.float64))
-        boundary, boundary_grad, boundary_kept, set_stored, set_time, kept_weight = self._arrays
+        boundary, boundary_grad, boundary_kept, set_stored, set_time, kept_weight = self._family_arrays()
         later = f.supersets_after(a)
         if not len(later):
-            return []
+            return later, np.zeros(0), np.zeros(0), np.zeros(0)
         inside = np.asarray(f.boundary_nodes[a], dtype=np.int64)
         shared = boundary[later][:, inside].astype(np.float64)
         arrived = boundary_grad[later] - shared @ self._grad_array[inside]
@@ -169,7 +169,16 @@ class ExecutionModel:
             in_flight = 2 * np.where(segments, self._grad_array, 0.0).max(axis=1, initial=0.0)
         peak = (set_stored[later] - set_stored[a] + arrived + self.params_after[a] + self.constant + in_flight)
         overhead = np.where(later == len(f.sets) - 1, 0.0, set_time[later] - set_time[a])
-        return list(zip(peak.tolist(), later.tolist(), overhead.tolist(), kept.tolist()))
+        return later, peak, overhead, kept
+
+    def _family_arrays(self) -> tuple[np.ndarray, ...]:
+        if self._arrays is None:
+            f = self.family
+            boundary = _bit_matrix(f.boundary, f.n)
+            self._arrays = (boundary, boundary @ self._grad_array, boundary @ np.asarray(self.kept_weight, float),
+                            np.array(self.set_stored, dtype=np.float64), np.array(self.set_time, dtype=np.float64),
+                            np.asarray(self.kept_weight, dtype=np.float64))
+        return self._arrays
 
     def _in_flight_row(self, a: int) -> np.ndarray:
         if self._in_flight_from is None or self._in_flight_from[0] != a:
@@ -204,27 +213,70 @@ class DPResult:
     peak: float
 
 
+class TransitionTable:
+    """Every step ``a -> b`` between lower sets (``b`` a strict superset of ``a`` in the family) of one
+    model, as flat arrays of edges, built once per model (``table_of``) and read by every DP run.
+
+    Edges are grouped by source ``a`` (``start[a]:start[a + 1]``) and sorted by peak within a group;
+    ``into[into_start[b]:into_start[b + 1]]`` are the edges into ``b``, by ascending source.
+    Per edge: ``peaks``, ``targets``, ``kept`` (bytes the step keeps), ``overheads`` and ``next_least``
+    (the target's cheapest next step: its smallest peak; 0 for ``V``)."""
+
+    def __init__(self, model: PaperModel | ExecutionModel) -> None:
+        f = model.family
+        count = len(f.sets)
+        groups = [_steps_from(model, a) for a in range(count)]
+        self.start = np.concatenate(([0], np.cumsum([len(g[0]) for g in groups]))).astype(np.int64)
+        self.targets, self.peaks, self.overheads, self.kept = (
+            np.concatenate([g[c] for g in groups]) if groups else np.zeros(0) for c in range(4))
+        self.targets = self.targets.astype(np.int64)
+        self.sources = np.repeat(np.arange(count), np.diff(self.start))
+        has_steps = np.diff(self.start) > 0
+        least = np.zeros(count)
+        least[has_steps] = self.peaks[self.start[:-1][has_steps]]
+        least[count - 1] = 0.0
+        self.next_least = least[self.targets]
+        self.into = np.lexsort((self.sources, self.targets))
+        self.into_start = np.searchsorted(self.targets[self.into], np.arange(count + 1))
+
+    def from_(self, a: int) -> slice:
+        """The edges out of lower set ``a``."""
+        return slice(int(self.start[a]), int(self.start[a + 1]))
+
+    def rows(self) -> list[list[tuple[float, int, float, float]]]:
+        """Per source: ``(peak, b, overhead, kept)`` of its steps, sorted by peak (the table as lists)."""
+        return [list(zip(self.peaks[e].tolist(), self.targets[e].tolist(), self.overheads[e].tolist(),
+                         self.kept[e].tolist())) for e in (self.from_(a) for a in range(len(self.start) - 1))]
+
+
+def _steps_from(model: PaperModel | ExecutionModel, a: int) -> tuple[np.ndarray, ...]:
+    """(targets, peaks, overheads, kept) of the steps out of ``a``, sorted by peak (stable: by target
+    among equal peaks)."""
+    if isinstance(model, ExecutionModel):
+        targets, peaks, overheads, kept = model.transition_arrays_from(a)
+    else:
+        f = model.family
+        lower = f.sets[a]
+        row = [(b, *model.transition(a, b)) for b in range(a + 1, len(f.sets))
+               if f.size[b] > f.size[a] and not lower & ~f.sets[b]]
+        targets = np.array([r[0] for r in row], dtype=np.int64)
+        overheads, peaks, kept = (np.array([r[c] for r in row], dtype=np.float64) for c in (1, 2, 3))
+    order = np.argsort(peaks, kind="stable")
+    return targets[order], peaks[order], overheads[order], kept[order]
+
+
+def table_of(model: PaperModel | ExecutionModel) -> TransitionTable:
+    """The model's :class:`TransitionTable`, built on first use and kept on the model."""
+    cached = getattr(model, "_transition_table", None)
+    if cached is None:
+        cached = model._transition_table = TransitionTable(model)
+    return cached
+
+
 def transitions(model: PaperModel | ExecutionModel) -> list[list[tuple[float, int, float, float]]]:
     """Per lower set ``a``: ``(peak, b, overhead, kept)`` for every strict superset ``b`` in the family,
-    sorted by peak (computed once per model and reused for every budget)."""
-    cached = getattr(model, "_transitions", None)
-    if cached is not None:
-        return cached
-    f = model.family
-    table = []
-    for a, lower in enumerate(f.sets):
-        if isinstance(model, ExecutionModel):
-            row = model.transitions_from(a)
-        else:
-            row = []
-            for b in range(a + 1, len(f.sets)):
-                if f.size[b] > f.size[a] and not lower & ~f.sets[b]:
-                    overhead, peak, kept = model.transition(a, b)
-                    row.append((peak, b, overhead, kept))
-        row.sort(key=lambda item: item[0])
-        table.append(row)
-    model._transitions = table
-    return table
+    sorted by peak (``table_of(model).rows()``)."""
+    return table_of(model).rows()
 
 
 class _States:
@@ -260,34 +312,31 @@ def run_dp(model: PaperModel | ExecutionModel, budget: float, variant: str = "ti
     count = len(f.sets)
     if f.sets[0] != 0 or f.sets[-1] != (1 << f.n) - 1:
         raise SolverError("the lower-set family must contain ∅ and V")
-    rows = _transition_arrays(model)
+    table = table_of(model)
     states = _States()
-    incoming: list[list[tuple]] = [[] for _ in range(count)]
+    usable_states = np.zeros(len(table.targets), dtype=np.int64)  # per edge: how many of its source's states take it
     front_start = np.zeros(count, dtype=np.int64)
     front_size = np.zeros(count, dtype=np.int64)
     front_start[0] = states.add([np.zeros(1), np.zeros(1), np.zeros(1), np.full(1, -1), np.zeros(1)])
     front_size[0] = 1
     for a in range(count):
         if a > 0:
-            _merge(incoming[a], a, states, front_start, front_size)
-            incoming[a] = []
+            _merge(table, usable_states, a, states, front_start, front_size)
         if front_size[a] == 0 or a == count - 1:
             continue
         first = front_start[a]
         kept_front = states.columns[1][first:first + front_size[a]]
-        peaks, targets, kept, overheads, next_least = rows[a]
+        edges = table.from_(a)
+        peaks = table.peaks[edges]
         usable = int(np.searchsorted(peaks, budget - kept_front[0], side="right"))
         if not usable:
             continue
-        peaks, targets, kept, overheads = peaks[:usable], targets[:usable], kept[:usable], overheads[:usable]
+        peaks, kept = peaks[:usable], table.kept[edges][:usable]
         # a state arriving at b with more checkpoint memory than b's cheapest next step allows is dead
-        room = budget - kept - next_least[:usable]
-        k = np.minimum(np.searchsorted(kept_front, budget - peaks, side="right"),
-                       np.searchsorted(kept_front, room, side="right"))
-        live = np.nonzero(k)[0]
-        for b, k_b, overhead, kept_b, peak in zip(targets[live].tolist(), k[live].tolist(), overheads[live].tolist(),
-                                                  kept[live].tolist(), peaks[live].tolist()):
-            incoming[b].append((a, k_b, overhead, kept_b, peak))
+        room = budget - kept - table.next_least[edges][:usable]
+        usable_states[edges.start:edges.start + usable] = np.minimum(
+            np.searchsorted(kept_front, budget - peaks, side="right"),
+            np.searchsorted(kept_front, room, side="right"))
     last = count - 1
     if front_size[last] == 0:
         return None
@@ -302,19 +351,20 @@ def run_dp(model: PaperModel | ExecutionModel, budget: float, variant: str = "ti
     return DPResult(tuple(reversed(chain)), float(states.columns[0][best]), float(states.columns[2][best]))
 
 
-def _merge(records: list[tuple], target: int, states: _States, front_start: np.ndarray,
-           front_size: np.ndarray) -> None:
-    """Gather the states reached by ``records`` (``(a, k, overhead, kept, peak)``: the first ``k``
-    states of lower set ``a`` through one transition) and store the ones not dominated in (overhead,
-    checkpoint bytes) as ``target``'s front, sorted by checkpoint bytes; equal points keep the lower peak."""
-    if not records:
+def _merge(table: TransitionTable, usable_states: np.ndarray, target: int, states: _States,
+           front_start: np.ndarray, front_size: np.ndarray) -> None:
+    """Gather the states reaching ``target`` (through each edge into it, the first ``usable_states``
+    states of the edge's source) and store the ones not dominated in (overhead, checkpoint bytes) as
+    ``target``'s front, sorted by checkpoint bytes; equal points keep the lower peak."""
+    edges = table.into[table.into_start[target]:table.into_start[target + 1]]
+    lengths = usable_states[edges]
+    edges, lengths = edges[lengths > 0], lengths[lengths > 0]
+    if not len(edges):
         return
-    table = np.array(records, dtype=float)
-    sources, lengths = table[:, 0].astype(np.int64), table[:, 1].astype(np.int64)
     total = int(lengths.sum())
     offsets = np.concatenate(([0], np.cumsum(lengths)[:-1]))
-    index = np.repeat(front_start[sources] - offsets, lengths) + np.arange(total)
-    overhead, kept, peak = (np.repeat(table[:, c], lengths) for c in (2, 3, 4))
+    index = np.repeat(front_start[table.sources[edges]] - offsets, lengths) + np.arange(total)
+    overhead, kept, peak = (np.repeat(column[edges], lengths) for column in (table.overheads, table.kept, table.peaks))
     source_kept = states.columns[1][index]
     overheads = states.columns[0][index] + overhead
     kept_bytes = source_kept + kept
@@ -373,43 +423,26 @@ def strategy_cost(model: PaperModel | ExecutionModel, lower_sets: Sequence[froze
 def feasible(model: PaperModel | ExecutionModel, budget: float) -> bool:
     """Whether any strategy fits ``budget`` in the model. Only the least checkpoint memory per lower set
     matters for that (the budget test reads nothing else), so this is one pass over the transitions."""
-    rows = _transition_arrays(model)
+    table = table_of(model)
     count = len(model.family.sets)
     least = np.full(count, np.inf)
     least[0] = 0.0
     for a in range(count - 1):
         if least[a] == np.inf:
             continue
-        peaks, targets, kept = rows[a][:3]
-        k = int(np.searchsorted(peaks, budget - least[a], side="right"))
+        edges = table.from_(a)
+        k = int(np.searchsorted(table.peaks[edges], budget - least[a], side="right"))
         if k:
-            np.minimum.at(least, targets[:k], least[a] + kept[:k])
+            np.minimum.at(least, table.targets[edges][:k], least[a] + table.kept[edges][:k])
     return bool(least[-1] < np.inf)
-
-
-def _transition_arrays(model: PaperModel | ExecutionModel) -> list[tuple[np.ndarray, ...]]:
-    """``transitions(model)`` as arrays per lower set (cached): peaks (sorted), targets, kept bytes,
-    overheads, and each target's cheapest next step (its smallest transition peak; 0 for V)."""
-    cached = getattr(model, "_transition_arrays", None)
-    if cached is None:
-        table = transitions(model)
-        last = len(table) - 1
-        least_next = np.array([row[0][0] if b < last and row else 0.0 for b, row in enumerate(table)])
-        cached = model._transition_arrays = []
-        for row in table:
-            targets = np.array([t[1] for t in row], dtype=np.int64)
-            cached.append((np.array([t[0] for t in row], dtype=float), targets,
-                           np.array([t[3] for t in row], dtype=float), np.array([t[2] for t in row], dtype=float),
-                           least_next[targets]))
-    return cached
 
 
 def minimal_model_budget(model: PaperModel | ExecutionModel, variant: str = "time") -> float:
     """Smallest budget the DP finds feasible in its own model (bisection: feasibility is monotone). The
     same for both variants, which differ only in which feasible strategy they return."""
-    high_budget = max(peak for row in transitions(model) for peak, *_ in row) + sum(
-        kept for row in transitions(model) for *_, kept in row[:1])
-    high_budget = max(high_budget, 1.0)
+    table = table_of(model)
+    firsts = table.start[:-1][np.diff(table.start) > 0]  # each source's cheapest step
+    high_budget = max(float(table.peaks.max(initial=-math.inf)) + sum(table.kept[firsts].tolist()), 1.0)
     while not feasible(model, high_budget):
         high_budget *= 2
     low_budget = 0.0
