@@ -133,14 +133,18 @@ class ExecutionModel:
         self._members = family.members if in_flight == "segment" else None
         self._arrays: tuple | None = None  # numpy views of the family for transitions_from
         self._grad_array = np.array(self.grad, dtype=np.float64)
-        self._in_flight_from: tuple[int, np.ndarray] | None = None
 
     def in_flight(self, a: int, b: int) -> float:
         """Twice the largest gradient of the nodes in ``sets[b] \\ sets[a]`` (``in_flight="segment"``),
         or of the whole graph (``"graph"``)."""
+        return float(self._in_flight(a, np.array([b]))[0])
+
+    def _in_flight(self, a: int, later: np.ndarray) -> np.ndarray:
+        """:meth:`in_flight` from ``a`` to each set of ``later``."""
         if self.in_flight_bound == "graph":
-            return 2.0 * float(self._grad_array.max(initial=0.0))
-        return float(self._in_flight_row(a)[b])
+            return np.full(len(later), 2.0 * float(self._grad_array.max(initial=0.0)))
+        segments = self._members[later] & ~self._members[a]
+        return 2 * np.where(segments, self._grad_array, 0.0).max(axis=1, initial=0.0)
 
     def transitions_from(self, a: int) -> list[tuple[float, int, float, float]]:
         """``(peak, b, overhead, kept)`` of every step from lower set ``a`` to a strict superset ``b``, in
@@ -162,12 +166,8 @@ class ExecutionModel:
         shared = boundary[later][:, inside].astype(np.float64)
         arrived = boundary_grad[later] - shared @ self._grad_array[inside]
         kept = boundary_kept[later] - shared @ kept_weight[inside]
-        if self.in_flight_bound == "graph":
-            in_flight = np.full(len(later), 2.0 * float(self._grad_array.max(initial=0.0)))
-        else:
-            segments = self._members[later] & ~self._members[a]
-            in_flight = 2 * np.where(segments, self._grad_array, 0.0).max(axis=1, initial=0.0)
-        peak = (set_stored[later] - set_stored[a] + arrived + self.params_after[a] + self.constant + in_flight)
+        peak = (set_stored[later] - set_stored[a] + arrived + self.params_after[a] + self.constant
+                + self._in_flight(a, later))
         overhead = np.where(later == len(f.sets) - 1, 0.0, set_time[later] - set_time[a])
         return later, peak, overhead, kept
 
@@ -179,12 +179,6 @@ class ExecutionModel:
                             np.array(self.set_stored, dtype=np.float64), np.array(self.set_time, dtype=np.float64),
                             np.asarray(self.kept_weight, dtype=np.float64))
         return self._arrays
-
-    def _in_flight_row(self, a: int) -> np.ndarray:
-        if self._in_flight_from is None or self._in_flight_from[0] != a:
-            segments = self._members & ~self._members[a]
-            self._in_flight_from = (a, 2 * (segments * self._grad_array).max(axis=1, initial=0.0))
-        return self._in_flight_from[1]
 
     def transition(self, a: int, b: int) -> tuple[float, float, float]:
         f = self.family
