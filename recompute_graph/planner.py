@@ -17,7 +17,7 @@ from .graph_memo import memoized
 from .schedule import Schedule
 from .schedule_passes import keep_free_tapes
 from .simulate import SimulationResult
-from .solvers import SOLVERS, Solution, best_of, get_solver, solvers_for
+from .solvers import SOLVERS, Solution, get_solver, solvers_for
 from .solvers.chen import split_candidates
 from .solvers.lower_set_dp import dp_for
 from .units import format_bytes, parse_bytes
@@ -239,7 +239,6 @@ def make_plan(graph: CostGraph, budget: Budget, solver: str = "auto", *, variant
     if solver == "auto":
         return _plan_from_pool(graph, budget, variant)
     parse_budget(budget)
-    names = (solver,)
     get_solver(solver)  # unknown names fail before any work
     if solver not in solvers_for(graph):
         kind_name = "an implicit backward" if graph.implicit_backward else "explicit backward nodes"
@@ -248,15 +247,13 @@ def make_plan(graph: CostGraph, budget: Budget, solver: str = "auto", *, variant
     store_all, budget_bytes = _store_all_and_budget(graph, budget)
     store_all_cost = store_all.simulation.compute_cost
     usable_bytes = usable_bytes_of(budget_bytes, loss_allowance_bytes(graph), planning_margin(graph))
-    solutions, failure = [], None
-    for name in names:
-        try:
-            solutions.append(store_all if name == "store_all" else run_solver(name, graph, usable_bytes, variant))
-        except SolverError as error:  # e.g. a heuristic that finds nothing at this budget (evict, shave)
-            failure = error
-    chosen = best_of(solutions, usable_bytes) if solutions else None
+    chosen, failure = None, None
+    try:
+        chosen = store_all if solver == "store_all" else run_solver(solver, graph, usable_bytes, variant)
+    except SolverError as error:  # e.g. a heuristic that finds nothing at this budget (evict, shave)
+        failure = error
     if (chosen is None or not chosen.fits(usable_bytes)) and loss_allowance_bytes(graph) > 0:
-        chosen = _plan_for_the_step(graph, names, budget_bytes, variant) or chosen
+        chosen = _plan_for_the_step(graph, solver, budget_bytes, variant) or chosen
     if chosen is None or not _fits_step(graph, chosen, budget_bytes):
         try:
             smallest = min_feasible_budget(graph, solver, variant=variant)
@@ -335,22 +332,19 @@ def _infeasible(graph: CostGraph, solver: str, budget_bytes: int, smallest: int,
         budget_bytes=budget_bytes, min_budget_bytes=smallest)
 
 
-def _plan_for_the_step(graph: CostGraph, names: tuple[str, ...], budget_bytes: int, variant: str
-                       ) -> Solution | None:
-    """The least recomputing plan whose step peak, the loss at its moment, fits ``budget_bytes``
-    (``min_budget_for_step``): each solver at the budget less the margin only, and its lowest-peak plan."""
+def _plan_for_the_step(graph: CostGraph, name: str, budget_bytes: int, variant: str) -> Solution | None:
+    """A plan of solver ``name`` whose step peak, the loss at its moment, fits ``budget_bytes``
+    (``min_budget_for_step``): the solver's plan at the budget less the margin only, else its lowest-peak
+    plan; None when neither fits."""
     relaxed = usable_bytes_of(budget_bytes, 0, planning_margin(graph))
-    fitting = []
-    for name in names:
-        for solver_budget in (relaxed, None):
-            try:
-                solution = run_solver(name, graph, solver_budget, variant)
-            except SolverError:
-                break
-            if _fits_step(graph, solution, budget_bytes):
-                fitting.append(solution)
-                break
-    return min(fitting, key=lambda s: (s.recompute_cost, s.peak_bytes)) if fitting else None
+    for solver_budget in (relaxed, None):
+        try:
+            solution = run_solver(name, graph, solver_budget, variant)
+        except SolverError:
+            return None
+        if _fits_step(graph, solution, budget_bytes):
+            return solution
+    return None
 
 
 def _store_all_and_budget(graph: CostGraph, budget: Budget) -> tuple[Solution, int]:
@@ -397,5 +391,4 @@ def min_feasible_budget(graph: CostGraph, solver: str = "auto", *, variant: str 
     of the solver (``min_budget_for_step``), or of ``candidate_pool`` for ``"auto"``."""
     if solver == "auto":
         return min(min_budget_for_step(graph, s.simulation) for s in candidate_pool(graph, variant))
-    names = (solver,)
-    return min(min_budget_for_step(graph, run_solver(name, graph, None, variant).simulation) for name in names)
+    return min_budget_for_step(graph, run_solver(solver, graph, None, variant).simulation)
