@@ -143,8 +143,19 @@ class ExecutionModel:
         """:meth:`in_flight` from ``a`` to each set of ``later``."""
         if self.in_flight_bound == "graph":
             return np.full(len(later), 2.0 * float(self._grad_array.max(initial=0.0)))
-        segments = self._members[later] & ~self._members[a]
-        return 2 * np.where(segments, self._grad_array, 0.0).max(axis=1, initial=0.0)
+        # the largest gradient of b \ a is that of its first node in the order of decreasing gradients
+        members, grads = self._members_by_gradient()
+        segments = members[later] & ~members[a]
+        first = segments.argmax(axis=1)
+        return 2 * np.where(segments[np.arange(len(later)), first], grads[first], 0.0)
+
+    def _members_by_gradient(self) -> tuple[np.ndarray, np.ndarray]:
+        """The family's membership matrix with its node columns in the order of decreasing gradient
+        bytes, and the gradients in that order (built once)."""
+        if getattr(self, "_by_gradient", None) is None:
+            order = np.argsort(-self._grad_array, kind="stable")
+            self._by_gradient = (np.ascontiguousarray(self._members[:, order]), self._grad_array[order])
+        return self._by_gradient
 
     def transitions_from(self, a: int) -> list[tuple[float, int, float, float]]:
         """``(peak, b, overhead, kept)`` of every step from lower set ``a`` to a strict superset ``b``, in
