@@ -145,4 +145,65 @@ def test_the_execution_models_vectorized_transitions_are_its_pairwise_ones(graph
             if family.size[b] > family.size[a] and not lower & ~family.sets[b]:
                 overhead, peak, kept = model.transition(a, b)
                 expected.append((peak, b, overhead, kept))
+                segment = [v for v in range(family.n) if family.sets[b] >> v & 1 and not lower >> v & 1]
+                grads = [g if in_flight == "graph" or v in segment else 0 for v, g in enumerate(model.grad)]
+                assert model.in_flight(a, b) == 2 * max(grads, default=0)
         assert model.transitions_from(a) == expected
+
+
+@settings(max_examples=40, deadline=None)
+@given(cost_graphs(max_nodes=10), st.lists(st.floats(0.9, 3.0), min_size=2, max_size=8), st.booleans(),
+       st.sampled_from(["time", "memory"]))
+def test_answers_kept_across_budgets_are_the_dps_optimum_at_every_budget(graph, factors, exact, variant):
+    """``_Answers`` reuses the DP's answer at ``B`` for budgets in ``[its peak, B]`` and skips the DP below
+    a budget where it found nothing: at every budget, in any order, the answer it gives has the fresh
+    DP's objective and fits the budget in the model."""
+    from recompute_graph.solvers.lower_set_dp import _Answers, model_for
+
+    family = enumerate_lower_sets(graph) if exact else principal_lower_sets(graph)
+    model = model_for(graph)(family)
+    answers = _Answers(model, "dp_exact", variant)
+    minimal = minimal_model_budget(model)
+    for factor in factors:
+        budget = minimal * factor
+        fresh = run_dp(model, budget, variant)
+        kept = answers.plan(graph, budget)
+        if fresh is None:
+            assert kept is None
+            continue
+        lower_sets = next(entry[2] for entry in answers.known if entry[3] is kept)
+        overhead, peak = strategy_cost(model, lower_sets)
+        assert peak <= budget
+        if variant == "time":
+            assert overhead == pytest.approx(fresh.overhead)
+        else:  # least checkpoint memory: the same final front, so the same checkpoint bytes
+            assert strategy_checkpoints(model, lower_sets) == strategy_checkpoints(model, fresh.lower_sets)
+
+
+def strategy_checkpoints(model, lower_sets):
+    """Checkpoint bytes a strategy keeps in ``model`` (the memory-centric DP's objective)."""
+    index = {s: i for i, s in enumerate(model.family.sets)}
+    a, total = 0, 0.0
+    for lower in lower_sets:
+        b = index[sum(1 << v for v in lower)]
+        total += model.transition(a, b)[2]
+        a = b
+    return total
+
+
+@pytest.mark.parametrize("name", ["unet", "resnet50"])
+def test_the_merges_first_pass_by_buckets_changes_no_answer(name, monkeypatch):
+    """The merge drops states dominated across buckets of checkpoint bytes before sorting (above
+    ``_PREFILTER_ABOVE`` candidates): the DP's answers with and without that pass are identical."""
+    import recompute_graph.solvers.lower_set_dp as lower_set_dp
+
+    graph = load_graph(benchmark_dir() / "kusumoto2019" / f"cg_{name}.txt")
+    model = PaperModel(enumerate_lower_sets(graph))
+    minimal = minimal_model_budget(model)
+    answers = {}
+    for threshold in (0, 10 ** 12):
+        monkeypatch.setattr(lower_set_dp, "_PREFILTER_ABOVE", threshold)
+        answers[threshold] = [run_dp(model, minimal * factor, variant) for factor in (1.0, 1.3, 2.0)
+                              for variant in ("time", "memory")]
+    assert answers[0] == answers[10 ** 12]
+    assert all(answer is not None for answer in answers[0])
