@@ -239,7 +239,6 @@ class TransitionTable:
         has_steps = np.diff(self.start) > 0
         least = np.zeros(count)
         least[has_steps] = self.peaks[self.start[:-1][has_steps]]
-        least[count - 1] = 0.0
         self.next_least = least[self.targets]
         self.into = np.lexsort((self.sources, self.targets))
         self.into_start = np.searchsorted(self.targets[self.into], np.arange(count + 1))
@@ -247,11 +246,6 @@ class TransitionTable:
     def from_(self, a: int) -> slice:
         """The edges out of lower set ``a``."""
         return slice(int(self.start[a]), int(self.start[a + 1]))
-
-    def rows(self) -> list[list[tuple[float, int, float, float]]]:
-        """Per source: ``(peak, b, overhead, kept)`` of its steps, sorted by peak (the table as lists)."""
-        return [list(zip(self.peaks[e].tolist(), self.targets[e].tolist(), self.overheads[e].tolist(),
-                         self.kept[e].tolist())) for e in (self.from_(a) for a in range(len(self.start) - 1))]
 
 
 def _steps_from(model: PaperModel | ExecutionModel, a: int) -> tuple[np.ndarray, ...]:
@@ -276,12 +270,6 @@ def table_of(model: PaperModel | ExecutionModel) -> TransitionTable:
     if cached is None:
         cached = model._transition_table = TransitionTable(model)
     return cached
-
-
-def transitions(model: PaperModel | ExecutionModel) -> list[list[tuple[float, int, float, float]]]:
-    """Per lower set ``a``: ``(peak, b, overhead, kept)`` for every strict superset ``b`` in the family,
-    sorted by peak (``table_of(model).rows()``)."""
-    return table_of(model).rows()
 
 
 class _States:
@@ -513,7 +501,6 @@ class _Answers:
         for entry in self.known:
             if entry[2] == result.lower_sets:
                 entry[1] = max(entry[1], model_budget)
-                entry[0] = min(entry[0], result.peak)
                 return entry[3]
         solution = Solution.of(self.name, graph, lower_segments(graph, result.lower_sets),
                                f"{len(result.lower_sets)} segments, {self.model.name} model, {self.variant}-centric")
