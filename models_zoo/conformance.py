@@ -46,6 +46,7 @@ class ConformanceRow:
     missing_gradients: tuple[str, ...] = ()
     ok: bool = False
     step_time_ratio: float | None = None  # planned step / original step (time_steps=True)
+    path: str = "executor"      # what ran the plan: "executor" (rewrite.py) or "compiler" (compiled_module.py)
     skipped: str = ""           # why the solver did not run (it does not take this graph)
     error: str = ""             # an unexpected failure: the row fails
     seconds: float = 0.0
@@ -68,16 +69,20 @@ def activation_budget_bytes(plan: Any, fraction: float) -> int:
 
 
 def check_model(name: str, fractions: Sequence[float] = DEFAULT_FRACTIONS, solvers: Sequence[str] = ("auto",),
-                time_steps: bool = False, summary: dict | None = None, **options: Any) -> list[ConformanceRow]:
+                time_steps: bool = False, summary: dict | None = None, compiler: "bool | str" = False,
+                **options: Any) -> list[ConformanceRow]:
     """Every (fraction, solver) row of conformance model ``name`` (module docstring). ``options`` go
-    to ``optimize`` (default ``timing="flops"``: deterministic plans). ``time_steps``: also time each
+    to ``optimize`` (default ``timing="flops"``: deterministic plans). ``compiler``: ``optimize``'s
+    path (default the schedule executor, each row planned on the one store-all graph; ``True`` or
+    ``"auto"``: the compiler path, each row compiled and planned anew, the row's ``path`` saying which
+    path ran; profiling options do not apply to it). ``time_steps``: also time each
     planned step against the original's (in turn, fastest of 3). ``summary``: a dict filled with the
     model's floor (smallest feasible budget, bytes and as a fraction of store-all's) and the peer
     (``torch.utils.checkpoint`` on every block) measured the same way."""
     import recompute_graph as rg
     from recompute_graph.errors import InfeasibleBudgetError, SolverError
     from recompute_graph.verification import verify
-    options = {"timing": "flops", **options}
+    options = {"timing": "flops", **options} if compiler is False else options
     family = third_party.CONFORMANCE_MODELS[name][0]
     rows: list[ConformanceRow] = []
     with warnings.catch_warnings():
@@ -85,7 +90,8 @@ def check_model(name: str, fractions: Sequence[float] = DEFAULT_FRACTIONS, solve
         model, call = third_party.build(name)
         args, kwargs = call_of(call)
         store_all = rg.optimize(model, 1.0, example_inputs=args or None, example_kwargs=kwargs or None,
-                                solver="store_all", **options)
+                                solver="store_all", compiler=compiler, **options)
+        reuse = {"cost_graph": store_all.recompute_plan.graph} if compiler is False else {}
         base = store_all.recompute_plan
         store_all_peak = _original_peak(model, args, kwargs)
         if summary is not None:
@@ -104,13 +110,13 @@ def check_model(name: str, fractions: Sequence[float] = DEFAULT_FRACTIONS, solve
                               store_all_measured_bytes=store_all_peak)
                 try:
                     try:
-                        optimized, floor = rg.optimize(model, budget, solver=solver, cost_graph=base.graph,
-                                                       example_inputs=args or None,
-                                                       example_kwargs=kwargs or None, **options), 0
+                        optimized, floor = rg.optimize(model, budget, solver=solver, example_inputs=args or None,
+                                                       example_kwargs=kwargs or None, compiler=compiler,
+                                                       **reuse, **options), 0
                     except InfeasibleBudgetError as error:
                         floor = error.min_budget_bytes
-                        optimized = rg.optimize(model, floor, solver=solver, cost_graph=base.graph,
-                                                example_inputs=args or None, example_kwargs=kwargs or None,
+                        optimized = rg.optimize(model, floor, solver=solver, example_inputs=args or None,
+                                                example_kwargs=kwargs or None, compiler=compiler, **reuse,
                                                 **options)
                     report = verify(model, example_inputs=args, example_kwargs=kwargs, optimized=optimized)
                 except SolverError as error:
@@ -127,7 +133,8 @@ def check_model(name: str, fractions: Sequence[float] = DEFAULT_FRACTIONS, solve
                     at_floor=bool(floor), predicted_peak_bytes=report.predicted_peak_bytes,
                     measured_peak_bytes=report.measured_peak_bytes, gradient_error=report.gradient_error,
                     buffer_mismatches=report.buffer_mismatches, missing_gradients=report.missing_gradients,
-                    ok=report.ok, step_time_ratio=ratio, seconds=time.perf_counter() - start))
+                    ok=report.ok, step_time_ratio=ratio, seconds=time.perf_counter() - start,
+                    path="executor" if isinstance(optimized, rg.RecomputedModule) else "compiler"))
     return rows
 
 

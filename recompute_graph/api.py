@@ -32,7 +32,7 @@ def optimize(model: nn.Module, budget: Budget, *, example_inputs: Sequence[Any] 
              plan: Union[str, "os.PathLike[str]", RecomputePlan, None] = None,
              autocast: "torch.dtype | None" = None, tracer: str = "auto",
              loss_fn: "Callable[[Any], torch.Tensor] | None" = None, cost_graph: CostGraph | None = None,
-             compiler: "bool | str" = False, **options: Any) -> "RecomputedModule | CompiledRecomputedModule":
+             compiler: "bool | str" = "auto", **options: Any) -> "RecomputedModule | CompiledRecomputedModule":
     """Return a module that trains like ``model`` with its step's peak memory within ``budget``.
 
     ``budget``: bytes (int), a size string (``"1.5GiB"``, ``"800MB"``) or a float in (0, 1] = that fraction
@@ -65,18 +65,19 @@ def optimize(model: nn.Module, budget: Budget, *, example_inputs: Sequence[Any] 
     tracing cannot; ``"auto"`` (default) uses fx, and export when fx cannot trace the root module or had
     to keep a submodule opaque (falling back to the fx graph if export fails too).
 
-    ``compiler``: ``False`` (default) runs the plan with the schedule executor over the traced graph
-    (``rewrite.py``). ``True`` takes the compiler path (``compiled_module.py``): ``torch.compile`` with
-    our budgeted partitioner, which plans the functional joint forward+backward graph and generates a
-    forward and a backward graph with the recompute nodes; it returns a ``CompiledRecomputedModule``
-    (``.recompute_plan``, ``.backward_code``) and raises ``CaptureError`` when the model cannot be
-    captured as one graph. ``"auto"``: the compiler path, and the executor, after a
-    ``CompilerFallbackWarning`` that says why, when it fails (capture, or planning the example call).
-    A saved ``plan`` must come from the same path (``plan_for(..., compiler=True)`` makes one on meta
-    tensors); with ``"auto"``, a plan of the executor's graph is not reused by the compiler (a
-    ``PlanMismatchWarning`` says so). ``cost_graph``, ``tracer`` and the profiling ``options`` belong to
-    the executor's graph: with ``compiler=True`` they raise ValueError, with ``"auto"`` they choose the
-    executor.
+    ``compiler``: ``"auto"`` (default) takes the compiler path (``compiled_module.py``): ``torch.compile``
+    with our budgeted partitioner, which plans the functional joint forward+backward graph and generates
+    a forward and a backward graph with the recompute nodes, returning a ``CompiledRecomputedModule``
+    (``.recompute_plan``, ``.backward_code``); when that fails (the model cannot be captured as one
+    graph, or planning the example call fails), a ``CompilerFallbackWarning`` says why and the schedule
+    executor runs the plan instead (``rewrite.py``, a ``RecomputedModule``). ``True``: the compiler path
+    only (``CaptureError`` when the model cannot be captured whole). ``False``: the schedule executor
+    over the traced graph. A saved ``plan`` runs on the path that made it: with ``"auto"``, a plan of the
+    executor's graph (``plan_for(...)``) chooses the executor, and one of the joint graph
+    (``plan_for(..., compiler=True)``) the compiler; a path given explicitly does not reuse the other
+    path's plan (a ``PlanMismatchWarning`` says so). ``cost_graph``, ``tracer`` and the profiling
+    ``options`` belong to the executor's graph: with ``compiler=True`` they raise ValueError, with
+    ``"auto"`` they choose the executor.
 
     Raises ValueError for a bad budget, solver or tracer name, TypeError for an unknown option, TraceError
     when the model cannot be traced and InfeasibleBudgetError (with ``min_budget_bytes``) when nothing
@@ -92,6 +93,8 @@ def optimize(model: nn.Module, budget: Budget, *, example_inputs: Sequence[Any] 
     if compiler not in (False, True, "auto"):
         raise ValueError(f"compiler={compiler!r}: use False (the schedule executor), True (torch.compile with "
                          "our partitioner) or 'auto' (the compiler, falling back to the executor)")
+    if compiler == "auto" and saved is not None and not _of_the_joint_graph(saved):
+        compiler = False  # a saved plan of the executor's graph runs on the executor
     executor_only = {"cost_graph": cost_graph} if cost_graph is not None else {}
     executor_only.update(options)
     if tracer != "auto":
@@ -134,7 +137,8 @@ def _optimize_compiled(model: nn.Module, budget: Budget, example_inputs: Sequenc
     from .compiled_module import CompiledRecomputedModule
 
     def executor() -> RecomputedModule:
-        return optimize(model, budget, solver=solver, autocast=autocast, loss_fn=loss_fn, plan=saved_plan)
+        return optimize(model, budget, solver=solver, autocast=autocast, loss_fn=loss_fn, plan=saved_plan,
+                        compiler=False)
     compiled = CompiledRecomputedModule(model, budget, solver=solver, loss_fn=loss_fn,
                                         fallback=executor if fallback else None, saved_plan=saved_plan)
     if example_inputs is not None or example_kwargs is not None:
@@ -144,6 +148,12 @@ def _optimize_compiled(model: nn.Module, budget: Budget, example_inputs: Sequenc
         if compiled.delegate is not None:
             return compiled.delegate
     return compiled
+
+
+def _of_the_joint_graph(plan: RecomputePlan) -> bool:
+    """Whether a saved plan was made on the compiler path's joint graph."""
+    from .joint_costs import is_joint_cost_graph
+    return is_joint_cost_graph(plan.graph)
 
 
 def _autocast_for(dtype: "torch.dtype | None", inputs: Sequence[Any]) -> Any:

@@ -1,13 +1,15 @@
-"""The module ``optimize(model, budget, compiler=True)`` returns: the compiler path behind one call.
+"""The module ``optimize(model, budget)`` returns on the compiler path (its default wherever capture
+works): the compiler path behind one call.
 
 :class:`CompiledRecomputedModule` shares the original's submodules, parameters and buffers (same
 objects, same ``state_dict`` keys), like the executor's ``RecomputedModule``. In training mode with grad
-enabled it runs ``torch.compile(model, backend=budget_backend(budget, ...), fullgraph=True,
-dynamic=False)``: Dynamo captures the call, AOTAutograd traces the functional joint forward+backward
-graph, our partitioner prices it, plans it at the budget with the planner's solvers and lowers the plan
-into a forward graph that returns the kept values and a backward graph with the recompute nodes
-written out where they run (``joint_lowering``). In ``eval()`` or under ``torch.no_grad()`` it runs the
-original's plain forward.
+enabled it runs ``torch.compile(call, backend=budget_backend(budget, ...), fullgraph=True,
+dynamic=False)``, where ``call`` calls the model from a code object of the signature's own (so that
+Dynamo's cache and recompilation limit are not shared with other models of the class): Dynamo
+captures the call, AOTAutograd traces the functional joint forward+backward graph, our partitioner
+prices it, plans it at the budget with the planner's solvers and lowers the plan into a forward graph
+that returns the kept values and a backward graph with the recompute nodes written out where they run
+(``joint_lowering``). In ``eval()`` or under ``torch.no_grad()`` it runs the original's plain forward.
 
 Planning happens on the first training call of each input signature (shapes, dtypes, call structure,
 autocast setting; ``dynamic=False``, so a new shape is compiled and planned again), or at once on
@@ -15,7 +17,7 @@ example inputs (:meth:`CompiledRecomputedModule.plan`). Either way the first cal
 first run as a trial forward whose effects are undone (BatchNorm buffers put back, random generators
 restored, the output dropped): a budget that cannot be met raises ``InfeasibleBudgetError`` and a model
 that cannot be captured whole raises ``CaptureError`` naming why, with the model as it was; with a
-``fallback`` (``optimize(..., compiler="auto")``) the module warns (``CompilerFallbackWarning``) and
+``fallback`` (``optimize(..., compiler="auto")``, the default) the module warns (``CompilerFallbackWarning``) and
 hands every later call to the module ``fallback()`` builds, the schedule executor's.
 
 Invariants: gradients, BatchNorm statistics and dropout masks are those of eager autograd (the
@@ -61,7 +63,8 @@ class CompiledRecomputedModule(SharedModelModule):
         lowerings: list[Lowered] = []
         backend = budget_backend(budget, solver=solver, loss_fn=loss_fn, on_infeasible=on_infeasible,
                                  on_lowered=lowerings.append, saved_plan=saved_plan, device_profile=device_profile)
-        object.__setattr__(self, "_compiled", torch.compile(model, backend=backend, fullgraph=True, dynamic=False))
+        object.__setattr__(self, "_backend", backend)
+        object.__setattr__(self, "_steps", {})  # signature key -> the compiled call for it
         object.__setattr__(self, "_lowerings", lowerings)
         object.__setattr__(self, "_planned", {})  # signature key -> the plan made for it
         object.__setattr__(self, "_fallback", fallback)
@@ -95,14 +98,28 @@ class CompiledRecomputedModule(SharedModelModule):
             except InfeasibleBudgetError:
                 raise
             except RecomputeError as error:
-                if self._fallback is None:
-                    raise
-                warnings.warn(f"{self._original_class}: the compiler path failed ({error}); planning with the "
-                              "schedule executor instead", CompilerFallbackWarning, stacklevel=3)
-                object.__setattr__(self, "delegate", self._fallback())
+                self._fall_back(error)
                 return self.delegate.plan(*args, **kwargs)
             self._planned[key] = self.recompute_plan
         return self._planned[key]
+
+    def _fall_back(self, error: RecomputeError) -> None:
+        """Hand every later call to the fallback module, with a warning that says why; without a
+        fallback, raise ``error``."""
+        if self._fallback is None:
+            raise error
+        reason = str(error).removesuffix(_EXECUTOR_ADVICE)
+        warnings.warn(f"{self._original_class}: the compiler path failed ({reason}); planning with the "
+                      "schedule executor instead", CompilerFallbackWarning, stacklevel=4)
+        object.__setattr__(self, "delegate", self._fallback())
+
+    def _step_for(self, key: tuple) -> Callable[..., Any]:
+        """The compiled call of one signature: ``torch.compile`` of a call of the model in a code object
+        of its own (:func:`_own_code_call`), so that its compiled code is this signature's alone."""
+        if key not in self._steps:
+            self._steps[key] = torch.compile(_own_code_call(self._original), backend=self._backend,
+                                             fullgraph=True, dynamic=False)
+        return self._steps[key]
 
     def _trial(self, args: tuple, kwargs: dict) -> None:
         """One compiled forward in training mode with grad, undone (``model_state.preserved_state``:
@@ -112,7 +129,7 @@ class CompiledRecomputedModule(SharedModelModule):
         self.train(True)
         try:
             with preserved_state(self._original, rng=True), torch.enable_grad():
-                self._compiled(*args, **kwargs)
+                self._step_for(_signature_key(args, kwargs))(*args, **kwargs)
         except TorchDynamoException as error:
             raise _library_error(error, self._original_class) from error
         finally:
@@ -126,9 +143,14 @@ class CompiledRecomputedModule(SharedModelModule):
         if self.delegate is not None:
             return self.delegate(*args, **kwargs)
         try:
-            return self._compiled(*args, **kwargs)
+            return self._step_for(_signature_key(args, kwargs))(*args, **kwargs)
         except TorchDynamoException as error:  # a recompilation (a guard Dynamo added) planned again
-            raise _library_error(error, self._original_class) from error
+            failure = _library_error(error, self._original_class)
+            failure.__cause__ = error
+            if isinstance(failure, InfeasibleBudgetError):
+                raise failure from error
+        self._fall_back(failure)  # Dynamo failed before the step ran: nothing of it happened
+        return self.delegate(*args, **kwargs)
 
     def extra_repr(self) -> str:
         if self.delegate is not None:
@@ -136,6 +158,18 @@ class CompiledRecomputedModule(SharedModelModule):
         plan = self.recompute_plan
         return (f"{self._original_class}, compiled, plan: "
                 f"{plan.one_line() if plan is not None else 'on first training call'}")
+
+
+def _own_code_call(model: nn.Module) -> Callable[..., Any]:
+    """``model(*args, **kwargs)`` as a function whose code object is new. Dynamo keeps compiled code,
+    and counts recompilations against ``torch._dynamo.config.recompile_limit`` (8), per code object:
+    compiling ``model`` itself would share them with every other instance of its class (the ninth
+    ``nn.Sequential`` optimized in one process failed with ``FailOnRecompileLimitHit``), and keep
+    them after the module is gone. A code object of its own is freed with the call."""
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return model(*args, **kwargs)
+    call.__code__ = call.__code__.replace()
+    return call
 
 
 def _library_error(error: Exception, model_name: str) -> Exception:
@@ -147,7 +181,9 @@ def _library_error(error: Exception, model_name: str) -> Exception:
             return candidate
     cause = inner if inner is not None else error
     lines = [line for line in str(cause).strip().splitlines() if line.strip()]
-    return CaptureError(
-        f"{model_name} could not be compiled and planned as one graph ({type(cause).__name__}: "
-        f"{(lines[0] if lines else '')[:300]}). Use optimize(..., compiler=False) for the schedule "
-        "executor, or compiler='auto' to fall back to it with a warning.")
+    return CaptureError(f"{model_name} could not be compiled and planned as one graph ({type(cause).__name__}: "
+                        f"{(lines[0] if lines else '')[:300]}){_EXECUTOR_ADVICE}")
+
+
+_EXECUTOR_ADVICE = (". Use optimize(..., compiler=False) for the schedule executor, or compiler='auto' (the "
+                    "default) to fall back to it with a warning.")

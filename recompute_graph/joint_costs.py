@@ -57,7 +57,17 @@ from .joint_capture import RANDOM_TARGETS, op_name, reachable
 from .joint_partition import STATE_READING_TARGETS, _is_tensor
 
 __all__ = ["JointUnits", "joint_units", "joint_cost_graph", "kernel_workspace_bytes", "outputs_loss_bytes",
-           "is_tangent", "backward_reads", "rng_state_bytes"]
+           "is_tangent", "backward_reads", "rng_state_bytes", "JOINT_COST_SOURCE", "is_joint_cost_graph"]
+
+#: The end of a joint cost graph's ``cost_source``: what tells a saved plan of the compiler path's graph
+#: from one of the schedule executor's (``optimize(..., plan=...)`` runs each on its own path).
+JOINT_COST_SOURCE = "joint graph"
+
+
+def is_joint_cost_graph(graph: CostGraph) -> bool:
+    """Whether ``graph`` was priced from a joint graph (:func:`joint_cost_graph`), here or on disk."""
+    return graph.cost_source.endswith(JOINT_COST_SOURCE)
+
 
 @dataclass
 class JointUnits:
@@ -574,7 +584,7 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
     outputs = tuple(sorted({units.unit_of[n] for n in forward_outputs if n in units.unit_of}))
     input_bytes = sum(_value_bytes(p) for p in primals if p not in trainable)
     return CostGraph(name=name, nodes=tuple(nodes), cost_unit="seconds", loss_bytes=loss_bytes,
-                     cost_source=f"flop-estimate ({profile.name}), joint graph", input_bytes=input_bytes,
+                     cost_source=f"flop-estimate ({profile.name}), {JOINT_COST_SOURCE}", input_bytes=input_bytes,
                      parameter_bytes=sum(_value_bytes(p) for p in trainable), source="traced",
                      output_indices=outputs, rng_state_bytes=_rng_state_bytes(primals),
                      # every differentiable output gets a gradient at the start of the backward: AOTAutograd's

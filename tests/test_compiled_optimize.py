@@ -97,13 +97,15 @@ class _BreaksTheGraph(nn.Module):
     """Code Dynamo will not put in a graph (here an explicit graph break; in the wild, a call into a C
     extension or a print): torch.compile cannot capture the step as one graph, torch.fx can."""
 
-    def __init__(self) -> None:
+    def __init__(self, breaks: bool = True) -> None:
         super().__init__()
         self.a, self.b = nn.Linear(16, 64), nn.Linear(64, 16)
+        self.breaks = breaks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.a(x))
-        torch._dynamo.graph_break()
+        if self.breaks:
+            torch._dynamo.graph_break()
         return self.b(torch.tanh(h))
 
 
@@ -125,6 +127,28 @@ def test_a_model_that_cannot_be_captured_whole_is_refused_or_falls_back_with_a_w
         _step(lazy, (x,))
     assert lazy.delegate is not None and lazy.recompute_plan is lazy.delegate.recompute_plan
     assert _gradient_error(model, reference) == 0.0
+
+
+def test_a_recompilation_that_cannot_be_captured_falls_back_on_the_call_that_needs_it():
+    """A Python attribute the forward reads changes after planning: Dynamo's guard fails and the
+    recompilation meets a graph break inside the training call itself, not in a trial."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, x = _BreaksTheGraph(breaks=False), torch.randn(32, 16)
+    optimized = rg.optimize(model, 0.9, example_inputs=(x,))
+    assert isinstance(optimized, rg.CompiledRecomputedModule) and optimized.delegate is None
+    model.breaks = True
+    reference = copy.deepcopy(model)
+    with pytest.warns(rg.CompilerFallbackWarning, match="could not be compiled"):
+        _step(optimized, (x,))
+    assert optimized.delegate is not None and "compiler path failed" in repr(optimized)
+    _step(reference, (x,))
+    assert _gradient_error(model, reference) == 0.0
+    model.breaks = False
+    strict = rg.optimize(model, 0.9, example_inputs=(x,), compiler=True)  # the compiler path only: an error
+    model.breaks = True
+    with pytest.raises(rg.TraceError, match="could not be compiled"):
+        _step(strict, (x,))
 
 
 def test_third_party_model_code_trains_exactly_through_optimize_on_the_compiler_path():
@@ -160,7 +184,8 @@ def test_a_plan_made_on_meta_tensors_is_saved_and_reused_by_the_compiler_path(tm
     generator_state = torch.get_rng_state()
     with warnings.catch_warnings():
         warnings.simplefilter("error", rg.PlanMismatchWarning)
-        optimized = rg.optimize(model, 0.8, example_inputs=inputs, compiler=True, plan=path)
+        optimized = rg.optimize(model, 0.8, example_inputs=inputs, plan=path)  # the default path: "auto"
+    assert isinstance(optimized, rg.CompiledRecomputedModule)  # a plan of the joint graph chose the compiler
     assert torch.equal(torch.get_rng_state(), generator_state)  # the trial forward's dropouts drew nothing
     assert optimized.recompute_plan.description.startswith("reused saved plan")
     assert optimized.recompute_plan.schedule == plan.schedule
@@ -171,3 +196,33 @@ def test_a_plan_made_on_meta_tensors_is_saved_and_reused_by_the_compiler_path(tm
     shorter = (inputs[0][:, : inputs[0].shape[1] // 2],)  # another sequence length: another structure
     with pytest.warns(rg.PlanMismatchWarning, match="saved plan not reused"):
         rg.optimize(model, 0.8, example_inputs=shorter, compiler=True, plan=path)
+
+
+def _mlp() -> nn.Module:
+    layers = [nn.Linear(32, 256), nn.GELU()] + [m for _ in range(3) for m in (nn.Linear(256, 256), nn.GELU())]
+    return nn.Sequential(*layers, nn.Linear(256, 1))
+
+
+def test_many_models_of_one_class_and_many_shapes_of_one_model_are_each_compiled_and_planned():
+    """Dynamo keeps compiled code per code object and fails a ``fullgraph`` compile after 8 of them
+    (``recompile_limit``): the ninth ``nn.Sequential`` optimized in one process raised
+    ``FailOnRecompileLimitHit`` when each module compiled the model's own ``forward``. Each signature
+    of each module now compiles a call of its own."""
+    torch.manual_seed(0)
+    x = torch.randn(512, 32)
+    for _ in range(9):  # nine models of one class, each on the compiler path and exact
+        model = _mlp()
+        reference = copy.deepcopy(model)
+        optimized = rg.optimize(model, 0.8, example_inputs=(x,))
+        assert isinstance(optimized, rg.CompiledRecomputedModule) and len(optimized.lowerings) == 1
+        assert optimized.recompute_plan.recomputed_nodes
+        _step(reference, (x,))
+        _step(optimized, (x,))
+        assert _gradient_error(model, reference) == 0.0
+    lazy = rg.optimize(model, 0.8)  # one model, nine batch sizes: nine signatures, each planned once
+    for rows in range(504, 513):
+        _step(reference, (x[:rows],))
+        _step(lazy, (x[:rows],))
+        assert _gradient_error(model, reference) == 0.0
+    _step(lazy, (x[:510],))  # a signature seen before is not planned again
+    assert len(lazy.lowerings) == 9 and isinstance(lazy, rg.CompiledRecomputedModule)

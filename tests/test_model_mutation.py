@@ -1,5 +1,5 @@
 """A model changed by its user after optimize(): replaced or frozen parameters and dtype conversions keep
-training exactly: the plan is made again for the tensors in use (FSDP2's unsharded parameters are the
+training exactly, on both paths: the plan is made again for the tensors in use (FSDP2's unsharded parameters are the
 same mechanism: tests/test_distributed.py)."""
 from __future__ import annotations
 
@@ -28,11 +28,16 @@ def assert_same(a, b, atol=1e-6):
             torch.testing.assert_close(x, y, rtol=1e-5, atol=atol)
 
 
-@pytest.fixture
-def unet():
+#: each path's options: the schedule executor (FLOP times: deterministic plans) and the compiler path
+PATHS = {"executor": {"compiler": False, "timing": "flops"}, "compiler": {"compiler": True}}
+
+
+@pytest.fixture(params=sorted(PATHS))
+def unet(request):
+    torch._dynamo.reset()
     model, inputs = models_zoo.get_model("unet", "tiny")
     reference = copy.deepcopy(model)
-    optimized = optimize(model, 0.7, example_inputs=inputs, timing="flops", loss_fn=default_loss)
+    optimized = optimize(model, 0.7, example_inputs=inputs, loss_fn=default_loss, **PATHS[request.param])
     return model, reference, optimized, inputs
 
 
