@@ -49,10 +49,11 @@ class CompiledRecomputedModule(SharedModelModule):
     compiler=True)`` made on meta tensors) reused instead of solving when the joint cost graph has its
     structure (``saved_plans.reuse_plan``); ``device_profile``: what times FLOPs in the cost graph.
 
-    ``recompute_plan``: the :class:`~recompute_graph.planner.RecomputePlan` of the last signature
-    planned (None before the first); ``lowerings``: every :class:`~recompute_graph.joint_lowering.Lowered`
-    made for this module, oldest first; ``backward_code``: the generated backward of the last one, each
-    recompute node a forward op on the line before its use.
+    ``recompute_plan``: the :class:`~recompute_graph.planner.RecomputePlan` of the signature last
+    planned or run (None before the first); ``lowerings``: every
+    :class:`~recompute_graph.joint_lowering.Lowered` made for this module, oldest first;
+    ``backward_code``: the generated backward of that signature's plan, each recompute node a forward
+    op on the line before its use.
     """
 
     def __init__(self, model: nn.Module, budget: Any, *, solver: str = "auto",
@@ -66,7 +67,8 @@ class CompiledRecomputedModule(SharedModelModule):
         object.__setattr__(self, "_backend", backend)
         object.__setattr__(self, "_steps", {})  # signature key -> the compiled call for it
         object.__setattr__(self, "_lowerings", lowerings)
-        object.__setattr__(self, "_planned", {})  # signature key -> the plan made for it
+        object.__setattr__(self, "_planned", {})  # signature key -> the Lowered of its graph
+        object.__setattr__(self, "_current", None)  # the signature of the last call planned or run
         object.__setattr__(self, "_fallback", fallback)
         object.__setattr__(self, "delegate", None)  # the fallback module, once the compiler path failed
 
@@ -78,12 +80,14 @@ class CompiledRecomputedModule(SharedModelModule):
     def recompute_plan(self) -> Any:
         if self.delegate is not None:
             return self.delegate.recompute_plan
-        return self._lowerings[-1].plan if self._lowerings else None
+        lowered = self._planned.get(self._current)
+        return lowered.plan if lowered is not None else None
 
     @property
     def backward_code(self) -> str:
-        """The generated backward of the last graph planned, as Python ("" before the first)."""
-        return self._lowerings[-1].backward_code if self._lowerings else ""
+        """The generated backward of ``recompute_plan``, as Python ("" before the first plan)."""
+        lowered = self._planned.get(self._current)
+        return lowered.backward_code if lowered is not None else ""
 
     def plan(self, *args: Any, **kwargs: Any) -> Any:
         """Plan for training calls like this one now (compiling the model for them) and return the
@@ -93,15 +97,20 @@ class CompiledRecomputedModule(SharedModelModule):
             return self.delegate.plan(*args, **kwargs)
         key = _signature_key(args, kwargs)
         if key not in self._planned:
+            lowered = len(self._lowerings)
             try:
                 self._trial(args, kwargs)
+                if len(self._lowerings) == lowered:
+                    raise CaptureError(f"{self._original_class}: torch.compile made no backward graph for this "
+                                       "call (nothing in it requires grad), so there is nothing to plan")
             except InfeasibleBudgetError:
                 raise
             except RecomputeError as error:
                 self._fall_back(error)
                 return self.delegate.plan(*args, **kwargs)
-            self._planned[key] = self.recompute_plan
-        return self._planned[key]
+            self._planned[key] = self._lowerings[-1]
+        object.__setattr__(self, "_current", key)
+        return self._planned[key].plan
 
     def _fall_back(self, error: RecomputeError) -> None:
         """Hand every later call to the fallback module, with a warning that says why; without a
@@ -142,9 +151,13 @@ class CompiledRecomputedModule(SharedModelModule):
         self.plan(*args, **kwargs)
         if self.delegate is not None:
             return self.delegate(*args, **kwargs)
+        key, lowered = self._current, len(self._lowerings)
         try:
-            return self._step_for(_signature_key(args, kwargs))(*args, **kwargs)
-        except TorchDynamoException as error:  # a recompilation (a guard Dynamo added) planned again
+            output = self._step_for(key)(*args, **kwargs)
+            if len(self._lowerings) > lowered:  # a recompilation (a guard Dynamo added) planned again
+                self._planned[key] = self._lowerings[-1]
+            return output
+        except TorchDynamoException as error:
             failure = _library_error(error, self._original_class)
             failure.__cause__ = error
             if isinstance(failure, InfeasibleBudgetError):

@@ -28,6 +28,18 @@ def profiled_tiny(name: str):
     return model, inputs, traced, graph
 
 
+#: ``optimize()``'s options for each of its paths: the schedule executor (FLOP-based times: deterministic
+#: plans) and the compiler path (its default, ``compiler="auto"``, where capture works)
+PATH_OPTIONS = {"executor": {"compiler": False, "timing": "flops"}, "compiler": {"compiler": True}}
+
+
+@pytest.fixture(params=sorted(PATH_OPTIONS))
+def path_options(request) -> dict:
+    """``optimize()``'s options for one path; a test taking it runs on both."""
+    torch._dynamo.reset()
+    return dict(PATH_OPTIONS[request.param])
+
+
 @pytest.fixture(params=models_zoo.MODEL_NAMES)
 def zoo_name(request) -> str:
     return request.param

@@ -28,16 +28,11 @@ def assert_same(a, b, atol=1e-6):
             torch.testing.assert_close(x, y, rtol=1e-5, atol=atol)
 
 
-#: each path's options: the schedule executor (FLOP times: deterministic plans) and the compiler path
-PATHS = {"executor": {"compiler": False, "timing": "flops"}, "compiler": {"compiler": True}}
-
-
-@pytest.fixture(params=sorted(PATHS))
-def unet(request):
-    torch._dynamo.reset()
+@pytest.fixture
+def unet(path_options):
     model, inputs = models_zoo.get_model("unet", "tiny")
     reference = copy.deepcopy(model)
-    optimized = optimize(model, 0.7, example_inputs=inputs, loss_fn=default_loss, **PATHS[request.param])
+    optimized = optimize(model, 0.7, example_inputs=inputs, loss_fn=default_loss, **path_options)
     return model, reference, optimized, inputs
 
 

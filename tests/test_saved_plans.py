@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import models_zoo
-from recompute_graph import InfeasibleBudgetError, PlanFileError, PlanMismatchWarning, RecomputePlan, optimize
+from recompute_graph import (CompilerFallbackWarning, InfeasibleBudgetError, PlanFileError, PlanMismatchWarning,
+                             RecomputedModule, RecomputePlan, optimize)
 from recompute_graph.costs import profile_model
 from recompute_graph.planner import make_plan
 from recompute_graph.saved_plans import mismatch_reason, structure_fingerprint
@@ -55,7 +56,10 @@ def test_optimize_reuses_a_matching_plan_without_solving_and_trains_exactly(unet
     monkeypatch.setattr(api, "make_plan", lambda *a, **k: pytest.fail("solved instead of reusing the plan"))
     with warnings.catch_warnings():
         warnings.simplefilter("error", PlanMismatchWarning)
-        optimized = optimize(model, 0.6, example_inputs=inputs, plan=path, timing="flops")
+        warnings.simplefilter("error", CompilerFallbackWarning)
+        optimized = optimize(model, 0.6, example_inputs=inputs, plan=path)
+    # optimize's default path ("auto") runs a plan of the executor's graph on the executor
+    assert isinstance(optimized, RecomputedModule)
     assert optimized.recompute_plan.schedule == plan.schedule
     assert "reused saved plan" in optimized.recompute_plan.description
     torch.manual_seed(1)
