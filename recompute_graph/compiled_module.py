@@ -26,6 +26,7 @@ running statistics); a step's predicted peak is ``recompute_plan.predicted_step_
 """
 from __future__ import annotations
 
+import logging
 import warnings
 from typing import Any, Callable
 
@@ -126,8 +127,13 @@ class CompiledRecomputedModule(SharedModelModule):
         """The compiled call of one signature: ``torch.compile`` of a call of the model in a code object
         of its own (:func:`_own_code_call`), so that its compiled code is this signature's alone."""
         if key not in self._steps:
-            self._steps[key] = torch.compile(_own_code_call(self._original), backend=self._backend,
-                                             fullgraph=True, dynamic=False)
+            compiled = torch.compile(_own_code_call(self._original), backend=self._backend, fullgraph=True,
+                                     dynamic=False)
+
+            def step(*args: Any, **kwargs: Any) -> Any:
+                with torch._dynamo.config.patch(ignore_logging_functions=_logging_calls()):
+                    return compiled(*args, **kwargs)
+            self._steps[key] = step
         return self._steps[key]
 
     def _trial(self, args: tuple, kwargs: dict) -> None:
@@ -183,6 +189,19 @@ def _own_code_call(model: nn.Module) -> Callable[..., Any]:
         return model(*args, **kwargs)
     call.__code__ = call.__code__.replace()
     return call
+
+
+def _logging_calls() -> set:
+    """``logging.Logger``'s methods, and those other libraries add to it (``transformers``'
+    ``warning_once``), with Dynamo's own ignored functions: the compiled step treats them as no-ops, as
+    ``torch.export`` does, instead of breaking the graph (GPT-2's loss logs a warning inside the
+    forward). A message logged inside the forward is not emitted on the compiler path."""
+    methods = {getattr(logging.Logger, name) for name in dir(logging.Logger)
+               if name in _LOGGING_METHODS or name.endswith("_once")}
+    return set(torch._dynamo.config.ignore_logging_functions) | {m for m in methods if callable(m)}
+
+
+_LOGGING_METHODS = frozenset({"debug", "info", "warning", "warn", "error", "exception", "critical", "fatal", "log"})
 
 
 def _library_error(error: Exception, model_name: str) -> Exception:

@@ -2,6 +2,7 @@
 partitioner) behind the one call users make, checked against eager autograd on the zoo and on model
 code nobody here wrote, with its errors and its fallback to the schedule executor."""
 import copy
+import logging
 
 import pytest
 import torch
@@ -149,6 +150,36 @@ def test_a_recompilation_that_cannot_be_captured_falls_back_on_the_call_that_nee
     model.breaks = True
     with pytest.raises(rg.TraceError, match="could not be compiled"):
         _step(strict, (x,))
+
+
+_LOG = logging.getLogger("recompute_graph.tests")
+
+
+class _Logs(nn.Module):
+    """Logs inside its forward, as ``transformers``' GPT-2 loss does (``logger.warning_once``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _mlp()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _LOG.warning("a message inside the forward")
+        return self.net(x)
+
+
+def test_a_logging_call_inside_the_forward_does_not_break_the_graph():
+    """Dynamo breaks the graph at a ``logging.Logger`` call unless told to ignore it; the compiler
+    path ignores them (as ``torch.export`` does), so the model is captured whole."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, x = _Logs(), torch.randn(512, 32)
+    reference = copy.deepcopy(model)
+    optimized = rg.optimize(model, 0.8, example_inputs=(x,), compiler=True)
+    assert optimized.recompute_plan.recomputed_nodes
+    _step(reference, (x,))
+    _step(optimized, (x,))
+    assert _gradient_error(model, reference) == 0.0
+    assert not torch._dynamo.config.ignore_logging_functions  # Dynamo's setting is put back after each call
 
 
 def test_third_party_model_code_trains_exactly_through_optimize_on_the_compiler_path():

@@ -42,6 +42,23 @@ def test_third_party_models_train_exactly_within_their_budgets(name):
     assert any(row.chosen != "store_all" for row in ran)
 
 
+#: through ``optimize()``'s default path (``compiler="auto"``): EfficientNet's in-place dropout on a view,
+#: ViT's shape reads, T5's writes through views, GPT-2's logging inside its loss
+DEFAULT_PATH_MODELS = ("tv_efficientnet_b0", "tv_vit", "hf_t5", "hf_gpt2")
+
+
+@pytest.mark.parametrize("name", DEFAULT_PATH_MODELS)
+def test_third_party_models_train_exactly_on_optimizes_default_path(name):
+    """Each model is captured whole and runs on the compiler path (no fallback to the executor), with
+    the same checks as above: gradients, buffers, the allocator-measured peak within the budget and
+    the prediction within 10 %."""
+    if not third_party.available(name):
+        pytest.skip(f"{third_party.CONFORMANCE_MODELS[name][0]} is not installed")
+    (row,) = check_model(name, fractions=(0.8,), solvers=("auto",), compiler="auto")
+    assert row.passed and not row.skipped, describe(row)
+    assert row.path == "compiler", f"{name} fell back to the schedule executor"
+
+
 def test_layerdrop_is_refused_with_the_users_source_line():
     """wav2vec2's LayerDrop decides in Python, from a random number, whether a layer runs: no single
     graph is the model's, so nothing can be planned exactly. ``optimize`` refuses it with a TraceError
