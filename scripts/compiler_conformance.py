@@ -1,6 +1,12 @@
 """The conformance models on the compiler path: ``torch.compile(model, backend=rg.backend(f))``.
 
     python scripts/compiler_conformance.py [--models NAME ...] [--fractions 1.0 0.8] [--out FILE]
+    python scripts/compiler_conformance.py --optimize [--fractions 0.8 0.5] [--out FILE]
+
+``--optimize``: through ``optimize()``'s default path instead (``compiler="auto"``: the compiler path, the
+schedule executor where capture fails), with the conformance checks of ``models_zoo.conformance.check_model``
+(budgets at a fraction of the activation memory, a budget under the floor raised to it), each row saying
+which path ran.
 
 For every model of ``models_zoo.third_party.CONFORMANCE_MODELS`` and every fraction ``f`` of the
 store-all budget: one seeded step (the README loop's loss, ``losses.default_training_loss``) of the
@@ -80,23 +86,45 @@ def row(name: str, fraction: float) -> str:
             f"{predicted:,} | {measured:,} | {ratio} | {seconds:.0f} s |")
 
 
+def optimize_row(name: str, fraction: float) -> str:
+    """One row of ``optimize()``'s default path (``check_model(..., compiler="auto")``)."""
+    from models_zoo.conformance import check_model
+    from recompute_graph.units import format_bytes
+    start = time.perf_counter()
+    try:
+        (r,) = check_model(name, fractions=(fraction,), solvers=("auto",), compiler="auto")
+    except Exception as error:  # noqa: BLE001 - a failing model is a row
+        return f"| {name} | {fraction:.0%} | | fail | {type(error).__name__}: {str(error).splitlines()[0][:150]} ||||||"
+    if r.error or r.skipped:
+        return f"| {name} | {fraction:.0%} | | fail | {(r.error or r.skipped)[:150]} ||||||"
+    ratio = r.predicted_peak_bytes / max(1, r.measured_peak_bytes)
+    return (f"| {name} | {fraction:.0%}{' (floor)' if r.at_floor else ''} | {r.path} | {'pass' if r.passed else 'FAIL'} "
+            f"| {r.chosen} | {r.gradient_error:.1e}{'' if not r.buffer_mismatches else ', buffers differ'} | "
+            f"{format_bytes(r.budget_bytes)} | {r.predicted_peak_bytes:,} | {r.measured_peak_bytes:,} | {ratio:.3f} | "
+            f"{time.perf_counter() - start:.0f} s |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="*", default=list(third_party.CONFORMANCE_MODELS))
     parser.add_argument("--fractions", nargs="*", type=float, default=[1.0, 0.8])
     parser.add_argument("--out", default=None, help="also write the table to this file")
+    parser.add_argument("--optimize", action="store_true", help="through optimize()'s default path")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
     lines = ["| model | budget | status | solver | grad error | predicted (B) | measured (B) | predicted / measured "
              "| compile+step |",
              "|---|---|---|---|---|---|---|---|---|"]
+    if args.optimize:
+        lines = ["| model | budget | path | status | solver | grad error | budget | predicted (B) | measured (B) "
+                 "| predicted / measured | plan+step |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     print("\n".join(lines), flush=True)
     for name in args.models:
         if not third_party.available(name):
             continue
         for fraction in args.fractions:
-            line = row(name, fraction)
+            line = optimize_row(name, fraction) if args.optimize else row(name, fraction)
             lines.append(line)
             print(line, flush=True)
     if args.out:
