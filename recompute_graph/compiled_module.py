@@ -33,12 +33,14 @@ from typing import Any, Callable
 import torch
 from torch import nn
 from torch._dynamo.exc import TorchDynamoException
+from torch.autograd import Variable
+from torch.utils._pytree import tree_flatten
 
 from .errors import CompilerFallbackWarning, InfeasibleBudgetError, RecomputeError
 from .joint_capture import CaptureError
 from .joint_lowering import Lowered, budget_backend
 from .model_state import preserved_state
-from .optimized_module import SharedModelModule, _signature_key
+from .optimized_module import PeakWatch, SharedModelModule, _cuda_device, _signature_key
 
 __all__ = ["CompiledRecomputedModule"]
 
@@ -70,6 +72,7 @@ class CompiledRecomputedModule(SharedModelModule):
         object.__setattr__(self, "_lowerings", lowerings)
         object.__setattr__(self, "_planned", {})  # signature key -> the Lowered of its graph
         object.__setattr__(self, "_current", None)  # the signature of the last call planned or run
+        object.__setattr__(self, "_watched", set())  # signatures whose first CUDA step was checked
         object.__setattr__(self, "_fallback", fallback)
         object.__setattr__(self, "delegate", None)  # the fallback module, once the compiler path failed
 
@@ -154,14 +157,22 @@ class CompiledRecomputedModule(SharedModelModule):
         self._check_call(args, kwargs)
         if not self._trains(args, kwargs):
             return self._original(*args, **kwargs)
+        if self.delegate is None and _dispatch_mode_blocks_compile():
+            warnings.warn(f"{self._original_class}: a torch dispatch mode is active, and torch.compile does "
+                          "not run under one: this call runs the model's plain forward, without the plan",
+                          CompilerFallbackWarning, stacklevel=2)
+            return self._original(*args, **kwargs)
         self.plan(*args, **kwargs)
         if self.delegate is not None:
             return self.delegate(*args, **kwargs)
         key, lowered = self._current, len(self._lowerings)
+        watch = self._watch(key, args, kwargs)
         try:
             output = self._step_for(key)(*args, **kwargs)
             if len(self._lowerings) > lowered:  # a recompilation (a guard Dynamo added) planned again
                 self._planned[key] = self._lowerings[-1]
+            if watch is not None:
+                _finish_after_backward(output, watch)
             return output
         except TorchDynamoException as error:
             failure = _library_error(error, self._original_class)
@@ -171,12 +182,46 @@ class CompiledRecomputedModule(SharedModelModule):
         self._fall_back(failure)  # Dynamo failed before the step ran: nothing of it happened
         return self.delegate(*args, **kwargs)
 
+    def _watch(self, key: tuple, args: tuple, kwargs: dict) -> PeakWatch | None:
+        """On CUDA, the first step of each signature is checked against its plan's budget (as the
+        executor's: ``optimized_module.PeakWatch``, a ``BudgetExceededWarning`` when over)."""
+        device = _cuda_device([*args, *kwargs.values()])
+        if device is None or key in self._watched:
+            return None
+        self._watched.add(key)
+        watch = PeakWatch(device, self._planned[key].plan.budget_bytes, self._original_class)
+        watch.start()
+        return watch
+
     def extra_repr(self) -> str:
         if self.delegate is not None:
             return f"{self._original_class}, the compiler path failed: {self.delegate.extra_repr()}"
         plan = self.recompute_plan
         return (f"{self._original_class}, compiled, plan: "
                 f"{plan.one_line() if plan is not None else 'on first training call'}")
+
+
+def _dispatch_mode_blocks_compile() -> bool:
+    """Whether a torch dispatch mode is active that Dynamo would not compile under (it skips the frame
+    and ``fullgraph=True`` raises): a ``FlopCounterMode``, a memory tracker."""
+    from torch.utils import _python_dispatch as dispatch
+    if torch._dynamo.config.inline_torch_dispatch_torch_compile:
+        return dispatch.any_torch_dispatch_mode_on_stack()
+    return dispatch.is_in_any_mode_without_ignore_compile_internals()
+
+
+def _finish_after_backward(output: Any, watch: PeakWatch) -> None:
+    """Have ``watch.finish()`` run once, when the backward pass that reaches any of ``output``'s tensors
+    ends (a callback the autograd engine runs after the whole graph, queued from a tensor hook)."""
+    queued: list[bool] = []
+
+    def hook(gradient: torch.Tensor) -> None:
+        if not queued:
+            queued.append(True)
+            Variable._execution_engine.queue_callback(watch.finish)
+    for value in tree_flatten(output)[0]:
+        if isinstance(value, torch.Tensor) and value.requires_grad:
+            value.register_hook(hook)
 
 
 def _own_code_call(model: nn.Module) -> Callable[..., Any]:

@@ -182,6 +182,24 @@ def test_a_logging_call_inside_the_forward_does_not_break_the_graph():
     assert not torch._dynamo.config.ignore_logging_functions  # Dynamo's setting is put back after each call
 
 
+def test_under_a_dispatch_mode_a_training_call_runs_the_plain_forward_with_a_warning():
+    """torch.compile does not run under a torch dispatch mode (a FlopCounterMode, a memory tracker):
+    such a call runs the original forward, exactly, and says so; the next call is compiled again."""
+    from recompute_graph.measure import StorageTracker
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, x = _mlp(), torch.randn(512, 32)
+    reference = copy.deepcopy(model)
+    optimized = rg.optimize(model, 0.8, example_inputs=(x,))
+    with StorageTracker(), pytest.warns(rg.CompilerFallbackWarning, match="dispatch mode"):
+        _step(optimized, (x,))
+    _step(reference, (x,))
+    assert _gradient_error(model, reference) == 0.0
+    _step(optimized, (x,))
+    assert optimized.delegate is None and len(optimized.lowerings) == 1
+    assert _gradient_error(model, reference) == 0.0
+
+
 def test_third_party_model_code_trains_exactly_through_optimize_on_the_compiler_path():
     """timm's ViT: attention reads views of one qkv storage, shapes read in Python."""
     from models_zoo import third_party

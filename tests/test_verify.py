@@ -80,3 +80,38 @@ def test_the_first_step_of_a_plan_warns_when_it_breaks_the_budget(monkeypatch):
     caught = step(heavy_loss)
     assert len(caught) == 1 and "loss_fn" in str(caught[0].message)
     assert step(heavy_loss) == []  # once per plan: later steps are not judged again
+
+
+def test_the_first_step_of_a_compiled_plan_warns_when_it_breaks_the_budget(monkeypatch):
+    """The same check on the compiler path, ``optimize()``'s default. torch.compile does not run under a
+    dispatch mode (the storage tracker above), so the allocator's statistics are scripted: the loss
+    sets the step's maximum, and the warning must come after the backward, once per signature."""
+    import warnings
+
+    import recompute_graph.compiled_module as cm
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, x = WideHead(), torch.randn(256, 32)
+    optimized = rg.optimize(model, 1.0, example_inputs=(x,), compiler=True, loss_fn=default_loss)
+    budget = optimized.recompute_plan.budget_bytes
+    statistics = {"max": 0}
+    monkeypatch.setattr(cm, "_cuda_device", lambda inputs: torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: statistics["max"])
+
+    def step(peak_bytes):
+        optimized.zero_grad(set_to_none=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loss = default_loss(optimized(x))
+            statistics["max"] = peak_bytes
+            assert not caught  # judged when the backward ends, not before
+            loss.backward()
+        return [w for w in caught if issubclass(w.category, rg.BudgetExceededWarning)]
+
+    assert step(budget - 1) == []
+    optimized._watched.clear()
+    caught = step(budget + 1)
+    assert len(caught) == 1 and "loss_fn" in str(caught[0].message)
+    assert step(2 * budget) == []  # once per signature: later steps are not judged again
+
