@@ -268,10 +268,28 @@ def lower_schedule(joint: fx.GraphModule, units: JointUnits, schedule: Schedule
     read_set |= {read(value) for value in output.args[0][units.num_fwd_outputs:]
                  if isinstance(value, fx.Node) and value not in units.backward and read(value) in forward_new}
     order = {n: i for i, n in enumerate(new.nodes)}
-    read_from_forward = sorted(read_set, key=order.get)
+    read_from_forward = sorted({_viewed_base(n, forward_new) for n in read_set}, key=order.get)
     saved = [n for n in read_from_forward if isinstance(n.meta.get("val"), torch.Tensor)]
     saved_sym = [n for n in read_from_forward if not isinstance(n.meta.get("val"), torch.Tensor)]
     return module, saved, saved_sym, recomputed
+
+
+def _viewed_base(node: fx.Node, forward_new: set[fx.Node]) -> fx.Node:
+    """What a forward value the backward reads views, through views (an op of one tensor input whose
+    value shares that input's storage: ``detach``, ``t``, ``select``, ``view``), else the value. The
+    base is saved and the views are remade in the backward, for nothing (the same storage lives as
+    long): AOTAutograd's runtime handles each saved tensor, and the LSTM at T = 200 saved 2,801, 1,400
+    of them views (a store-all step 1.28x eager's, where ``aot_eager`` is 1.05x)."""
+    while node.op == "call_function" and node in forward_new and not _is_random(node):
+        inputs = [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+        value = node.meta.get("val")
+        if len(inputs) != 1 or not isinstance(value, torch.Tensor) or inputs[0] not in forward_new:
+            break
+        shared = _storage(node)
+        if not shared or shared[:1] != _storage(inputs[0])[:1]:
+            break
+        node = inputs[0]
+    return node
 
 
 def graph_peak_bytes(forward_graph: fx.GraphModule, backward_graph: fx.GraphModule) -> int:
