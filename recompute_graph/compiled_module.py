@@ -17,8 +17,9 @@ example inputs (:meth:`CompiledRecomputedModule.plan`). Either way the first cal
 first run as a trial forward whose effects are undone (BatchNorm buffers put back, random generators
 restored, the output dropped): a budget that cannot be met raises ``InfeasibleBudgetError`` and a model
 that cannot be captured whole raises ``CaptureError`` naming why, with the model as it was; with a
-``fallback`` (``optimize(..., compiler="auto")``, the default) the module warns (``CompilerFallbackWarning``) and
-hands every later call to the module ``fallback()`` builds, the schedule executor's.
+``fallback`` (``optimize(..., compiler="auto")``, the default) the module warns
+(``CompilerFallbackWarning``) and hands every later call to the module ``fallback()`` builds, the
+schedule executor's.
 
 Invariants: gradients, BatchNorm statistics and dropout masks are those of eager autograd (the
 lowering replays recomputed dropouts from RNG snapshots and recomputes BatchNorm without touching its
@@ -205,9 +206,10 @@ def _dispatch_mode_blocks_compile() -> bool:
     """Whether a torch dispatch mode is active that Dynamo would not compile under (it skips the frame
     and ``fullgraph=True`` raises): a ``FlopCounterMode``, a memory tracker."""
     from torch.utils import _python_dispatch as dispatch
-    if torch._dynamo.config.inline_torch_dispatch_torch_compile:
+    if getattr(torch._dynamo.config, "inline_torch_dispatch_torch_compile", False):
         return dispatch.any_torch_dispatch_mode_on_stack()
-    return dispatch.is_in_any_mode_without_ignore_compile_internals()
+    check = getattr(dispatch, "is_in_any_mode_without_ignore_compile_internals", None)
+    return check() if check is not None else dispatch.is_in_torch_dispatch_mode(include_infra_modes=False)
 
 
 def _finish_after_backward(output: Any, watch: PeakWatch) -> None:

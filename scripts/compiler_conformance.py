@@ -98,9 +98,10 @@ def optimize_row(name: str, fraction: float) -> str:
     if r.error or r.skipped:
         return f"| {name} | {fraction:.0%} | | fail | {(r.error or r.skipped)[:150]} ||||||"
     ratio = r.predicted_peak_bytes / max(1, r.measured_peak_bytes)
-    return (f"| {name} | {fraction:.0%}{' (floor)' if r.at_floor else ''} | {r.path} | {'pass' if r.passed else 'FAIL'} "
-            f"| {r.chosen} | {r.gradient_error:.1e}{'' if not r.buffer_mismatches else ', buffers differ'} | "
-            f"{format_bytes(r.budget_bytes)} | {r.predicted_peak_bytes:,} | {r.measured_peak_bytes:,} | {ratio:.3f} | "
+    floor = " (floor)" if r.at_floor else ""
+    buffers = ", buffers differ" if r.buffer_mismatches else ""
+    return (f"| {name} | {fraction:.0%}{floor} | {r.path} | {'pass' if r.passed else 'FAIL'} | {r.chosen} | "
+            f"{r.gradient_error:.1e}{buffers} | {format_bytes(r.budget_bytes)} | {r.predicted_peak_bytes:,} | {r.measured_peak_bytes:,} | {ratio:.3f} | "
             f"{time.perf_counter() - start:.0f} s |")
 
 

@@ -73,7 +73,8 @@ def main() -> None:
         original = fastest[0]
         print(f"| {name} | {runs[1][3]} | original | | {original * 1e3:.2f} ms | |")
         for (label, _, ops, _), seconds in zip(runs[1:], fastest[1:]):
-            print(f"| {name} | | {label} | {ops if ops > 1 else ''} | {seconds * 1e3:.2f} ms (x{seconds / original:.2f}) | "
+            print(f"| {name} | | {label} | {ops if ops > 1 else ''} | "
+                  f"{seconds * 1e3:.2f} ms (x{seconds / original:.2f}) | "
                   f"{f'{(seconds - original) / ops * 1e6:.1f} µs' if ops > 1 else ''} |", flush=True)
 
 
