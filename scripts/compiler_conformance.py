@@ -101,8 +101,8 @@ def optimize_row(name: str, fraction: float) -> str:
     floor = " (floor)" if r.at_floor else ""
     buffers = ", buffers differ" if r.buffer_mismatches else ""
     return (f"| {name} | {fraction:.0%}{floor} | {r.path} | {'pass' if r.passed else 'FAIL'} | {r.chosen} | "
-            f"{r.gradient_error:.1e}{buffers} | {format_bytes(r.budget_bytes)} | {r.predicted_peak_bytes:,} | {r.measured_peak_bytes:,} | {ratio:.3f} | "
-            f"{time.perf_counter() - start:.0f} s |")
+            f"{r.gradient_error:.1e}{buffers} | {format_bytes(r.budget_bytes)} | {r.predicted_peak_bytes:,} | "
+            f"{r.measured_peak_bytes:,} | {ratio:.3f} | {time.perf_counter() - start:.0f} s |")
 
 
 def main() -> None:
