@@ -1,0 +1,43 @@
+"""Seconds from nothing to a planned module, on both of ``optimize()``'s paths.
+
+    python scripts/plan_times.py [--models resnet152:0.5 gpt2:0.6] [--preset small]
+
+For each zoo model and budget fraction: ``optimize(model, f, example_inputs=...)`` with
+``compiler=False`` (trace, profile with measured times, the planner's pool, the executor) and
+``compiler=True`` (Dynamo and AOTAutograd capture, pricing with the allocator's kernel workspace, the
+pool, lowering and the trial step), timed end to end on one torch thread; prints the plans.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+import warnings
+
+import torch
+
+import models_zoo
+import recompute_graph as rg
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["resnet152:0.5", "gpt2:0.6"], help="NAME:FRACTION")
+    parser.add_argument("--preset", default="small")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    print("| model | budget | path | seconds | plan |\n|---|---|---|---|---|")
+    for spec in args.models:
+        name, fraction = spec.split(":")
+        for compiler in (False, True):
+            model, inputs = models_zoo.get_model(name, args.preset)
+            torch._dynamo.reset()
+            start = time.perf_counter()
+            optimized = rg.optimize(model, float(fraction), example_inputs=inputs, compiler=compiler)
+            seconds = time.perf_counter() - start
+            print(f"| {name} ({args.preset}) | {float(fraction):.0%} | {'compiler' if compiler else 'executor'} | "
+                  f"{seconds:.1f} | {optimized.recompute_plan.one_line()} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
