@@ -43,7 +43,7 @@ from .joint_lowering import Lowered, budget_backend
 from .model_state import preserved_state
 from .optimized_module import PeakWatch, SharedModelModule, _cuda_device, _signature_key
 
-__all__ = ["CompiledRecomputedModule"]
+__all__ = ["CompiledRecomputedModule", "ignored_logging_calls"]
 
 
 class CompiledRecomputedModule(SharedModelModule):
@@ -135,7 +135,7 @@ class CompiledRecomputedModule(SharedModelModule):
                                      dynamic=False)
 
             def step(*args: Any, **kwargs: Any) -> Any:
-                with torch._dynamo.config.patch(ignore_logging_functions=_logging_calls()):
+                with torch._dynamo.config.patch(ignore_logging_functions=ignored_logging_calls()):
                     return compiled(*args, **kwargs)
             self._steps[key] = step
         return self._steps[key]
@@ -238,7 +238,7 @@ def _own_code_call(model: nn.Module) -> Callable[..., Any]:
     return call
 
 
-def _logging_calls() -> set:
+def ignored_logging_calls() -> set:
     """``logging.Logger``'s methods, and those other libraries add to it (``transformers``'
     ``warning_once``), with Dynamo's own ignored functions: the compiled step treats them as no-ops, as
     ``torch.export`` does, instead of breaking the graph (GPT-2's loss logs a warning inside the

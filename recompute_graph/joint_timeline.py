@@ -83,12 +83,15 @@ def compiled_timeline(model: torch.nn.Module, inputs: Sequence[Any], budget: Any
         compiled_graph = backend(gm, example_inputs)
         lowerings.append(True)
         return compiled_graph
+    from .compiled_module import ignored_logging_calls
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=counting)
 
     def step() -> None:
         model.zero_grad(set_to_none=True)
-        loss_fn(compiled(*inputs, **(kwargs or {}))).backward()
+        with torch._dynamo.config.patch(ignore_logging_functions=ignored_logging_calls()):  # as optimize() compiles
+            output = compiled(*inputs, **(kwargs or {}))
+        loss_fn(output).backward()
     step()
     if len(lowerings) != 1:
         raise ValueError(f"torch.compile split the model into {len(lowerings)} graphs; the timeline "

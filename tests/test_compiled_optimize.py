@@ -200,6 +200,19 @@ def test_under_a_dispatch_mode_a_training_call_runs_the_plain_forward_with_a_war
     assert _gradient_error(model, reference) == 0.0
 
 
+def test_a_call_nothing_in_which_requires_grad_is_refused_by_the_compiler_path_and_falls_back():
+    """All parameters frozen and inputs without grad: torch.compile makes no backward graph, so there is
+    nothing to plan on the compiler path (the trial would otherwise report another signature's plan)."""
+    torch._dynamo.reset()
+    model, x = _mlp().requires_grad_(False), torch.randn(512, 32)
+    with pytest.raises(rg.TraceError, match="nothing to plan"):
+        rg.optimize(model, 0.8, example_inputs=(x,), compiler=True)
+    with pytest.warns(rg.CompilerFallbackWarning, match="nothing to plan"):  # nothing to recompute: all of it
+        optimized = rg.optimize(model, 1.0, example_inputs=(x,))
+    assert isinstance(optimized, rg.RecomputedModule)
+    torch.testing.assert_close(optimized(x), model(x))
+
+
 def test_third_party_model_code_trains_exactly_through_optimize_on_the_compiler_path():
     """timm's ViT: attention reads views of one qkv storage, shapes read in Python."""
     from models_zoo import third_party
