@@ -3,11 +3,12 @@
     python scripts/cuda_check.py [--device cuda] [--models resnet50 unet gpt2] [--budget 0.5]
 
 For each model (small presets, moved to the device): the original model's gradients and its step, then
-``optimize(..., budget)`` (or the smallest feasible budget, where ``budget`` is below it) with costs
-measured on the device: largest relative gradient difference,
+``optimize(..., budget)`` on its default path (the compiler path where the model is captured whole;
+the solver column says which path ran), or the smallest feasible budget where ``budget`` is below it,
+with costs measured on the device: largest relative gradient difference,
 ``torch.cuda.max_memory_allocated`` peak above what was live before the step (``measure.peak_memory``
 with ``device=``) against the plan's predicted peak, and median step times. Runs on CPU too
-(``--device cpu``, storage meter) to check the script itself.
+(``--device cpu``, the profiler's allocator events) to check the script itself.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import copy
 import torch
 
 import models_zoo
-from recompute_graph import InfeasibleBudgetError, format_bytes, optimize
+from recompute_graph import CompiledRecomputedModule, InfeasibleBudgetError, format_bytes, optimize
 from recompute_graph.measure import default_loss, make_training_step, peak_memory, time_step
 
 
@@ -61,6 +62,7 @@ def main() -> None:
         peak = peak_memory(step, device=meter_device)
         seconds = time_step(step, repeats=5, warmup=2, device=meter_device).median_seconds
         solver = plan.solver if budget == args.budget else f"{plan.solver} (smallest budget, {format_bytes(budget)})"
+        solver += " (compiler)" if isinstance(optimized, CompiledRecomputedModule) else " (executor)"
         print(f"| {name} | {solver} | {format_bytes(plan.predicted_peak_bytes)} | {format_bytes(peak)} "
               f"(original {format_bytes(original_peak)}) | {peak / plan.predicted_peak_bytes:.3f} | {error:.1e} | "
               f"{seconds / original_time:.2f} |", flush=True)
