@@ -279,7 +279,8 @@ def _viewed_base(node: fx.Node, forward_new: set[fx.Node]) -> fx.Node:
     value shares that input's storage: ``detach``, ``t``, ``select``, ``view``), else the value. The
     base is saved and the views are remade in the backward, for nothing (the same storage lives as
     long): AOTAutograd's runtime handles each saved tensor, and the LSTM at T = 200 saved 2,801, 1,400
-    of them views (a store-all step 1.28x eager's, where ``aot_eager`` is 1.05x)."""
+    of them views (now 1,405; ``aot_eager`` saves 2,002). Its store-all step went from 1.28x eager's to
+    1.25x, within noise (``aot_eager``: 1.06x; docs/benchmarks.md)."""
     while node.op == "call_function" and node in forward_new and not _is_random(node):
         inputs = [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
         value = node.meta.get("val")
