@@ -30,9 +30,8 @@ Time: ``forward_cost`` for every ``Forward`` and ``backward_cost`` for every ``B
 computations beyond the first of a node count as ``recompute_cost``.
 
 Random nodes computed more than once: the first computation keeps a snapshot of the generators
-(``rng_state_bytes``) until the node's last computation, and each recomputation holds the current state
-transiently while it replays the snapshot (the executor's ``replayed_rng``, the compiler path's
-``rng_snapshot`` read by ``replay_random``; both let go of the snapshot after its last replay).
+(``rng_state_bytes``) to the end of the step, and each recomputation holds the current state
+transiently while it replays the snapshot (the executor's ``_replayed_rng``).
 """
 from __future__ import annotations
 
@@ -94,8 +93,6 @@ class _Simulation:
         self.timeline: list[TimelinePoint] = []
         self.op_peak = 0
         self.replayed_random: set[int] = set()     # random nodes computed more than once
-        self.computations_left: Counter[int] = Counter()  # of each replayed random node, after the current one
-        self.rng_snapshot: dict[int, int] = {}     # replayed random node -> storage of its generators' snapshot
 
     # ---------------------------------------------------------------- storages
     def _new_storage(self, nbytes: int) -> int:
@@ -141,11 +138,10 @@ class _Simulation:
         # without a tape, what the node would save (dropout masks, internal copies) is transient
         transient = node.workspace_bytes + (0 if op.tape else node.saved_buffer_bytes)
         if op.node in self.replayed_random:
-            self.computations_left[op.node] -= 1
             if op.node in self.computed:
                 transient += self.graph.rng_state_bytes  # the generators' state, put back afterwards
-            else:  # the snapshot replayed later, kept until the last replay
-                self.rng_snapshot[op.node] = self._new_storage(self.graph.rng_state_bytes)
+            else:
+                self._new_storage(self.graph.rng_state_bytes)  # the snapshot replayed later, kept to the end
         self.op_peak = max(self.op_peak, self.live + transient)
         self.peak = max(self.peak, self.op_peak)
         if op.tape and node.requires_grad and self.graph.implicit_backward:
@@ -161,8 +157,6 @@ class _Simulation:
         if op.node in self.computed:
             self.recompute_cost += node.forward_cost
         self.computed.add(op.node)
-        if op.node in self.rng_snapshot and not self.computations_left[op.node]:
-            self._unref(self.rng_snapshot.pop(op.node))  # replayed for the last time
 
     def _storage_of_owner(self, index: int, owner: int, where: str, why: str) -> int:
         """The live storage of ``owner`` that node ``index`` reaches: through the input it read, else the
@@ -317,7 +311,6 @@ def simulate(graph: CostGraph, schedule: Schedule) -> SimulationResult:
     sim = _Simulation(graph)
     computations = Counter(op.node for op in (*schedule.forward_ops, *schedule.backward_ops) if isinstance(op, Forward))
     sim.replayed_random = {v for v, count in computations.items() if count > 1 and graph.nodes[v].random}
-    sim.computations_left = Counter({v: computations[v] for v in sim.replayed_random})
     for position, op in enumerate(schedule.forward_ops):
         sim.run("forward", position, op)
     forward_peak = sim.peak
