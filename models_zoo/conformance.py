@@ -91,8 +91,8 @@ def check_model(name: str, fractions: Sequence[float] = DEFAULT_FRACTIONS, solve
         args, kwargs = call_of(call)
         store_all = rg.optimize(model, 1.0, example_inputs=args or None, example_kwargs=kwargs or None,
                                 solver="store_all", compiler=compiler, **options)
-        reuse = {"cost_graph": store_all.recompute_plan.graph} if compiler is False else {}
         base = store_all.recompute_plan
+        reuse = {"cost_graph": base.graph} if compiler is False else {}
         store_all_peak = _original_peak(model, args, kwargs)
         if summary is not None:
             from recompute_graph.planner import min_feasible_budget

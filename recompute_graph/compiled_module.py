@@ -104,7 +104,7 @@ class CompiledRecomputedModule(SharedModelModule):
         if key not in self._planned:
             lowered = len(self._lowerings)
             try:
-                self._trial(args, kwargs)
+                self._trial(key, args, kwargs)
                 if len(self._lowerings) == lowered:
                     raise CaptureError(f"{self._original_class}: torch.compile made no backward graph for this "
                                        "call (nothing in it requires grad), so there is nothing to plan")
@@ -133,14 +133,15 @@ class CompiledRecomputedModule(SharedModelModule):
         if key not in self._steps:
             compiled = torch.compile(_own_code_call(self._original), backend=self._backend, fullgraph=True,
                                      dynamic=False)
+            ignored = ignored_logging_calls()  # once, not on every training call
 
             def step(*args: Any, **kwargs: Any) -> Any:
-                with torch._dynamo.config.patch(ignore_logging_functions=ignored_logging_calls()):
+                with torch._dynamo.config.patch(ignore_logging_functions=ignored):
                     return compiled(*args, **kwargs)
             self._steps[key] = step
         return self._steps[key]
 
-    def _trial(self, args: tuple, kwargs: dict) -> None:
+    def _trial(self, key: tuple, args: tuple, kwargs: dict) -> None:
         """One compiled forward in training mode with grad, undone (``model_state.preserved_state``:
         buffers by value, the random generators), output dropped. Errors of the compiler come out as
         the library's own."""
@@ -148,7 +149,7 @@ class CompiledRecomputedModule(SharedModelModule):
         self.train(True)
         try:
             with preserved_state(self._original, rng=True), torch.enable_grad():
-                self._step_for(_signature_key(args, kwargs))(*args, **kwargs)
+                self._step_for(key)(*args, **kwargs)
         except TorchDynamoException as error:
             raise _library_error(error, self._original_class) from error
         finally:
@@ -178,8 +179,8 @@ class CompiledRecomputedModule(SharedModelModule):
         except TorchDynamoException as error:
             failure = _library_error(error, self._original_class)
             failure.__cause__ = error
-            if isinstance(failure, InfeasibleBudgetError):
-                raise failure from error
+        if isinstance(failure, InfeasibleBudgetError):
+            raise failure
         self._fall_back(failure)  # Dynamo failed before the step ran: nothing of it happened
         return self.delegate(*args, **kwargs)
 

@@ -58,7 +58,9 @@ def main() -> None:
           f"input {tuple(inputs[0].shape)}, budget {args.budget}\n")
     # optimize()'s default path: torch.compile with our partitioner (the schedule executor where the
     # model cannot be captured as one graph); the loss trained with is priced beside the plan
-    optimized = optimize(twin, budget, example_inputs=inputs, loss_fn=lambda output: task_loss(output, inputs))
+    def loss_fn(output: torch.Tensor) -> torch.Tensor:
+        return task_loss(output, inputs)
+    optimized = optimize(twin, budget, example_inputs=inputs, loss_fn=loss_fn)
     plan = optimized.recompute_plan
     path = "compiler path" if isinstance(optimized, CompiledRecomputedModule) else "schedule executor"
     print(f"{plan}\n(on the {path}: {type(optimized).__name__})\n")
@@ -69,8 +71,8 @@ def main() -> None:
     for i, (a, b) in enumerate(zip(original_losses, optimized_losses)):
         print(f"{i:>4}  {a:>13.6g}  {b:>14.6g}")
 
-    original_step = make_training_step(model, inputs, loss_fn=lambda output: task_loss(output, inputs))
-    optimized_step = make_training_step(optimized, inputs, loss_fn=lambda output: task_loss(output, inputs))
+    original_step = make_training_step(model, inputs, loss_fn=loss_fn)
+    optimized_step = make_training_step(optimized, inputs, loss_fn=loss_fn)
     original_peak, optimized_peak = peak_memory(original_step), peak_memory(optimized_step)
     original_time = time_step(original_step, repeats=3).median_seconds
     optimized_time = time_step(optimized_step, repeats=3).median_seconds

@@ -31,6 +31,20 @@ TINY_SIZES = {
 }
 
 
+def planned_run(model: torch.nn.Module, inputs: tuple, solver: str, budget: float, prefix: str,
+                options: dict) -> tuple:
+    """``(label, step, schedule ops, graph nodes)`` of ``optimize(model, budget, ...)`` on one path, planned
+    at the smallest feasible budget where ``budget`` is below it (the joint graph's floor can be higher)."""
+    try:
+        optimized = optimize(model, budget, example_inputs=inputs, solver=solver, **options)
+    except InfeasibleBudgetError as error:
+        optimized = optimize(model, error.min_budget_bytes, example_inputs=inputs, solver=solver, **options)
+        budget = optimized.recompute_plan.budget_bytes / optimized.recompute_plan.store_all_peak_bytes
+    plan = optimized.recompute_plan
+    ops = len(plan.schedule.forward_ops) + len(plan.schedule.backward_ops)
+    return f"{prefix}{plan.solver} @ {budget:.0%}", make_training_step(optimized, inputs), ops, len(plan.graph)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(TINY_SIZES), choices=list(TINY_SIZES))
@@ -48,25 +62,14 @@ def main() -> None:
         model, inputs = models_zoo.get_model(name, sizes.pop("preset"), **sizes)
         model, inputs = model.to(device), tuple(t.to(device) for t in inputs)
         runs = [("original", make_training_step(model, inputs), 0, 0)]
-        for solver, budget in (("store_all", 1.0), ("auto", 0.5)):
-            optimized = optimize(model, budget, example_inputs=inputs, solver=solver, timing="flops")
-            plan = optimized.recompute_plan
-            ops = len(plan.schedule.forward_ops) + len(plan.schedule.backward_ops)
-            runs.append((f"{plan.solver} @ {budget:.0%}", make_training_step(optimized, inputs), ops, len(plan.graph)))
-        if args.compiler:
-            torch._dynamo.reset()
-            runs.append(("torch.compile aot_eager", make_training_step(
-                torch.compile(model, backend="aot_eager", fullgraph=True), inputs), 1, 0))
+        for prefix, options in [("", {"compiler": False, "timing": "flops"})] + (
+                [("compiler: ", {"compiler": True})] if args.compiler else []):
+            if prefix:  # the compiler path's reference: torch.compile's own partition, run as generated
+                torch._dynamo.reset()
+                runs.append(("torch.compile aot_eager", make_training_step(
+                    torch.compile(model, backend="aot_eager", fullgraph=True), inputs), 1, 0))
             for solver, budget in (("store_all", 1.0), ("auto", 0.5)):
-                try:
-                    compiled = optimize(model, budget, example_inputs=inputs, solver=solver, compiler=True)
-                except InfeasibleBudgetError as error:  # the joint graph's floor is higher: plan at it
-                    compiled = optimize(model, error.min_budget_bytes, example_inputs=inputs, solver=solver,
-                                        compiler=True)
-                    budget = compiled.recompute_plan.budget_bytes / compiled.recompute_plan.store_all_peak_bytes
-                plan = compiled.recompute_plan
-                ops = len(plan.schedule.forward_ops) + len(plan.schedule.backward_ops)
-                runs.append((f"compiler: {plan.solver} @ {budget:.0%}", make_training_step(compiled, inputs), ops, 0))
+                runs.append(planned_run(model, inputs, solver, budget, prefix, options))
         timings = time_steps_in_turn([step for _, step, _, _ in runs], rounds=args.rounds, warmup=3,
                                      device=device if device.type == "cuda" else None)
         fastest = [min(timing.seconds) for timing in timings]
