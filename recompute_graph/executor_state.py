@@ -47,6 +47,7 @@ class StepState:
     grads: dict[Any, dict[int, torch.Tensor]] = field(default_factory=dict)
     owned_grads: set[tuple[Any, int]] = field(default_factory=set)
     rng_states: dict[int, tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]] = field(default_factory=dict)
+    random_computations: Counter = field(default_factory=Counter)  # of each replayed random node so far
     computed: set[int] = field(default_factory=set)
     output_sources: list[tuple[int | None, int]] = field(default_factory=list)
     autocast: tuple = ()  # the autocast settings of the forward, re-entered to recompute in backward
@@ -129,10 +130,11 @@ def unpack_saved(tensor: torch.Tensor) -> torch.Tensor:
 
 class replayed_rng:  # noqa: N801 - used like a function: ``with replayed_rng(...)``
     """First computation of a random node: record the RNG states. Recomputation: replay them and put the
-    generators back afterwards, so the rest of the step draws the same numbers as without recomputation."""
+    generators back afterwards, so the rest of the step draws the same numbers as without recomputation.
+    ``last``: the schedule's last computation of the node, after which its recorded states are let go."""
 
-    def __init__(self, state: StepState, index: int, recompute: bool, args: Any) -> None:
-        self.state, self.index, self.recompute = state, index, recompute
+    def __init__(self, state: StepState, index: int, recompute: bool, args: Any, last: bool = False) -> None:
+        self.state, self.index, self.recompute, self.last = state, index, recompute, last
         self.devices = sorted({t.device.index or 0 for t in tree_flatten(args)[0]
                                if isinstance(t, torch.Tensor) and t.device.type == "cuda"})
         self.saved: tuple[torch.Tensor, list[tuple[int, torch.Tensor]]] | None = None
@@ -154,3 +156,5 @@ class replayed_rng:  # noqa: N801 - used like a function: ``with replayed_rng(..
             torch.set_rng_state(cpu)
             for device, rng in cuda:
                 torch.cuda.set_rng_state(rng, device)
+        if self.last:
+            self.state.rng_states.pop(self.index, None)

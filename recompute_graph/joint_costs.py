@@ -590,4 +590,6 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
                      # every differentiable output gets a gradient at the start of the backward: AOTAutograd's
                      # backward takes one tangent per output, and autograd fills those the loss does not
                      # reach with zeros (T5's cached keys and values: 36 KB a plan of 331 KB did not see)
-                     loss_gradient_outputs=outputs)
+                     loss_gradient_outputs=outputs,
+                     # the generated backward takes them in the boxed convention and drops each after its last use
+                     output_gradients_held=False)

@@ -306,8 +306,9 @@ def graph_live_bytes(forward_graph: fx.GraphModule, backward_graph: fx.GraphModu
     graphs' own liveness (fake values of ``meta["val"]``, storage by storage: a view holds its base's
     storage). A value is live from its node to its last use; the forward's outputs (the model's outputs
     and the saved values) stay live into the backward, the saved ones until the backward's last use of
-    them, the model's to the end (the caller's loss holds them); the backward's outputs (gradients) to
-    the end. Storages of the forward's placeholders (parameters, inputs) are not counted."""
+    them; the model's outputs no further (the README loop, ``loss_fn(model(x)).backward()``, has dropped
+    them once its loss ran; a loop that keeps them holds them to the end, beyond the prediction); the
+    backward's outputs (gradients) to the end. Storages of the forward's placeholders (parameters, inputs) are not counted."""
     from collections import Counter
 
     primal_keys = {key for n in forward_graph.graph.nodes if n.op == "placeholder" for key, _ in _storage(n)}
@@ -332,7 +333,6 @@ def graph_live_bytes(forward_graph: fx.GraphModule, backward_graph: fx.GraphModu
 
     points: list[tuple[str, str, int]] = []
     forward_outputs = _outputs(forward_graph)
-    saved_names = {n.name for n in backward_graph.graph.nodes if n.op == "placeholder"}
     for tag, graph_module, kept in (("forward", forward_graph, set(forward_outputs)),
                                     ("backward", backward_graph, set(_outputs(backward_graph)))):
         nodes = list(graph_module.graph.nodes)
@@ -340,9 +340,6 @@ def graph_live_bytes(forward_graph: fx.GraphModule, backward_graph: fx.GraphModu
         if graph_module is backward_graph:
             for node in forward_outputs:  # the forward's holds end; the backward's placeholders take over
                 release(node)
-            for node in forward_outputs:
-                if node.name not in saved_names:
-                    hold(node)  # a model output, held by the caller
         for i, node in enumerate(nodes):
             if node.op == "output":
                 continue

@@ -90,8 +90,8 @@ def compiled_timeline(model: torch.nn.Module, inputs: Sequence[Any], budget: Any
     def step() -> None:
         model.zero_grad(set_to_none=True)
         with torch._dynamo.config.patch(ignore_logging_functions=ignored_logging_calls()):  # as optimize() compiles
-            output = compiled(*inputs, **(kwargs or {}))
-        loss_fn(output).backward()
+            loss = loss_fn(compiled(*inputs, **(kwargs or {})))
+        loss.backward()  # the output dropped first, as in the README loop the prediction is for
     step()
     if len(lowerings) != 1:
         raise ValueError(f"torch.compile split the model into {len(lowerings)} graphs; the timeline "

@@ -86,10 +86,11 @@ class ScheduleExecutor:
         self._state_tensors = [self._mutable_state(n) if graph.nodes[i].stateful else []
                                for i, n in enumerate(self.fx_of)]
         # RNG snapshots only for the random nodes the schedule computes more than once (each costs
-        # ``graph.rng_state_bytes`` to the end of the step; the simulator counts them the same way)
+        # ``graph.rng_state_bytes`` until the node's last computation; the simulator counts them the same way)
         computations = Counter(op.node for op in (*schedule.forward_ops, *schedule.backward_ops)
                                if isinstance(op, Forward))
         self._random = [node.random and computations[node.index] > 1 for node in graph]
+        self._computations = computations
         self._modules: dict[str, nn.Module] = {}
         # getitem nodes with a constant integer index into another node's value: (producer, index)
         self._tuple_items = [(self.cost_index[n.args[0].name], n.args[1])
@@ -232,6 +233,11 @@ class ScheduleExecutor:
         else:  # pragma: no cover - the simulator rejects these first
             raise RewriteError(f"unknown op {op!r}")
 
+    def _last_computation(self, state: StepState, index: int) -> bool:
+        """Counts a computation of random node ``index``; whether it is the schedule's last of it."""
+        state.random_computations[index] += 1
+        return state.random_computations[index] == self._computations[index]
+
     def _forward(self, state: StepState, index: int, tape: bool, connect: frozenset[int] | None = None) -> None:
         if tape and connect is None and self._tuple_items[index] is not None and self._taped_item(state, index):
             return
@@ -249,7 +255,8 @@ class ScheduleExecutor:
         restore = [(t, t.clone()) for t in self._state_tensors[index]] if recompute else []
         saved: list[int | None] | None = [] if tape else None
         try:
-            with replayed_rng(state, index, recompute, args) if self._random[index] else contextlib.nullcontext():
+            with (replayed_rng(state, index, recompute, args, last=self._last_computation(state, index))
+                  if self._random[index] else contextlib.nullcontext()):
                 out = self._call_in_grad_mode(node, args, kwargs, saved)
         except Exception as error:  # noqa: BLE001
             raise RewriteError(f"node {node.format_node()} failed: {type(error).__name__}: {error}") from error

@@ -13,7 +13,8 @@ Memory model (bytes of tensor storage above what was live before the step; see d
   holds references to the storages its backward reads (``backward_needs``: its inputs' and its own).
 * A storage lives while a value or a tape refers to it (reference counting, as in PyTorch).
 * At the start of backward the gradients of the model outputs arrive (``grad_bytes``); autograd holds
-  them until the model's whole backward has run. The loss itself is modelled as lean: it keeps the
+  them until the model's whole backward has run (``output_gradients_held``; else each is released after
+  its node's backward, as the compiler path's generated backward drops its tangents). The loss itself is modelled as lean: it keeps the
   outputs until its backward and makes one output-sized gradient (what ``measure.default_loss`` does);
   a loss holding more (cross-entropy keeps its log-softmax) needs that much more budget. A ``Backward(v)``
   allocates a gradient buffer (``grad_bytes``) for each predecessor needing one that has none yet, has
@@ -30,8 +31,9 @@ Time: ``forward_cost`` for every ``Forward`` and ``backward_cost`` for every ``B
 computations beyond the first of a node count as ``recompute_cost``.
 
 Random nodes computed more than once: the first computation keeps a snapshot of the generators
-(``rng_state_bytes``) to the end of the step, and each recomputation holds the current state
-transiently while it replays the snapshot (the executor's ``_replayed_rng``).
+(``rng_state_bytes``) until the node's last computation, and each recomputation holds the current state
+transiently while it replays the snapshot (the executor's ``replayed_rng``, the compiler path's
+``rng_snapshot`` read by ``replay_random``; both let go of the snapshot after its last replay).
 """
 from __future__ import annotations
 
@@ -93,6 +95,8 @@ class _Simulation:
         self.timeline: list[TimelinePoint] = []
         self.op_peak = 0
         self.replayed_random: set[int] = set()     # random nodes computed more than once
+        self.computations_left: Counter[int] = Counter()  # of each replayed random node, after the current one
+        self.rng_snapshot: dict[int, int] = {}     # replayed random node -> storage of its generators' snapshot
 
     # ---------------------------------------------------------------- storages
     def _new_storage(self, nbytes: int) -> int:
@@ -138,10 +142,11 @@ class _Simulation:
         # without a tape, what the node would save (dropout masks, internal copies) is transient
         transient = node.workspace_bytes + (0 if op.tape else node.saved_buffer_bytes)
         if op.node in self.replayed_random:
+            self.computations_left[op.node] -= 1
             if op.node in self.computed:
                 transient += self.graph.rng_state_bytes  # the generators' state, put back afterwards
-            else:
-                self._new_storage(self.graph.rng_state_bytes)  # the snapshot replayed later, kept to the end
+            else:  # the snapshot replayed later, kept until the last replay
+                self.rng_snapshot[op.node] = self._new_storage(self.graph.rng_state_bytes)
         self.op_peak = max(self.op_peak, self.live + transient)
         self.peak = max(self.peak, self.op_peak)
         if op.tape and node.requires_grad and self.graph.implicit_backward:
@@ -157,6 +162,8 @@ class _Simulation:
         if op.node in self.computed:
             self.recompute_cost += node.forward_cost
         self.computed.add(op.node)
+        if op.node in self.rng_snapshot and not self.computations_left[op.node]:
+            self._unref(self.rng_snapshot.pop(op.node))  # replayed for the last time
 
     def _storage_of_owner(self, index: int, owner: int, where: str, why: str) -> int:
         """The live storage of ``owner`` that node ``index`` reaches: through the input it read, else the
@@ -219,13 +226,14 @@ class _Simulation:
         """Backward of ``node`` from its output gradient buffer (see the module docstring).
 
         The output gradient is released when the backward ends, except a model output's, which autograd
-        holds until the whole model's backward returns. A pass-through backward (``backward_aliases_grad``:
+        holds until the whole model's backward returns (unless ``graph.output_gradients_held`` is False).
+        A pass-through backward (``backward_aliases_grad``:
         an addition, a view, ``cat``) hands its buffer on without a copy: every input that gets its first
         gradient shares that one storage (an addition's two inputs; the slices of ``cat``), and when none
         does, the buffer is released before the inputs' buffers appear."""
         graph = self.graph
         handed = self.grad_storage.pop(index)
-        held = index in graph.outputs
+        held = index in graph.outputs and graph.output_gradients_held
         fresh = [p for p in node.predecessors if graph.nodes[p].requires_grad and p not in self.grad]
         shared = set(fresh) if node.backward_aliases_grad else set()
         released = False
@@ -311,6 +319,7 @@ def simulate(graph: CostGraph, schedule: Schedule) -> SimulationResult:
     sim = _Simulation(graph)
     computations = Counter(op.node for op in (*schedule.forward_ops, *schedule.backward_ops) if isinstance(op, Forward))
     sim.replayed_random = {v for v, count in computations.items() if count > 1 and graph.nodes[v].random}
+    sim.computations_left = Counter({v: computations[v] for v in sim.replayed_random})
     for position, op in enumerate(schedule.forward_ops):
         sim.run("forward", position, op)
     forward_peak = sim.peak

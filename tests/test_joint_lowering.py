@@ -88,8 +88,12 @@ def test_without_kernel_workspace_the_joint_cost_graph_is_the_liveness_of_the_gr
         _compiled_step_matches_eager(model, (x,), budget_backend(fraction, solver="dp_exact", price_kernels=False))
         lowered = last_lowering()
         assert lowered.recomputed or fraction == 1.0
-        assert simulate(lowered.graph, lowered.plan.schedule).peak_bytes == graph_peak_bytes(
-            lowered.forward_graph, lowered.backward_graph)
+        result = simulate(lowered.graph, lowered.plan.schedule)
+        assert result.peak_bytes == graph_peak_bytes(lowered.forward_graph, lowered.backward_graph)
+        # what is left when the backward ends: the recomputed dropout's RNG snapshot is let go after its
+        # replay in both (the simulator held it to the end: BART's prediction 1.139 of the allocator)
+        *_, (_, _, final_live_bytes) = graph_live_bytes(lowered.forward_graph, lowered.backward_graph)
+        assert result.final_bytes == final_live_bytes
 
 
 class _Conv1DStack(nn.Module):
@@ -119,10 +123,10 @@ def test_parameter_gradients_of_units_no_gradient_reaches_are_priced_as_the_grap
     assert unreached  # the weights' and the input's gradients
     result = simulate(lowered.graph, lowered.plan.schedule)
     *_, (_, _, final_live_bytes) = graph_live_bytes(lowered.forward_graph, lowered.backward_graph)
-    # the gradients the graphs return are all live at the end; the simulator also holds the output's
-    # gradient there (autograd's engine does), which the graphs' liveness lets go after its last use
-    held = sum(lowered.graph.nodes[o].grad_bytes for o in lowered.graph.gradient_outputs)
-    assert result.final_bytes == final_live_bytes + held
+    # the gradients the graphs return are all live at the end, and only they: the output's gradient,
+    # a tangent of the generated backward, is let go after its last use in both
+    assert not lowered.graph.output_gradients_held
+    assert result.final_bytes == final_live_bytes
     assert result.final_bytes - unreached < final_live_bytes  # what the simulator counted before
 
 
@@ -192,9 +196,9 @@ def test_every_differentiable_output_gets_a_gradient_in_the_plan_not_only_the_lo
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=budget_backend(1.0, loss_fn=_loss))
 
-    def step():
+    def step():  # the training loop backpropagates the model's own loss
         model.zero_grad(set_to_none=True)
-        _loss(compiled(x)).backward()
+        compiled(x)[0].backward()
     step()
     lowered = last_lowering()
     names = {lowered.graph.nodes[o].name for o in lowered.graph.gradient_outputs}
@@ -203,14 +207,16 @@ def test_every_differentiable_output_gets_a_gradient_in_the_plan_not_only_the_lo
     assert lowered.graph.loss_bytes == 0
     measured = allocator_peak_memory(step)
     # without the zero gradient the plan read 262 KB for a step the allocator measures at 336 KB
-    assert measured <= lowered.plan.predicted_step_peak_bytes
+    # and with it the two agree to the bytes of the backward's root: the engine holds ``.backward()``'s
+    # one-element gradient (and AOTAutograd's copy of it) to the end, 4 B each, not priced
+    assert 0 <= measured - lowered.plan.predicted_step_peak_bytes <= 16
 
 
 @pytest.mark.parametrize("name,fraction", [("resnet18", 1.0), ("resnet18", 0.9), ("unet", 0.9), ("gpt2", 0.8)])
 def test_the_predicted_peak_of_a_compiled_step_is_close_to_the_allocators(name, fraction):
-    """Within 5 % below (a budget the planner accepts holds) and 20 % above: the simulator keeps each RNG
-    snapshot of a recomputed dropout (5 KB on CPU) to the end of the step, the generated backward frees
-    it after its replay, which on GPT-2 tiny (13 dropouts, a 300 KB step) is 15 % (docs/compiler.md)."""
+    """Within 5 %, either way (the conformance bound is 10 %). It was 20 % above while the simulator kept
+    each recomputed dropout's RNG snapshot (5 KB on CPU) to the end of the step, which the generated
+    backward frees after its replay: 15 % on GPT-2 tiny (13 dropouts, a 300 KB step)."""
     model, inputs = models_zoo.get_model(name, "tiny")
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=budget_backend(fraction))
@@ -221,7 +227,7 @@ def test_the_predicted_peak_of_a_compiled_step_is_close_to_the_allocators(name, 
     step()
     measured = allocator_peak_memory(step)
     predicted = last_lowering().plan.predicted_step_peak_bytes
-    assert measured * 0.95 <= predicted <= measured * 1.2
+    assert measured * 0.95 <= predicted <= measured * 1.05
 
 
 @pytest.mark.parametrize("name,fraction", [("gpt2", 0.8), ("resnet18", 0.9), ("unet", 0.9)])
