@@ -49,12 +49,12 @@ from typing import Any, Sequence
 import torch
 from torch import fx
 from torch.utils._pytree import tree_flatten, tree_map
-from torch.utils.flop_counter import FlopCounterMode
 
 from .costs import DEVICE_PROFILES, DeviceProfile
 from .graph import CostGraph, CostNode
 from .joint_capture import RANDOM_TARGETS, op_name, reachable
 from .joint_partition import STATE_READING_TARGETS, _is_tensor
+from .meta_flops import meta_flops
 
 __all__ = ["JointUnits", "joint_units", "joint_cost_graph", "kernel_workspace_bytes", "outputs_loss_bytes",
            "is_tangent", "backward_reads", "rng_state_bytes", "JOINT_COST_SOURCE", "is_joint_cost_graph"]
@@ -344,26 +344,6 @@ def _rng_state_bytes(primals: list[fx.Node]) -> int:
                                 None))
 
 
-def _meta_flops(node: fx.Node) -> int:
-    """FLOPs of one node, run on meta tensors shaped like its inputs' fake values (0 if it cannot run)."""
-    if node.op != "call_function" or node.target is operator.getitem:
-        return 0
-
-    def to_meta(value: Any) -> Any:
-        if isinstance(value, fx.Node):
-            value = value.meta.get("val")
-        if isinstance(value, torch.Tensor):
-            return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
-        return value
-    try:
-        args, kwargs = tree_map(to_meta, (node.args, node.kwargs))
-        with FlopCounterMode(display=False) as counter:
-            node.target(*args, **kwargs)
-        return int(counter.get_total_flops())
-    except Exception:  # noqa: BLE001 - an op that cannot run on meta is priced by its bytes alone
-        return 0
-
-
 def _moved_bytes(node: fx.Node) -> int:
     return _value_bytes(node) + sum(_value_bytes(a) for a in node.all_input_nodes)
 
@@ -502,6 +482,7 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
     requires_grad: list[bool] = []
     parameter_views: list[bool] = []
     nodes: list[CostNode] = []
+    flops_by_signature: dict[Any, int] = {}
     for index, members in enumerate(units.units):
         member_set = set(members)
         own_keys = {key: nbytes for n in members for key, nbytes in _storage(n) if owner.get(key) == index}
@@ -558,7 +539,7 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
                        for key, _ in _storage(b)}
         backward_made = {key: nbytes for b in backward_nodes for key, nbytes in _storage(b)
                          if key not in primal_keys and key not in owner and key not in passed_keys}
-        flops = {n: _meta_flops(n) for n in (*members, *backward_nodes)}
+        flops = {n: meta_flops(n, flops_by_signature) for n in (*members, *backward_nodes)}
         forward_flops = sum(flops[n] for n in members)
         backward_flops = sum(flops[b] for b in backward_nodes)
         internal = sum(nbytes for key, nbytes in own_keys.items() if key not in read_outside)

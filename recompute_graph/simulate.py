@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from .errors import ScheduleError
 from .graph import CostGraph, CostNode
@@ -47,9 +48,26 @@ from .schedule import Backward, Forward, FreeValue, Op, Schedule
 __all__ = ["ScheduleError", "SimulationResult", "TimelinePoint", "simulate"]
 
 
-@dataclass(frozen=True)
-class TimelinePoint:
-    """Memory around one op: ``live_bytes`` after it and ``peak_bytes`` while it ran."""
+class _Where:
+    """Where an op is, for error messages: formatted only when one is raised (the simulator runs millions
+    of ops planning a large graph; formatting each op's place up front was a tenth of its time)."""
+
+    __slots__ = ("graph", "phase", "position", "op")
+
+    def __init__(self, graph: CostGraph, phase: str, position: int, op: Op) -> None:
+        self.graph, self.phase, self.position, self.op = graph, phase, position, op
+
+    def __str__(self) -> str:
+        return f"{self.phase} op {self.position} {self.op!r} (node {self.graph.nodes[self.op.node].name!r})"
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self), spec)
+
+
+class TimelinePoint(NamedTuple):
+    """Memory around one op: ``live_bytes`` after it and ``peak_bytes`` while it ran. (A named tuple:
+    one is made per op, millions of them planning a large graph, and a frozen dataclass's constructor
+    cost several times as much.)"""
 
     phase: str  # "forward" or "backward"
     position: int  # index within its phase's ops
@@ -122,12 +140,11 @@ class _Simulation:
         self.peak = max(self.peak, self.live)
         self.op_peak = max(self.op_peak, self.live)
 
-    def _where(self, phase: str, position: int, op: Op) -> str:
-        node = self.graph.nodes[op.node]
-        return f"{phase} op {position} {op!r} (node {node.name!r})"
+    def _where(self, phase: str, position: int, op: Op) -> "_Where":
+        return _Where(self.graph, phase, position, op)
 
     # ---------------------------------------------------------------- ops
-    def forward(self, op: Forward, where: str) -> None:
+    def forward(self, op: Forward, where: "_Where") -> None:
         node = self.graph.nodes[op.node]
         for p in node.predecessors:
             if p not in self.value:
@@ -165,7 +182,7 @@ class _Simulation:
         if op.node in self.rng_snapshot and not self.computations_left[op.node]:
             self._unref(self.rng_snapshot.pop(op.node))  # replayed for the last time
 
-    def _storage_of_owner(self, index: int, owner: int, where: str, why: str) -> int:
+    def _storage_of_owner(self, index: int, owner: int, where: "_Where", why: str) -> int:
         """The live storage of ``owner`` that node ``index`` reaches: through the input it read, else the
         owner's own current value."""
         for p in self.graph.nodes[index].predecessors:
@@ -175,7 +192,7 @@ class _Simulation:
             return self.value[owner]
         raise ScheduleError(f"{where}: {why} node {owner}'s storage, which is not live")
 
-    def free(self, op: FreeValue, where: str) -> None:
+    def free(self, op: FreeValue, where: "_Where") -> None:
         if op.node not in self.value:
             raise ScheduleError(f"{where}: the value is not live")
         self._unref(self.value.pop(op.node))
@@ -197,7 +214,7 @@ class _Simulation:
             self.grad.add(o)
             self.grad_storage[o] = self._new_storage(self.graph.nodes[o].grad_bytes)
 
-    def backward(self, op: Backward, where: str) -> None:
+    def backward(self, op: Backward, where: "_Where") -> None:
         if not self.graph.implicit_backward:
             raise ScheduleError(f"{where}: graph {self.graph.name!r} has explicit backward nodes; compute them "
                                 "with Forward instead")

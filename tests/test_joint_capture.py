@@ -123,3 +123,19 @@ def test_third_party_models_capture_exactly(name):
     args, kwargs = call_of(call)
     joint = capture_joint(model, args, kwargs)
     assert_matches_eager(model, args, joint, kwargs)
+
+
+def test_flops_are_counted_once_per_signature_and_equal_counting_every_node():
+    """``meta_flops`` with a cache by signature (the op, its tensors' shapes, strides and dtypes, its
+    other arguments): a deep model's repeated layers are run under ``FlopCounterMode`` once, and every
+    node gets the FLOPs it gets counted alone."""
+    from recompute_graph.meta_flops import meta_flops
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(6)])
+    joint = capture_joint(model, (torch.randn(4, 16),)).graph_module
+    nodes = [n for n in joint.graph.nodes if n.op == "call_function"]
+    known: dict = {}
+    cached = [meta_flops(n, known) for n in nodes]
+    assert cached == [meta_flops(n) for n in nodes]
+    assert sum(1 for n in nodes if "mm" in str(n.target)) and sum(cached) > 0
+    assert len(known) < len(nodes) / 3  # six layers alike: few distinct signatures
