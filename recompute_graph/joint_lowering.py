@@ -45,7 +45,7 @@ from .graph import CostGraph
 from .joint_capture import RANDOM_TARGETS, op_name
 from .joint_costs import (JointUnits, _storage, is_tangent, joint_cost_graph, joint_units,
                           kernel_workspace_bytes, outputs_loss_bytes, rng_state_bytes)
-from .joint_partition import STATE_READING_TARGETS, boxed_interpreter
+from .joint_partition import STATE_READING_TARGETS, boxed_interpreter, extract_graphs
 from .schedule import Backward, Forward, Schedule
 
 __all__ = ["Lowered", "lower_schedule", "graph_peak_bytes", "budget_backend", "last_lowering",
@@ -369,7 +369,6 @@ def plan_and_lower(joint: fx.GraphModule, budget: Any, *, num_fwd_outputs: int, 
     ``saved_plan``: a ``RecomputePlan`` to reuse instead of solving when its cost graph has the joint
     cost graph's structure and fits the budget (``saved_plans.reuse_plan``; a ``PlanMismatchWarning``
     says why not otherwise). ``device_profile``: what times FLOPs (``costs.DEVICE_PROFILES``)."""
-    from torch._functorch.partitioners import _extract_fwd_bwd_modules
 
     from .planner import make_plan
     from .saved_plans import reuse_plan
@@ -390,8 +389,7 @@ def plan_and_lower(joint: fx.GraphModule, budget: Any, *, num_fwd_outputs: int, 
         plan = make_plan(graph, error.min_budget_bytes, solver)
     schedule = schedule_pass(graph, plan.schedule) if schedule_pass is not None else plan.schedule
     module, saved, saved_sym, recomputed = lower_schedule(joint, units, schedule)
-    forward_graph, backward_graph = _extract_fwd_bwd_modules(module, saved, saved_sym,
-                                                             num_fwd_outputs=num_fwd_outputs)
+    forward_graph, backward_graph = extract_graphs(module, saved, saved_sym, num_fwd_outputs=num_fwd_outputs)
     lowered = Lowered(graph, plan, forward_graph, backward_graph, tuple(n.name for n in saved), tuple(recomputed),
                       units)
     _LAST[:] = [lowered]
@@ -400,7 +398,7 @@ def plan_and_lower(joint: fx.GraphModule, budget: Any, *, num_fwd_outputs: int, 
 
 def budget_backend(budget: Any, solver: str = "auto", schedule_pass: SchedulePass | None = None,
                    price_kernels: bool = True, loss_fn: Any = None, on_infeasible: str = "raise",
-                   graph_compiler: Callable[..., Any] = boxed_interpreter,
+                   graph_compiler: "Callable[..., Any] | str" = boxed_interpreter,
                    on_lowered: Callable[[Lowered], None] | None = None, saved_plan: Any = None,
                    device_profile: Any = "cpu") -> Callable[..., Any]:
     """``torch.compile(model, backend=budget_backend("6GiB"))``: AOTAutograd whose partitioner plans
@@ -415,13 +413,19 @@ def budget_backend(budget: Any, solver: str = "auto", schedule_pass: SchedulePas
     ``on_infeasible``: ``"raise"`` (``InfeasibleBudgetError``, with the smallest feasible budget) or
     ``"floor"``: plan that graph at its smallest feasible budget, with an ``InfeasibleBudgetWarning``.
     ``graph_compiler``: what runs the generated graphs (AOTAutograd's boxed convention; the node-marking
-    interpreter of ``joint_timeline`` measures them node by node). ``on_lowered(lowered)``: called with
+    interpreter of ``joint_timeline`` measures them node by node; ``"inductor"``: inductor's code for
+    them, ``inductor_lowering``). ``on_lowered(lowered)``: called with
     each graph's :class:`Lowered` (``optimize(..., compiler=True)`` keeps its module's own).
     ``saved_plan`` and ``device_profile``: as in :func:`plan_and_lower`.
     A model ``torch.compile`` splits into several graphs (graph breaks) is planned graph by graph, each
     at ``budget`` (a fraction: of that graph's own store-all step)."""
     if on_infeasible not in ("raise", "floor"):
         raise ValueError(f"on_infeasible={on_infeasible!r}: use 'raise' or 'floor'")
+    if isinstance(graph_compiler, str):
+        if graph_compiler != "inductor":
+            raise ValueError(f"graph_compiler={graph_compiler!r}: use 'inductor' or an AOTAutograd compiler")
+        from .inductor_lowering import inductor_graph_compiler
+        graph_compiler = inductor_graph_compiler
     from .losses import default_training_loss
     loss_fn = loss_fn or default_training_loss
     from torch._dynamo.backends.common import aot_autograd

@@ -32,6 +32,7 @@ the saved values, the recompute nodes and the backward's code.
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -40,7 +41,8 @@ from torch import fx
 
 from .joint_capture import RANDOM_TARGETS, op_name, reachable
 
-__all__ = ["Partition", "POLICIES", "partition_with_policy", "place_recomputation", "recompute_backend",
+__all__ = ["Partition", "POLICIES", "partition_with_policy", "place_recomputation", "extract_graphs",
+           "drop_dead_random_nodes", "recompute_backend",
            "last_partition", "boxed_interpreter"]
 
 #: A policy gets the forward tensors (in graph order) and returns the names of those it would keep; of
@@ -115,7 +117,6 @@ def partition_with_policy(joint_module: fx.GraphModule, joint_inputs: Any, *, nu
                           ) -> tuple[fx.GraphModule, fx.GraphModule]:
     """An AOTAutograd ``partition_fn``: the forward and backward graphs for ``policy``'s saved values
     (module docstring). ``policy`` is a :data:`POLICIES` name or a callable."""
-    from torch._functorch.partitioners import _extract_fwd_bwd_modules
     choose = POLICIES[policy] if isinstance(policy, str) else policy
     graph = joint_module.graph
     tangents = [n for n in graph.nodes if n.op == "placeholder" and "tangents" in n.name]
@@ -140,11 +141,44 @@ def partition_with_policy(joint_module: fx.GraphModule, joint_inputs: Any, *, nu
     sym_saved = {n for n in walked if n.op == "placeholder" and not _is_tensor(n)}
     saved_values = [n for n in forward if n in saved]
     saved_sym = [n for n in forward if n in sym_saved]
-    forward_graph, backward_graph = _extract_fwd_bwd_modules(joint_module, saved_values, saved_sym,
-                                                             num_fwd_outputs=num_fwd_outputs)
+    forward_graph, backward_graph = extract_graphs(joint_module, saved_values, saved_sym,
+                                                   num_fwd_outputs=num_fwd_outputs)
     recomputed = place_recomputation(backward_graph, {n.name for n in forward} - {n.name for n in saved_values})
     _LAST[:] = [Partition(tuple(n.name for n in saved_values), tuple(recomputed), forward_graph, backward_graph)]
     return forward_graph, backward_graph
+
+
+def extract_graphs(joint_module: fx.GraphModule, saved_values: list[fx.Node], saved_sym: list[fx.Node], *,
+                   num_fwd_outputs: int) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """The forward and backward graphs of ``joint_module`` saving ``saved_values`` (torch's
+    ``_extract_fwd_bwd_modules``), without the random forward ops it copies into the backward where
+    nothing reads them (:func:`drop_dead_random_nodes`)."""
+    from torch._functorch.partitioners import _extract_fwd_bwd_modules
+    forward_graph, backward_graph = _extract_fwd_bwd_modules(joint_module, saved_values, saved_sym,
+                                                             num_fwd_outputs=num_fwd_outputs)
+    drop_dead_random_nodes(backward_graph)
+    return forward_graph, backward_graph
+
+
+def drop_dead_random_nodes(gm: fx.GraphModule) -> int:
+    """Erase from ``gm`` the random ops whose outputs nothing reads (with their unread ``getitem``s),
+    and return how many. ``_extract_fwd_bwd_modules`` copies every forward op whose inputs the backward
+    has, and dead-code elimination keeps random ops (impure): a forward dropout whose input is saved
+    ran again in the backward, drawing from the global generator (the next step's masks then differed
+    from eager's) for a mask nobody read (GPT-2 tiny: five of them)."""
+    dropped = 0
+    for node in reversed(list(gm.graph.nodes)):
+        if node.op != "call_function" or op_name(node.target) not in RANDOM_TARGETS:
+            continue
+        if any(u.users or u.target is not operator.getitem for u in node.users):
+            continue
+        for item in list(node.users):
+            gm.graph.erase_node(item)
+        gm.graph.erase_node(node)
+        dropped += 1
+    if dropped:
+        gm.recompile()
+    return dropped
 
 
 def place_recomputation(backward_graph: fx.GraphModule, forward_names: set[str]) -> list[str]:

@@ -282,8 +282,8 @@ def _build_pool(graph: CostGraph, variant: str) -> tuple[Solution, ...]:
     store_all_budget = min_budget_for_peak(store_all.peak_bytes, loss_allowance_bytes(graph), planning_margin(graph))
     names = [name for name in auto_solvers(graph) if name != "store_all"]
     pool = {store_all.schedule: store_all}
-    for part in _solver_parts(graph, names, store_all_budget, variant):
-        for solution in part:
+    for name in names:
+        for solution in _solver_part(graph, name, store_all_budget, variant):
             pool.setdefault(solution.schedule, solution)
     return tuple(pool.values())
 
@@ -313,32 +313,6 @@ def _solver_part(graph: CostGraph, name: str, store_all_budget: int, variant: st
             if solution.fits(usable):
                 break
     return part
-
-
-def _solver_parts(graph: CostGraph, names: list[str], store_all_budget: int, variant: str) -> list[list[Solution]]:
-    """Each solver's :func:`_solver_part`, in the order of ``names``. Above ``LARGE_GRAPH_NODES`` nodes,
-    on a machine with more than one core where processes can fork, the lower-set DP (most of the
-    pool's time: 32 of 40 s on a 48-layer GPT-2-XL-wide joint graph) runs in a forked process beside
-    the others; the parts, and so the pool, are the same as in one process. Anything that goes wrong
-    there (a worker that cannot start or dies) falls back to computing that part here."""
-    import multiprocessing
-    import os
-    dp = next((name for name in names if name.startswith("dp_")), None)
-    if (dp is None or len(graph) <= LARGE_GRAPH_NODES or (os.cpu_count() or 1) < 2
-            or "fork" not in multiprocessing.get_all_start_methods()):
-        return [_solver_part(graph, name, store_all_budget, variant) for name in names]
-    from concurrent.futures import ProcessPoolExecutor
-    try:
-        with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("fork")) as workers:
-            future = workers.submit(_solver_part, graph, dp, store_all_budget, variant)
-            parts = {name: _solver_part(graph, name, store_all_budget, variant) for name in names if name != dp}
-            try:
-                parts[dp] = future.result()
-            except Exception:  # noqa: BLE001 - the worker failed, not the solver: solve it here
-                parts[dp] = _solver_part(graph, dp, store_all_budget, variant)
-    except OSError:  # no process could be started
-        return [_solver_part(graph, name, store_all_budget, variant) for name in names]
-    return [parts[name] for name in names]
 
 
 def _plan_from_pool(graph: CostGraph, budget: Budget, variant: str) -> RecomputePlan:

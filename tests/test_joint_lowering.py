@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import models_zoo
+from recompute_graph.joint_capture import RANDOM_TARGETS, op_name
 from recompute_graph.joint_lowering import budget_backend, graph_live_bytes, graph_peak_bytes, last_lowering
 from recompute_graph.measure import allocator_peak_memory
 from recompute_graph.schedule import Backward, Forward, Schedule
@@ -308,3 +309,32 @@ def test_the_compiled_timeline_measures_every_node_of_both_graphs_beside_their_l
                 torch._dynamo.graph_break()
                 return (y @ x).exp()
         compiled_timeline(_Breaks(), (torch.randn(8, 8, requires_grad=True),), 1.0, loss_fn=_loss)
+
+
+def test_the_generated_backward_draws_no_random_numbers_and_the_next_step_gets_eagers_masks():
+    """The backward replays each recomputed dropout from its snapshot and draws nothing else. With
+    inductor's ``fallback_random`` set (which the inductor path needs: torch's random kernels), torch's
+    graph extraction copied five forward dropouts of GPT-2 tiny into the backward (their inputs were
+    saved, and dead-code elimination then keeps random ops), which drew from the global generator, so
+    every later step's masks differed from eager's."""
+    model, inputs = models_zoo.get_model("gpt2", "tiny")
+    reference = copy.deepcopy(model)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=budget_backend(0.8))
+
+    def steps(module, forward):
+        torch.manual_seed(0)
+        for _ in range(2):
+            module.zero_grad(set_to_none=True)
+            _loss(forward(*inputs)).backward()
+        return torch.get_rng_state()
+    with torch._inductor.config.patch(fallback_random=True):
+        state = steps(model, compiled)
+    lowered = last_lowering()
+    assert any(op_name(n.target) == "native_dropout" for n in lowered.forward_graph.graph.nodes
+               if n.op == "call_function")
+    assert "replay_random" in lowered.backward_code
+    assert not [n for n in lowered.backward_graph.graph.nodes
+                if n.op == "call_function" and op_name(n.target) in RANDOM_TARGETS]
+    assert torch.equal(state, steps(reference, reference))
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))

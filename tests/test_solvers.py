@@ -169,21 +169,3 @@ def test_the_auto_plans_peak_never_grows_as_the_budget_shrinks(graph, loss_bytes
             assert plan.predicted_compute_overhead >= previous.predicted_compute_overhead
         previous = plan
 
-
-def test_the_pool_of_a_large_graph_is_the_same_with_its_lower_set_dp_in_a_forked_process(monkeypatch):
-    """Above ``LARGE_GRAPH_NODES`` nodes the lower-set DP's part of ``auto``'s pool is solved in a
-    forked process beside the other solvers (planning a 48-layer model on meta); the pool, and so every
-    plan chosen from it, must not change."""
-    import os
-    import recompute_graph.planner as planner
-    graph = chain(24, output=100, grad=100, params=50)
-    names = [name for name in planner.auto_solvers(graph) if name != "store_all"]
-    assert any(name.startswith("dp_") for name in names)
-    store_all_budget = 10 ** 6
-    monkeypatch.setattr(planner, "LARGE_GRAPH_NODES", 4)
-    forked = planner._solver_parts(graph, names, store_all_budget, "time")
-    monkeypatch.setattr(os, "cpu_count", lambda: 1)  # one core: every part solved here
-    here = planner._solver_parts(graph, names, store_all_budget, "time")
-    assert [[s.schedule for s in part] for part in forked] == [[s.schedule for s in part] for part in here]
-    assert [[s.peak_bytes for s in part] for part in forked] == [[s.peak_bytes for s in part] for part in here]
-    assert sum(map(len, forked)) > len(names)  # plans at several budgets, not only the floors
