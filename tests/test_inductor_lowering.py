@@ -1,0 +1,68 @@
+"""Inductor compiling the generated graphs: ``rg.backend(budget, graph_compiler="inductor")``."""
+from __future__ import annotations
+
+import copy
+import shutil
+
+import pytest
+import torch
+from torch import nn
+
+from recompute_graph.joint_capture import RANDOM_TARGETS, op_name
+from recompute_graph.joint_lowering import budget_backend, last_lowering
+from recompute_graph.measure import allocator_peak_memory
+
+pytestmark = pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")),
+                                reason="inductor's CPU code needs a C++ compiler")
+
+
+class _DropoutBatchNormMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(64, 64) for _ in range(6)])
+        self.norm = nn.BatchNorm1d(64)
+        self.dropout = nn.Dropout(0.2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = self.dropout(torch.tanh(layer(x)))
+            if i == 2:
+                x = self.norm(x)
+        return x
+
+
+def test_inductor_runs_a_plan_with_replayed_dropouts_and_batch_norm_to_eagers_gradients_within_its_budget():
+    """The plan recomputes dropouts (replayed from their snapshots, as custom ops inductor calls) and a
+    training BatchNorm (without its statistics); inductor's code trains to eager's gradients up to its
+    rounding (a different mask would be off by the gradient's size), updates the running statistics
+    once, and the allocator's peak stays within the budget, near the prediction."""
+    torch.manual_seed(0)
+    model, x = _DropoutBatchNormMLP(), torch.randn(512, 64)
+    reference = copy.deepcopy(model)
+
+    def step(module, forward):
+        module.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        forward(x).square().mean().backward()
+    step(reference, reference)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=budget_backend(0.6, graph_compiler="inductor"))
+    step(model, compiled)
+    lowered = last_lowering()
+    replayed = [n for n in lowered.backward_graph.graph.nodes if "replay_random" in str(n.target)]
+    assert replayed and len(lowered.recomputed) > len(replayed)
+    assert not [n for n in lowered.backward_graph.graph.nodes
+                if n.op == "call_function" and op_name(n.target) in RANDOM_TARGETS]
+    error = max(((p.grad - q.grad).abs().max() / q.grad.abs().max()).item()
+                for p, q in zip(model.parameters(), reference.parameters()))
+    assert error < 1e-4
+    assert all(torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-6)
+               for a, b in zip(model.buffers(), reference.buffers()))
+    measured = allocator_peak_memory(lambda: step(model, compiled))
+    assert measured <= lowered.plan.budget_bytes
+    assert 0.95 <= lowered.plan.predicted_step_peak_bytes / measured <= 1.05
+
+
+def test_a_graph_compiler_name_other_than_inductor_is_a_value_error():
+    with pytest.raises(ValueError, match="inductor"):
+        budget_backend(0.5, graph_compiler="tvm")
