@@ -338,3 +338,19 @@ def test_the_generated_backward_draws_no_random_numbers_and_the_next_step_gets_e
                 if n.op == "call_function" and op_name(n.target) in RANDOM_TARGETS]
     assert torch.equal(state, steps(reference, reference))
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))
+
+
+def test_the_generated_graphs_transpose_each_weight_once_and_detach_nothing_in_the_backward():
+    """An unrolled LSTM transposes its two weights at every step and its backward detached 2,000 saved
+    values: op calls that cost a quarter of the store-all step at T = 200 (30.0 ms against aot_eager's
+    25.9). Each was an alias of its input: erased, the gradients stay exact."""
+    model, inputs = models_zoo.get_model("rnn", "tiny", steps=20, batch=2, input_size=8, hidden_size=8)
+    error, _ = _compiled_step_matches_eager(model, inputs, budget_backend(1.0, solver="store_all"))
+    assert error == 0.0
+    lowered = last_lowering()
+    backward_ops = Counter(op_name(n.target) for n in lowered.backward_graph.graph.nodes if n.op == "call_function")
+    assert backward_ops["detach"] == 0 and backward_ops["mm"] > 0
+    for graph_module in (lowered.forward_graph, lowered.backward_graph):
+        transposed = [n.args[0] for n in graph_module.graph.nodes
+                      if n.op == "call_function" and op_name(n.target) == "t" and n.args[0].op == "placeholder"]
+        assert len(transposed) == len(set(transposed))
