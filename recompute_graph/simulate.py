@@ -14,8 +14,8 @@ Memory model (bytes of tensor storage above what was live before the step; see d
 * A storage lives while a value or a tape refers to it (reference counting, as in PyTorch).
 * At the start of backward the gradients of the model outputs arrive (``grad_bytes``); autograd holds
   them until the model's whole backward has run (``output_gradients_held``; else each is released after
-  its node's backward, as the compiler path's generated backward drops its tangents). The loss itself is modelled as lean: it keeps the
-  outputs until its backward and makes one output-sized gradient (what ``measure.default_loss`` does);
+  its node's backward, as the compiler path's generated backward drops its tangents). The loss itself
+  is modelled as lean: it keeps the outputs until its backward and makes one output-sized gradient (what ``measure.default_loss`` does);
   a loss holding more (cross-entropy keeps its log-softmax) needs that much more budget. A ``Backward(v)``
   allocates a gradient buffer (``grad_bytes``) for each predecessor needing one that has none yet, has
   ``backward_workspace_bytes`` live on top while it runs (plus, for predecessors that already have a

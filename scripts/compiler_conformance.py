@@ -20,8 +20,10 @@ A graph whose budget is below its floor is planned at the floor (``on_infeasible
 "(floor)".
 
 ``--inductor``: inductor compiles the generated graphs (``rg.backend(f, graph_compiler="inductor")``,
-``recompute_graph.inductor_lowering``, with ``fallback_random``); the gradients then pass within 1e-4
-of the largest (inductor's rounding) and the buffers within ``allclose``.
+``recompute_graph.inductor_lowering``, with ``fallback_random``). Inductor rounds differently from eager,
+so the gradient error is then relative to the model's largest gradient, beside the error of
+``torch.compile(model)`` (inductor with its own partitioner) measured the same way; a row passes within
+1e-4 or 1.5 times inductor's own error, and with the buffers ``allclose``.
 """
 from __future__ import annotations
 
@@ -78,18 +80,33 @@ def row(name: str, fraction: float, inductor: bool = False) -> str:
     error = max((((p.grad - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-12)).item()
                  for p, q in zip(model.parameters(), reference.parameters())
                  if q.grad is not None and p.grad is not None), default=0.0)
+    if inductor:  # rounding: judged against the model's largest gradient, beside inductor's own
+        error = _error_of_largest(model, reference)
+        plain = copy.deepcopy(reference)
+        torch._dynamo.reset()
+        step(plain, torch.compile(plain, backend="inductor"))
+        inductor_error = _error_of_largest(plain, reference)
     missing = sum(1 for p, q in zip(model.parameters(), reference.parameters())
                   if (q.grad is None) != (p.grad is None))
     buffers = all((torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-6) if inductor else torch.equal(a, b))
                   for a, b in zip(model.buffers(), reference.buffers()))
     measured = allocator_peak_memory(lambda: step(model, compiled))
     predicted = lowered.plan.predicted_step_peak_bytes
-    ok = error <= (1e-4 if inductor else 1e-5) and buffers and not missing
+    ok = error <= (max(1e-4, 1.5 * inductor_error) if inductor else 1e-5) and buffers and not missing
     graphs = len(lowerings)
     ratio = f"{predicted / measured:.3f}" if graphs == 1 else f"(last of {graphs} graphs)"
-    return (f"| {name} | {fraction:.0%}{at_floor} | {'pass' if ok else 'FAIL'} | {lowered.plan.solver} | {error:.1e}"
+    own = f" (inductor's own: {inductor_error:.1e})" if inductor else ""
+    return (f"| {name} | {fraction:.0%}{at_floor} | {'pass' if ok else 'FAIL'} | {lowered.plan.solver} | {error:.1e}{own}"
             f"{'' if buffers else ', buffers differ'}{f', {missing} gradients missing' if missing else ''} | "
             f"{predicted:,} | {measured:,} | {ratio} | {seconds:.0f} s |")
+
+
+def _error_of_largest(model: torch.nn.Module, reference: torch.nn.Module) -> float:
+    """The largest gradient difference relative to the reference's largest gradient over the model."""
+    pairs = [(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters())
+             if p.grad is not None and q.grad is not None]
+    largest = max((q.abs().max().item() for _, q in pairs), default=0.0)
+    return max(((p - q).abs().max().item() for p, q in pairs), default=0.0) / max(largest, 1e-12)
 
 
 def optimize_row(name: str, fraction: float) -> str:
