@@ -28,7 +28,6 @@ peak is within 0.93-1.10 of the prediction on the tiny zoo models (``python scri
 from __future__ import annotations
 
 import contextlib
-import copy
 import warnings
 from typing import Any, Sequence
 
@@ -95,6 +94,15 @@ def _with_custom_ops(gm: fx.GraphModule) -> str | None:
     return None
 
 
+def _copy_of(gm: fx.GraphModule) -> fx.GraphModule:
+    """A new graph module over ``gm``'s attributes with copies of its nodes (their ``meta`` copied
+    shallowly: a deep copy of the fake values fails on models with tensor constants, HF GPT-2 and T5)."""
+    graph = fx.Graph()
+    output = graph.graph_copy(gm.graph, {})
+    graph.output(output)
+    return fx.GraphModule(gm, graph)
+
+
 def inductor_graph_compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
     """An AOTAutograd compiler for the forward or backward graph of ``joint_lowering.lower_schedule``:
     inductor's code for it (module docstring), in the boxed calling convention."""
@@ -104,7 +112,7 @@ def inductor_graph_compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -
     from torch.fx.experimental.proxy_tensor import make_fx
 
     is_backward = any(n.op == "placeholder" and n.name.startswith("tangents") for n in gm.graph.nodes)
-    gm = copy.deepcopy(gm)  # the Lowered keeps the graph as generated
+    gm = _copy_of(gm)  # the Lowered keeps the graph as generated
     why = _with_custom_ops(gm)
     if why is not None:
         warnings.warn(f"{'backward' if is_backward else 'forward'} graph runs uncompiled: {why}",
