@@ -66,3 +66,26 @@ def test_inductor_runs_a_plan_with_replayed_dropouts_and_batch_norm_to_eagers_gr
 def test_a_graph_compiler_name_other_than_inductor_is_a_value_error():
     with pytest.raises(ValueError, match="inductor"):
         budget_backend(0.5, graph_compiler="tvm")
+
+
+def test_a_graph_replaying_another_random_op_runs_uncompiled_with_a_warning_and_replays_it():
+    """Only ``native_dropout`` is replayed under inductor; a graph replaying another random op runs as
+    generated, with an ``InductorFallbackWarning`` naming it, and still draws what the snapshot says."""
+    from torch import fx
+    from recompute_graph.inductor_lowering import InductorFallbackWarning, inductor_graph_compiler
+    from recompute_graph.joint_lowering import replay_random, rng_snapshot
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    snapshot = graph.call_function(rng_snapshot, (x,))
+    replayed = graph.call_function(replay_random, (snapshot, x, torch.ops.aten.bernoulli.default, x))
+    graph.output((replayed,))
+    with pytest.warns(InductorFallbackWarning, match="bernoulli"):
+        run = inductor_graph_compiler(fx.GraphModule(nn.Module(), graph), [torch.rand(64)])
+    probabilities = torch.rand(64)
+    torch.manual_seed(0)
+    (drawn,) = run([probabilities])
+    after = torch.rand(1)
+    torch.manual_seed(0)
+    assert torch.equal(drawn, torch.bernoulli(probabilities))
+    torch.manual_seed(0)
+    assert torch.equal(after, torch.rand(1))  # the generator is left as it was
