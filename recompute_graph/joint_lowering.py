@@ -308,7 +308,8 @@ def graph_live_bytes(forward_graph: fx.GraphModule, backward_graph: fx.GraphModu
     and the saved values) stay live into the backward, the saved ones until the backward's last use of
     them; the model's outputs no further (the README loop, ``loss_fn(model(x)).backward()``, has dropped
     them once its loss ran; a loop that keeps them holds them to the end, beyond the prediction); the
-    backward's outputs (gradients) to the end. Storages of the forward's placeholders (parameters, inputs) are not counted."""
+    backward's outputs (gradients) to the end. Storages of the forward's placeholders (parameters,
+    inputs) are not counted."""
     from collections import Counter
 
     primal_keys = {key for n in forward_graph.graph.nodes if n.op == "placeholder" for key, _ in _storage(n)}
@@ -369,7 +370,6 @@ def plan_and_lower(joint: fx.GraphModule, budget: Any, *, num_fwd_outputs: int, 
     ``saved_plan``: a ``RecomputePlan`` to reuse instead of solving when its cost graph has the joint
     cost graph's structure and fits the budget (``saved_plans.reuse_plan``; a ``PlanMismatchWarning``
     says why not otherwise). ``device_profile``: what times FLOPs (``costs.DEVICE_PROFILES``)."""
-
     from .planner import make_plan
     from .saved_plans import reuse_plan
     units = joint_units(joint, num_fwd_outputs)

@@ -279,40 +279,33 @@ def candidate_pool(graph: CostGraph, variant: str = "time") -> tuple[Solution, .
 
 def _build_pool(graph: CostGraph, variant: str) -> tuple[Solution, ...]:
     store_all = SOLVERS["store_all"](graph, None)
-    store_all_budget = min_budget_for_peak(store_all.peak_bytes, loss_allowance_bytes(graph), planning_margin(graph))
-    names = [name for name in auto_solvers(graph) if name != "store_all"]
-    pool = {store_all.schedule: store_all}
-    for name in names:
-        for solution in _solver_part(graph, name, store_all_budget, variant):
-            pool.setdefault(solution.schedule, solution)
-    return tuple(pool.values())
-
-
-def _solver_part(graph: CostGraph, name: str, store_all_budget: int, variant: str) -> list[Solution]:
-    """Solver ``name``'s plans for the pool, in order: at its lowest peak, then at each fraction."""
     allowance, margin = loss_allowance_bytes(graph), planning_margin(graph)
-    part = []
-    try:
-        floor = run_solver(name, graph, None, variant)
-    except SolverError:  # a heuristic that finds nothing without a budget: try each budget
-        floor_budget = 0
-    else:
-        part.append(floor)
-        floor_budget = min_budget_for_step(graph, floor.simulation)
-    for fraction in POOL_FRACTIONS if len(graph) <= LARGE_GRAPH_NODES else POOL_FRACTIONS_LARGE:
-        budget_bytes = int(fraction * store_all_budget)
-        if budget_bytes < floor_budget:
-            break
-        usable = usable_bytes_of(budget_bytes, allowance, margin)
-        for solver_budget in dict.fromkeys((usable, usable_bytes_of(budget_bytes, 0, margin))):
-            try:
-                solution = run_solver(name, graph, solver_budget, variant)
-            except SolverError:
+    store_all_budget = min_budget_for_peak(store_all.peak_bytes, allowance, margin)
+    pool = {store_all.schedule: store_all}
+    for name in auto_solvers(graph):
+        if name == "store_all":
+            continue
+        try:
+            floor = run_solver(name, graph, None, variant)
+        except SolverError:  # a heuristic that finds nothing without a budget: try each budget
+            floor_budget = 0
+        else:
+            pool.setdefault(floor.schedule, floor)
+            floor_budget = min_budget_for_step(graph, floor.simulation)
+        for fraction in POOL_FRACTIONS if len(graph) <= LARGE_GRAPH_NODES else POOL_FRACTIONS_LARGE:
+            budget_bytes = int(fraction * store_all_budget)
+            if budget_bytes < floor_budget:
                 break
-            part.append(solution)
-            if solution.fits(usable):
-                break
-    return part
+            usable = usable_bytes_of(budget_bytes, allowance, margin)
+            for solver_budget in dict.fromkeys((usable, usable_bytes_of(budget_bytes, 0, margin))):
+                try:
+                    solution = run_solver(name, graph, solver_budget, variant)
+                except SolverError:
+                    break
+                pool.setdefault(solution.schedule, solution)
+                if solution.fits(usable):
+                    break
+    return tuple(pool.values())
 
 
 def _plan_from_pool(graph: CostGraph, budget: Budget, variant: str) -> RecomputePlan:

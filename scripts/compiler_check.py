@@ -29,7 +29,6 @@ import torch
 import models_zoo
 import recompute_graph as rg
 from recompute_graph.joint_lowering import graph_peak_bytes
-from recompute_graph.joint_partition import boxed_interpreter
 from recompute_graph.measure import allocator_peak_memory
 
 
@@ -61,8 +60,7 @@ def check(name: str, preset: str, fraction: float, repeats: int, inductor: bool 
     make_step(reference, reference, inputs)()
     torch._dynamo.reset()
     start = time.perf_counter()
-    compiled = torch.compile(model, backend=rg.backend(fraction, graph_compiler="inductor" if inductor
-                                                       else boxed_interpreter))
+    compiled = torch.compile(model, backend=rg.backend(fraction, **({"graph_compiler": "inductor"} if inductor else {})))
     step = make_step(model, compiled, inputs)
     try:
         step()

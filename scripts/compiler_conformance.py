@@ -77,11 +77,11 @@ def row(name: str, fraction: float, inductor: bool = False) -> str:
         return f"| {name} | {fraction:.0%} | fail | {type(error).__name__}: {lines[0][:150]} |||||"
     seconds = time.perf_counter() - start
     lowered = rg.last_lowering()
-    error = max((((p.grad - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-12)).item()
-                 for p, q in zip(model.parameters(), reference.parameters())
-                 if q.grad is not None and p.grad is not None), default=0.0)
-    if inductor:  # rounding: judged against the model's largest gradient, beside inductor's own (below)
-        error = _error_of_largest(model, reference)
+    # under inductor's rounding: against the model's largest gradient, beside inductor's own (below)
+    error = _error_of_largest(model, reference) if inductor else max(
+        (((p.grad - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-12)).item()
+         for p, q in zip(model.parameters(), reference.parameters())
+         if q.grad is not None and p.grad is not None), default=0.0)
     missing = sum(1 for p, q in zip(model.parameters(), reference.parameters())
                   if (q.grad is None) != (p.grad is None))
     buffers = all((torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-6) if inductor else torch.equal(a, b))

@@ -168,4 +168,3 @@ def test_the_auto_plans_peak_never_grows_as_the_budget_shrinks(graph, loss_bytes
                 assert plan.predicted_peak_bytes <= previous.predicted_peak_bytes
             assert plan.predicted_compute_overhead >= previous.predicted_compute_overhead
         previous = plan
-
