@@ -29,9 +29,9 @@ Pricing (:func:`joint_cost_graph`), bytes from the fake tensors of ``meta["val"]
 * ``workspace_bytes`` / ``backward_workspace_bytes``: internal storages nobody outside reads, and the
   storages the backward nodes keep besides the gradients they pass on (counted as if alive together),
   plus the largest kernel temporary of the unit's nodes, measured by the allocator on one run of the
-  joint graph on real tensors (:func:`kernel_workspace_bytes`);
+  joint graph on real tensors (``joint_allocations.kernel_workspace_bytes``);
 * the loss the training loop computes on the outputs, priced on their shapes
-  (:func:`outputs_loss_bytes`) as ``CostGraph.loss_bytes``;
+  (``joint_allocations.outputs_loss_bytes``) as ``CostGraph.loss_bytes``;
 * costs: FLOPs of each node run on meta tensors under ``FlopCounterMode``, turned into seconds by a
   ``costs.DeviceProfile`` with the bytes the node reads and writes.
 
@@ -44,11 +44,11 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import fx
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten
 
 from .costs import DEVICE_PROFILES, DeviceProfile
 from .graph import CostGraph, CostNode
@@ -56,8 +56,8 @@ from .joint_capture import RANDOM_TARGETS, op_name, reachable
 from .joint_partition import STATE_READING_TARGETS, _is_tensor
 from .meta_flops import meta_flops
 
-__all__ = ["JointUnits", "joint_units", "joint_cost_graph", "kernel_workspace_bytes", "outputs_loss_bytes",
-           "is_tangent", "backward_reads", "rng_state_bytes", "JOINT_COST_SOURCE", "is_joint_cost_graph"]
+__all__ = ["JointUnits", "joint_units", "joint_cost_graph", "is_tangent", "backward_reads", "rng_state_bytes",
+           "JOINT_COST_SOURCE", "is_joint_cost_graph"]
 
 #: The end of a joint cost graph's ``cost_source``: what tells a saved plan of the compiler path's graph
 #: from one of the schedule executor's (``optimize(..., plan=...)`` runs each on its own path).
@@ -348,118 +348,48 @@ def _moved_bytes(node: fx.Node) -> int:
     return _value_bytes(node) + sum(_value_bytes(a) for a in node.all_input_nodes)
 
 
-def kernel_workspace_bytes(joint: fx.GraphModule, joint_inputs: Sequence[Any]) -> dict[str, int]:
-    """Bytes each node of ``joint`` allocates beyond its outputs while it runs (kernel temporaries: the
-    mkldnn buffers of a CPU convolution's backward, a reduction's scratch), by the allocator
-    (``loss_pricing.allocator_windows``: ``torch.profiler`` memory events on CPU, the caching
-    allocator's statistics on CUDA), from one run of the joint graph on real tensors shaped like
-    ``joint_inputs`` (random floats, zero integers). Empty when they cannot be made (meta, symbolic
-    shapes) or the run fails: the liveness model alone is used then."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    with unset_fake_temporarily():  # a partitioner runs under AOTAutograd's fake mode
-        return _kernel_workspace_bytes(joint, joint_inputs)
+def _backward_storage_makers(graph: fx.Graph, units: JointUnits, primal_keys: set[int]) -> dict[int, int]:
+    """``{storage key: unit}`` of every storage a backward node allocates: the unit whose backward node
+    allocates it first, in execution order. A view of it in another unit's backward (a gradient read
+    there, a ``t`` returning a weight gradient) is not that unit's allocation."""
+    unit_of_backward = {b: index for index, nodes in enumerate(units.backward_of) for b in nodes}
+    makers: dict[int, int] = {}
+    for node in graph.nodes:
+        if node in unit_of_backward and _allocates(node):
+            for key, _ in _storage(node):
+                if key not in primal_keys:
+                    makers.setdefault(key, unit_of_backward[node])
+    return makers
 
 
-def _kernel_workspace_bytes(joint: fx.GraphModule, joint_inputs: Sequence[Any]) -> dict[str, int]:
-    from .loss_pricing import allocator_windows, node_window
-    try:
-        real = tree_map(_materialize, list(joint_inputs))  # AOTAutograd passes [primals, tangents]
-    except (TypeError, RuntimeError, ValueError):
-        return {}
-    tensors = [t for t in tree_flatten(real)[0] if isinstance(t, torch.Tensor)]
-    if not tensors or any(t.is_meta for t in tensors):
-        return {}
-    cuda = next((t.device for t in tensors if t.is_cuda), None)
-
-    class _Windowed(fx.Interpreter):
-        def run_node(self, n: fx.Node) -> Any:
-            with node_window(n.name):
-                return super().run_node(n)
-    try:
-        with torch.no_grad(), allocator_windows(False, cuda) as windows:
-            _Windowed(joint).run(*real)
-    except Exception:  # noqa: BLE001 - data-dependent ops on random values: no measurement
-        return {}
-    nodes = {n.name: n for n in joint.graph.nodes}
-    workspace = {}
-    for name, (start, peak, _end) in windows().items():
-        if name in nodes:
-            workspace[name] = max(0, peak - start - _value_bytes(nodes[name]))
-    return workspace
-
-
-def _kernel_peak_bytes(node: fx.Node, workspace: dict[str, int], returned: list[fx.Node]) -> int:
-    """A backward node's kernel temporaries (``kernel_workspace_bytes``, net of all its outputs) and,
-    when it has any, the parameter gradients it returns: the simulator adds a unit's parameter gradients
-    after its backward's peak, but a kernel that makes both (a convolution's backward) holds the weight's
-    gradient beside its temporaries (the small ResNet-18 compiled: 297 KB of temporaries with a 37 KB
-    weight gradient, 0.91 of the allocator's peak before)."""
-    temporaries = workspace.get(node.name, 0)
-    if not temporaries:
-        return 0
-    made = {g for g in returned if g is node or (g.target is operator.getitem and g.args[0] is node)}
-    return temporaries + sum(_value_bytes(g) for g in made)
-
-
-def _materialize(value: Any) -> Any:
-    if not isinstance(value, torch.Tensor):
-        return value
-    shape = [int(d) for d in value.shape]
-    stride = [int(d) for d in value.stride()]
-    real = torch.empty_strided(shape, stride, dtype=value.dtype, device=value.device)
-    if real.is_floating_point() or real.is_complex():
-        real.normal_()
-    else:
-        real.zero_()
-    return real
-
-
-def outputs_loss_bytes(joint: fx.GraphModule, units: JointUnits, loss_fn: Any) -> int | None:
-    """Transient bytes of ``loss_fn`` on the model's outputs (the joint graph's forward outputs that are
-    not buffer updates, as one tensor or a tuple), forward and backward, above the output gradients it
-    leaves, by the allocator on real tensors shaped like them: what the step adds when the gradients
-    arrive; 0 when an output is a scalar (the model's own loss). None on meta or when the loss cannot
-    run on them."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    from .loss_pricing import allocator_windows, node_window
-    graph = joint.graph
-    buffers = {p for p, g in zip([n for n in graph.nodes if n.op == "placeholder" and not is_tangent(n)],
-                                 units.gradient_outputs(graph)) if g is None}
-    outputs = [n for n in units.forward_outputs(graph) if not _is_buffer_update(n, buffers) and _is_tensor(n)]
-    if not outputs:
-        return None
-    if any(n.meta["val"].dim() == 0 and n.meta["val"].is_floating_point() for n in outputs):
-        # a model that returns its own loss (``transformers`` given labels): training backpropagates it,
-        # and its computation is in the graph; ``loss_fn`` on the flat outputs would price another loss
-        # (Llama: 29 KB on a 245 KB step, 10 % over), as ``planner.loss_allowance_bytes`` rules too
-        return 0
-    with unset_fake_temporarily():
-        real = [_materialize(n.meta["val"]) for n in outputs]
-        if any(t.is_meta for t in real):
-            return None
-        leaves = [t.requires_grad_(True) if t.is_floating_point() else t for t in real]
-        cuda = next((t.device for t in real if t.is_cuda), None)
-        try:
-            with allocator_windows(False, cuda) as windows:
-                with node_window("loss"), torch.enable_grad():
-                    loss = loss_fn(leaves[0] if len(leaves) == 1 else tuple(leaves))
-                    grads = torch.autograd.grad(loss, [t for t in leaves if t.requires_grad], allow_unused=True)
-        except Exception:  # noqa: BLE001 - a loss that does not take these outputs: not priced
-            return None
-        kept = sum(g.untyped_storage().nbytes() for g in grads if g is not None)
-        start, peak, end = windows().get("loss", (0, 0, 0))
-        return max(0, peak - start - kept)
+def _gradients_made_by_unit(graph: fx.Graph, units: JointUnits, makers: dict[int, int]) -> list[dict[int, int]]:
+    """``{storage key: bytes}`` of the returned (parameter and input) gradients each unit's backward
+    makes: a returned gradient counts at the unit whose backward node allocates its storage
+    (:func:`_backward_storage_makers`), not at the unit returning it. A linear's weight gradient is an
+    ``mm`` of the linear's backward, returned through a ``t`` traced under the weight transpose's
+    number, whose backward runs later: the ``mm`` lives beside the linear's output and input gradients
+    (GPT-2 tiny at 70 %: 0.976 of the allocator's peak when it was counted at the transpose). A returned
+    gradient no backward node allocates (a view of a tangent, say) counts at the unit returning it."""
+    unit_of_backward = {b: index for index, nodes in enumerate(units.backward_of) for b in nodes}
+    made: list[dict[int, int]] = [{} for _ in units.units]
+    for g in units.gradient_outputs(graph):
+        if isinstance(g, fx.Node):
+            for key, nbytes in _storage(g):
+                unit = makers.get(key, unit_of_backward.get(g))
+                if unit is not None:
+                    made[unit][key] = nbytes
+    return made
 
 
 def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "joint",
                      device_profile: DeviceProfile | str = "cpu", workspace: dict[str, int] | None = None,
                      loss_bytes: int | None = None) -> CostGraph:
     """The implicit-backward :class:`CostGraph` of ``units`` (module docstring), node ``i`` = unit ``i``,
-    named after the unit's first node. ``loss_bytes``: the loss's transient (:func:`outputs_loss_bytes`;
-    None: the planner guesses). ``workspace``: each node's kernel temporaries
-    (:func:`kernel_workspace_bytes`); a unit's forward workspace is the largest of its nodes', and its
-    backward's the largest of its backward nodes' on top of the temporaries they keep."""
+    named after the unit's first node. ``loss_bytes``: the loss's transient
+    (``joint_allocations.outputs_loss_bytes``; None: the planner guesses). ``workspace``: each node's
+    kernel temporaries (``joint_allocations.kernel_workspace_bytes``); a unit's forward workspace is the
+    largest of its nodes', and its backward's the largest of its backward nodes' on top of the
+    temporaries they keep and the returned gradients they make."""
     workspace = workspace or {}
     profile = DEVICE_PROFILES[device_profile] if isinstance(device_profile, str) else device_profile
     graph = joint.graph
@@ -479,6 +409,8 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
     gradient_outputs = units.gradient_outputs(graph)
     primals = [n for n in graph.nodes if n.op == "placeholder" and not is_tangent(n)]
     trainable = {p for p, g in zip(primals, gradient_outputs) if g is not None}
+    makers = _backward_storage_makers(graph, units, primal_keys)
+    made_gradients = _gradients_made_by_unit(graph, units, makers)
     requires_grad: list[bool] = []
     parameter_views: list[bool] = []
     nodes: list[CostNode] = []
@@ -538,7 +470,7 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
         passed_keys = {key for b in backward_nodes if b in returned or any(u not in own_backward for u in b.users)
                        for key, _ in _storage(b)}
         backward_made = {key: nbytes for b in backward_nodes for key, nbytes in _storage(b)
-                         if key not in primal_keys and key not in owner and key not in passed_keys}
+                         if makers.get(key) == index and key not in passed_keys}
         flops = {n: meta_flops(n, flops_by_signature) for n in (*members, *backward_nodes)}
         forward_flops = sum(flops[n] for n in members)
         backward_flops = sum(flops[b] for b in backward_nodes)
@@ -555,9 +487,11 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
             workspace_bytes=max(0, internal - saved_buffer) + max((workspace.get(n.name, 0) for n in members),
                                                                  default=0),
             backward_aliases_grad=_passes_gradient_on(backward_nodes),
-            backward_workspace_bytes=sum(backward_made.values()) + max(
-                (_kernel_peak_bytes(b, workspace, returned) for b in backward_nodes), default=0),
-            param_grad_bytes=sum(_value_bytes(g) for g in returned),
+            # the returned gradients it makes live from their kernel to the end of the step, beside
+            # the other storages and the largest kernel temporaries of its backward
+            backward_workspace_bytes=sum(backward_made.values()) + sum(made_gradients[index].values()) + max(
+                (workspace.get(b.name, 0) for b in backward_nodes), default=0),
+            param_grad_bytes=sum(made_gradients[index].values()),
             forward_cost=sum(profile.seconds(flops[n], _moved_bytes(n)) for n in members),
             backward_cost=sum(profile.seconds(flops[b], _moved_bytes(b)) for b in backward_nodes),
             forward_flops=forward_flops, backward_flops=backward_flops, requires_grad=grad,

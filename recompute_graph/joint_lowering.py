@@ -43,8 +43,8 @@ from torch import fx
 from .errors import InfeasibleBudgetError
 from .graph import CostGraph
 from .joint_capture import RANDOM_TARGETS, op_name
-from .joint_costs import (JointUnits, _storage, is_tangent, joint_cost_graph, joint_units,
-                          kernel_workspace_bytes, outputs_loss_bytes, rng_state_bytes)
+from .joint_allocations import kernel_workspace_bytes, outputs_loss_bytes
+from .joint_costs import JointUnits, _storage, is_tangent, joint_cost_graph, joint_units, rng_state_bytes
 from .joint_partition import STATE_READING_TARGETS, boxed_interpreter, extract_graphs
 from .schedule import Backward, Forward, Schedule
 

@@ -1,0 +1,119 @@
+"""The allocator's side of pricing a joint graph: what the liveness of its values does not show.
+
+* :func:`kernel_workspace_bytes`: the temporaries each node's kernels allocate beyond their outputs,
+  by the allocator, from one run of the joint graph on real tensors shaped like its inputs;
+* :func:`outputs_loss_bytes`: the transient of the training loop's loss on the model's outputs.
+
+Both go into ``joint_costs.joint_cost_graph`` (``workspace`` and ``loss_bytes``). Units: bytes.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch import fx
+from torch.utils._pytree import tree_flatten, tree_map
+
+from .joint_costs import JointUnits, _is_buffer_update, _value_bytes, is_tangent
+from .joint_partition import _is_tensor
+
+__all__ = ["kernel_workspace_bytes", "outputs_loss_bytes"]
+
+
+def kernel_workspace_bytes(joint: fx.GraphModule, joint_inputs: Sequence[Any]) -> dict[str, int]:
+    """Bytes each node of ``joint`` allocates beyond its outputs while it runs (kernel temporaries: the
+    mkldnn buffers of a CPU convolution's backward, a reduction's scratch), by the allocator
+    (``loss_pricing.allocator_windows``: ``torch.profiler`` memory events on CPU, the caching
+    allocator's statistics on CUDA), from one run of the joint graph on real tensors shaped like
+    ``joint_inputs`` (random floats, zero integers). Empty when they cannot be made (meta, symbolic
+    shapes) or the run fails: the liveness model alone is used then."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    with unset_fake_temporarily():  # a partitioner runs under AOTAutograd's fake mode
+        return _kernel_workspace_bytes(joint, joint_inputs)
+
+
+def _kernel_workspace_bytes(joint: fx.GraphModule, joint_inputs: Sequence[Any]) -> dict[str, int]:
+    from .loss_pricing import allocator_windows, node_window
+    try:
+        real = tree_map(_materialize, list(joint_inputs))  # AOTAutograd passes [primals, tangents]
+    except (TypeError, RuntimeError, ValueError):
+        return {}
+    tensors = [t for t in tree_flatten(real)[0] if isinstance(t, torch.Tensor)]
+    if not tensors or any(t.is_meta for t in tensors):
+        return {}
+    cuda = next((t.device for t in tensors if t.is_cuda), None)
+
+    class _Windowed(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            with node_window(n.name):
+                return super().run_node(n)
+    try:
+        with torch.no_grad(), allocator_windows(False, cuda) as windows:
+            _Windowed(joint).run(*real)
+    except Exception:  # noqa: BLE001 - data-dependent ops on random values: no measurement
+        return {}
+    nodes = {n.name: n for n in joint.graph.nodes}
+    workspace = {}
+    for name, (start, peak, _end) in windows().items():
+        if name in nodes:
+            workspace[name] = max(0, peak - start - _value_bytes(nodes[name]))
+    return workspace
+
+
+def _materialize(value: Any) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return value
+    shape = [int(d) for d in value.shape]
+    stride = [int(d) for d in value.stride()]
+    real = torch.empty_strided(shape, stride, dtype=value.dtype, device=value.device)
+    if real.is_floating_point() or real.is_complex():
+        real.normal_()
+    else:
+        real.zero_()
+    return real
+
+
+def outputs_loss_bytes(joint: fx.GraphModule, units: JointUnits, loss_fn: Any) -> int | None:
+    """Transient bytes of ``loss_fn`` on the model's outputs (the joint graph's forward outputs that are
+    not buffer updates, as one tensor or a tuple), forward and backward, above the output gradients it
+    leaves, by the allocator on real tensors shaped like them (on meta, by the liveness of the storages
+    it makes: ``measure.StorageTracker``): what the step adds when the gradients arrive; 0 when an
+    output is a scalar (the model's own loss). None when the loss cannot run on them."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from .loss_pricing import allocator_windows, node_window
+    from .measure import StorageTracker
+    graph = joint.graph
+    buffers = {p for p, g in zip([n for n in graph.nodes if n.op == "placeholder" and not is_tangent(n)],
+                                 units.gradient_outputs(graph)) if g is None}
+    outputs = [n for n in units.forward_outputs(graph) if not _is_buffer_update(n, buffers) and _is_tensor(n)]
+    if not outputs:
+        return None
+    if any(n.meta["val"].dim() == 0 and n.meta["val"].is_floating_point() for n in outputs):
+        # a model that returns its own loss (``transformers`` given labels): training backpropagates it,
+        # and its computation is in the graph; ``loss_fn`` on the flat outputs would price another loss
+        # (Llama: 29 KB on a 245 KB step, 10 % over), as ``planner.loss_allowance_bytes`` rules too
+        return 0
+    with unset_fake_temporarily():
+        real = [_materialize(n.meta["val"]) for n in outputs]
+        leaves = [t.requires_grad_(True) if t.is_floating_point() else t for t in real]
+        cuda = next((t.device for t in real if t.is_cuda), None)
+
+        def loss_and_gradients() -> tuple:
+            with torch.enable_grad():
+                loss = loss_fn(leaves[0] if len(leaves) == 1 else tuple(leaves))
+                return torch.autograd.grad(loss, [t for t in leaves if t.requires_grad], allow_unused=True)
+        try:
+            if any(t.is_meta for t in real):  # nothing is allocated: the storages' own liveness
+                with StorageTracker() as tracker:
+                    grads = loss_and_gradients()
+                start, peak = 0, tracker.peak_bytes
+            else:
+                with allocator_windows(False, cuda) as windows:
+                    with node_window("loss"):
+                        grads = loss_and_gradients()
+                start, peak, _ = windows().get("loss", (0, 0, 0))
+        except Exception:  # noqa: BLE001 - a loss that does not take these outputs: not priced
+            return None
+        kept = sum(g.untyped_storage().nbytes() for g in grads if g is not None)
+        return max(0, peak - start - kept)

@@ -1,0 +1,64 @@
+"""A store-all plan's step on the compiler path against plain eager autograd, at real sizes.
+
+    python scripts/store_all_step.py [--models resnet50 gpt2 rnn] [--rounds 7] [--device cpu|cuda]
+
+Issue 16's target: a store-all plan (no recomputation) costs at most 1.03x of eager autograd per
+training step on GPT-2 small, ResNet-50 and the LSTM at T = 200, as the median of interleaved runs. For
+each model, three steps are timed in turn (``measure.time_steps_in_turn``, so a slow spell of the
+machine hits all alike): the original model (eager autograd), ``optimize(model, 1.0,
+solver="store_all")`` (the compiler path, ``optimize``'s default), and ``torch.compile(model,
+backend="aot_eager")`` (AOTAutograd's own partition, its graphs run as generated: what compiling costs by
+itself). Every step is forward, the ``sum of squares`` loss, backward, with gradients set to None first.
+Prints one Markdown row per run: median and fastest step time and the ratios of the medians to eager.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+import models_zoo
+from recompute_graph import optimize
+from recompute_graph.compiled_module import CompiledRecomputedModule
+from recompute_graph.measure import make_training_step, time_steps_in_turn
+
+#: The issue's sizes: ResNet-50 at 224² and batch 8, GPT-2 small at batch 2 and 512 tokens, and the
+#: LSTM of scripts/bptt_gruslys.py at T = 200.
+REAL_SIZES = {
+    "resnet50": dict(preset="paper", batch=8),
+    "gpt2": dict(preset="paper", batch=2, seq_len=512),
+    "rnn": dict(preset="small", steps=200, batch=32, input_size=64, hidden_size=256),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=list(REAL_SIZES), choices=list(REAL_SIZES))
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    print("| model | run | median step | fastest step | median / eager |")
+    print("|---|---|---|---|---|")
+    for name in args.models:
+        sizes = dict(REAL_SIZES[name])
+        model, inputs = models_zoo.get_model(name, sizes.pop("preset"), **sizes)
+        model, inputs = model.to(device), tuple(t.to(device) for t in inputs)
+        torch._dynamo.reset()
+        planned = optimize(model, 1.0, example_inputs=inputs, solver="store_all")
+        path = "compiler" if isinstance(planned, CompiledRecomputedModule) else "executor (capture fell back)"
+        runs = [("eager autograd", make_training_step(model, inputs)),
+                (f"store_all, {path}", make_training_step(planned, inputs)),
+                ("torch.compile aot_eager", make_training_step(
+                    torch.compile(model, backend="aot_eager", fullgraph=True), inputs))]
+        timings = time_steps_in_turn([step for _, step in runs], rounds=args.rounds, warmup=2,
+                                     device=device if device.type == "cuda" else None)
+        medians = [statistics.median(timing.seconds) for timing in timings]
+        for (label, _), timing, median in zip(runs, timings, medians):
+            print(f"| {name} | {label} | {median * 1e3:.1f} ms | {min(timing.seconds) * 1e3:.1f} ms | "
+                  f"x{median / medians[0]:.3f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
