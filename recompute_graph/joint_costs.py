@@ -261,10 +261,19 @@ def _connected_parts(members: list[fx.Node]) -> list[list[fx.Node]]:
 
 def _owner_of_backward(backward_nodes: list[fx.Node], candidates: list[int], units: list[list[fx.Node]],
                        unit_of: dict[fx.Node, int]) -> int:
-    """Of the units sharing a seq_nr, the one whose backward these nodes are: the one they read most,
-    else the last with a floating-point value (a mask built beside an op has no backward)."""
+    """Of the units sharing a seq_nr, the one whose backward these nodes are: of those whose value the
+    forward reads on (or returns), the one they read most, else the last with a floating-point value
+    (a mask built beside an op has no backward). A unit made for the backward only (the transposes an
+    attention ``bmm`` saves for its backward) is chosen only when no other is: its backward would read
+    the gradient of the op's value without being ordered after the units that make it (nothing reads
+    it in the forward, so nothing orders its backward)."""
     reads = [unit_of[a] for b in backward_nodes for a in b.all_input_nodes
              if a in unit_of and unit_of[a] in candidates]
+    read_on = [i for i in candidates if any(u.op == "output" or (u in unit_of and unit_of[u] != i)
+                                            for n in units[i] for u in n.users)]
+    if len(read_on) < len(candidates) and read_on:
+        candidates = read_on
+        reads = [i for i in reads if i in read_on]
     if reads:
         return max(set(reads), key=lambda i: (reads.count(i), i))
     floating = [i for i in candidates if any(_is_tensor(n) and n.meta["val"].is_floating_point() for n in units[i])]
@@ -465,8 +474,11 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
         parameter_view = all(a.op == "placeholder" or (a in units.unit_of and parameter_views[units.unit_of[a]])
                              for a in inputs) and all(_is_tensor(n) and not _allocates(n) for n in members)
         parameter_views.append(parameter_view)
-        grad = bool(backward_nodes) or any(
-            (a in trainable) or (a in units.unit_of and requires_grad[units.unit_of[a]]) for a in inputs)
+        # a unit with no backward nodes that only a backward reads (a transpose saved for a ``bmm``'s or
+        # a Conv1D's backward) passes no gradient on: the simulator would sum one into its input
+        read_on = any(n in forward_outputs or read_by_other_units(n) for n in members)
+        grad = bool(backward_nodes) or (read_on and any(
+            (a in trainable) or (a in units.unit_of and requires_grad[units.unit_of[a]]) for a in inputs))
         requires_grad.append(grad)
         # the gradient of the unit's outputs that other forward units read: as large as each tensor (a
         # view's gradient is the view's size, not its base storage's), once per storage
