@@ -368,37 +368,74 @@ def _moved_bytes(node: fx.Node) -> int:
     return _value_bytes(node) + sum(_value_bytes(a) for a in node.all_input_nodes)
 
 
-def _backward_storage_makers(graph: fx.Graph, units: JointUnits, primal_keys: set[int]) -> dict[int, int]:
-    """``{storage key: unit}`` of every storage a backward node allocates: the unit whose backward node
-    allocates it first, in execution order. A view of it in another unit's backward (a gradient read
-    there, a ``t`` returning a weight gradient) is not that unit's allocation."""
+def _backward_storage_makers(graph: fx.Graph, units: JointUnits, primal_keys: set[int]
+                            ) -> dict[int, tuple[int, fx.Node]]:
+    """``{storage key: (unit, node)}`` of every storage a backward node allocates: the node allocating
+    it first, in execution order, and its unit. A view of it in another unit's backward (a gradient
+    read there, a ``t`` returning a weight gradient) is not that unit's allocation."""
     unit_of_backward = {b: index for index, nodes in enumerate(units.backward_of) for b in nodes}
-    makers: dict[int, int] = {}
+    makers: dict[int, tuple[int, fx.Node]] = {}
     for node in graph.nodes:
         if node in unit_of_backward and _allocates(node):
             for key, _ in _storage(node):
                 if key not in primal_keys:
-                    makers.setdefault(key, unit_of_backward[node])
+                    makers.setdefault(key, (unit_of_backward[node], node))
     return makers
 
 
-def _gradients_made_by_unit(graph: fx.Graph, units: JointUnits, makers: dict[int, int]) -> list[dict[int, int]]:
-    """``{storage key: bytes}`` of the returned (parameter and input) gradients each unit's backward
-    makes: a returned gradient counts at the unit whose backward node allocates its storage
-    (:func:`_backward_storage_makers`), not at the unit returning it. A linear's weight gradient is an
-    ``mm`` of the linear's backward, returned through a ``t`` traced under the weight transpose's
-    number, whose backward runs later: the ``mm`` lives beside the linear's output and input gradients
-    (GPT-2 tiny at 70 %: 0.976 of the allocator's peak when it was counted at the transpose). A returned
-    gradient no backward node allocates (a view of a tangent, say) counts at the unit returning it."""
+@dataclass
+class _ReturnedGradients:
+    """How the returned (parameter and input) gradients are priced, per unit of the joint graph."""
+
+    made: list[dict[int, int]]  # {storage key: bytes} live from the unit's backward to the step's end
+    summed_bytes: list[int]     # a further term and its new sum, transient in the unit's backward
+    accumulation_keys: set[int]  # terms and partial sums, priced through the two above
+
+
+def _returned_gradients(graph: fx.Graph, units: JointUnits, makers: dict[int, tuple[int, fx.Node]]
+                        ) -> _ReturnedGradients:
+    """A returned gradient counts at the unit whose backward node allocates its storage, not at the
+    unit returning it. A linear's weight gradient is an ``mm`` of the linear's backward, returned
+    through a ``t`` traced under the weight transpose's number, whose backward runs later: the ``mm``
+    lives beside the linear's output and input gradients (GPT-2 tiny at 70 %: 0.976 of the allocator's
+    peak when it was counted at the transpose). A gradient that is a sum of terms made by several
+    units' backward (a tied weight: GPT-2's ``wte`` in the embedding and the head; a weight shared by
+    every step of an LSTM) is summed as soon as both terms exist: one buffer of its size lives from the
+    first term on, and each later term adds itself and the new sum while its backward runs. One no
+    backward node allocates (a view of a tangent) counts at the unit returning it."""
     unit_of_backward = {b: index for index, nodes in enumerate(units.backward_of) for b in nodes}
-    made: list[dict[int, int]] = [{} for _ in units.units]
+    position = {n: k for k, n in enumerate(graph.nodes)}
+    priced = _ReturnedGradients([{} for _ in units.units], [0] * len(units.units), set())
     for g in units.gradient_outputs(graph):
-        if isinstance(g, fx.Node):
-            for key, nbytes in _storage(g):
-                unit = makers.get(key, unit_of_backward.get(g))
+        if not isinstance(g, fx.Node):
+            continue
+        for key, nbytes in _storage(g):
+            unit, node = makers.get(key, (unit_of_backward.get(g), None))
+            terms, sums = _sum_terms(node, unit_of_backward) if node is not None else ([], [])
+            if len(terms) < 2:
                 if unit is not None:
-                    made[unit][key] = nbytes
-    return made
+                    priced.made[unit][key] = nbytes
+                continue
+            terms.sort(key=position.get)
+            priced.made[unit_of_backward[terms[0]]][key] = nbytes
+            for term in terms[1:]:
+                priced.summed_bytes[unit_of_backward[term]] += 2 * nbytes
+            priced.accumulation_keys |= {k for n in (*terms, *sums) for k, _ in _storage(n)} - {key}
+    return priced
+
+
+def _sum_terms(node: fx.Node, unit_of_backward: dict[fx.Node, int]) -> tuple[list[fx.Node], list[fx.Node]]:
+    """The terms and the ``add`` nodes of a gradient sum ending at ``node`` (no sum: ``[node]``)."""
+    terms, sums, stack = [], [], [node]
+    while stack:
+        current = stack.pop()
+        inputs = current.all_input_nodes
+        if op_name(current.target) == "add" and len(inputs) >= 2 and all(a in unit_of_backward for a in inputs):
+            sums.append(current)
+            stack.extend(inputs)
+        elif current not in terms:
+            terms.append(current)
+    return terms, sums
 
 
 def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "joint",
@@ -430,7 +467,8 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
     primals = [n for n in graph.nodes if n.op == "placeholder" and not is_tangent(n)]
     trainable = {p for p, g in zip(primals, gradient_outputs) if g is not None}
     makers = _backward_storage_makers(graph, units, primal_keys)
-    made_gradients = _gradients_made_by_unit(graph, units, makers)
+    returned_gradients = _returned_gradients(graph, units, makers)
+    made_gradients = returned_gradients.made
     backward_unit = {b: i for i, nodes in enumerate(units.backward_of) for b in nodes}
     requires_grad: list[bool] = []
     parameter_views: list[bool] = []
@@ -496,7 +534,8 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
         passed_keys = {key for b in backward_nodes if b in returned or any(u not in own_backward for u in b.users)
                        for key, _ in _storage(b)}
         backward_made = {key: nbytes for b in backward_nodes for key, nbytes in _storage(b)
-                         if makers.get(key) == index and key not in passed_keys}
+                         if makers.get(key, (None,))[0] == index and key not in passed_keys
+                         and key not in returned_gradients.accumulation_keys}
         flops = {n: meta_flops(n, flops_by_signature) for n in (*members, *backward_nodes)}
         forward_flops = sum(flops[n] for n in members)
         backward_flops = sum(flops[b] for b in backward_nodes)
@@ -515,8 +554,8 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
             backward_aliases_grad=_passes_gradient_on(backward_nodes),
             # the returned gradients it makes live from their kernel to the end of the step, beside
             # the other storages and the largest kernel temporaries of its backward
-            backward_workspace_bytes=sum(backward_made.values()) + sum(made_gradients[index].values()) + max(
-                (workspace.get(b.name, 0) for b in backward_nodes), default=0),
+            backward_workspace_bytes=sum(backward_made.values()) + sum(made_gradients[index].values())
+            + returned_gradients.summed_bytes[index] + max((workspace.get(b.name, 0) for b in backward_nodes), default=0),
             param_grad_bytes=sum(made_gradients[index].values()),
             forward_cost=sum(profile.seconds(flops[n], _moved_bytes(n)) for n in members),
             backward_cost=sum(profile.seconds(flops[b], _moved_bytes(b)) for b in backward_nodes),

@@ -200,6 +200,36 @@ def test_an_inplace_activations_backward_runs_after_the_gradient_it_reads_is_mad
                    - graph_peak_bytes(lowered.forward_graph, lowered.backward_graph)) <= 128
 
 
+class _TiedHead(nn.Module):
+    """A language model's tied weights: the head multiplies by the embedding's weight, whose gradient
+    is the sum of the head's term and the embedding's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding, self.body = nn.Embedding(500, 16), nn.Linear(16, 16)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.body(self.embedding(ids))) @ self.embedding.weight.t()
+
+
+def test_a_tied_weights_gradient_terms_and_sum_are_priced():
+    """The head's term of the tied weight's gradient lives from the head's backward to the embedding's,
+    where the embedding's term and their sum join it: three weight-sized buffers at once. Only the
+    sum was priced (GPT-2 small: 154 MB per term). The simulator's peak is now the graphs' or above it
+    by at most the embedding's incoming gradient, which the generated backward lets go before the sum."""
+    torch.manual_seed(0)
+    model, ids = _TiedHead(), torch.randint(0, 500, (1, 2))  # weights, not activations, set the peak
+    error, _ = _compiled_step_matches_eager(model, (ids,), budget_backend(1.0, solver="store_all",
+                                                                          price_kernels=False))
+    assert error < 1e-6
+    lowered = last_lowering()
+    weight_bytes, incoming_bytes = 500 * 16 * 4, 1 * 2 * 16 * 4
+    predicted = simulate(lowered.graph, lowered.plan.schedule).peak_bytes
+    liveness = graph_peak_bytes(lowered.forward_graph, lowered.backward_graph)
+    assert liveness >= 3 * weight_bytes  # the two terms and the sum, at the end of the backward
+    assert 0 <= predicted - liveness <= incoming_bytes
+
+
 class _DenseBlock(nn.Module):
     """DenseNet's pattern: every layer reads the concatenation of all earlier features, so each
     feature's gradient is a sum of slices of every later concatenation's gradient."""
