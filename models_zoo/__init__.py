@@ -19,7 +19,7 @@ from .transformer import GPT2
 from .unet import UNet
 from .vgg import VGG19
 
-__all__ = ["get_model", "MODEL_NAMES", "PRESETS", "MLPChain", "ResNet", "UNet", "GPT2", "VGG19", "UnrolledLSTM"]
+__all__ = ["get_model", "get_model_on", "MODEL_NAMES", "PRESETS", "MLPChain", "ResNet", "UNet", "GPT2", "VGG19", "UnrolledLSTM"]
 
 
 def _resnet(depth: int) -> Callable[..., tuple[nn.Module, tuple[torch.Tensor, ...]]]:
@@ -94,3 +94,11 @@ def get_model(name: str, preset: str = "small", *, seed: int | None = 0,
         return _BUILDERS[name](**arguments)
     except TypeError as error:
         raise ValueError(f"bad size for zoo model {name!r}: {error}") from None
+
+
+def get_model_on(name: str, device: "torch.device | str", preset: str = "small",
+                 **sizes: Any) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """:func:`get_model` (seed 0) with the model and its example inputs moved to ``device``."""
+    model, inputs = get_model(name, preset, **sizes)
+    return model.to(device), tuple(t.to(device) for t in inputs)
+

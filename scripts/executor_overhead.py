@@ -58,9 +58,7 @@ def main() -> None:
     print("| model | graph nodes | run | ops per step | step time | extra per op |")
     print("|---|---|---|---|---|---|")
     for name in args.models:
-        sizes = dict(TINY_SIZES[name])
-        model, inputs = models_zoo.get_model(name, sizes.pop("preset"), **sizes)
-        model, inputs = model.to(device), tuple(t.to(device) for t in inputs)
+        model, inputs = models_zoo.get_model_on(name, device, **TINY_SIZES[name])
         runs = [("original", make_training_step(model, inputs), 0, 0)]
         for prefix, options in [("", {"compiler": False, "timing": "flops"})] + (
                 [("compiler: ", {"compiler": True})] if args.compiler else []):

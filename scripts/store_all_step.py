@@ -42,9 +42,7 @@ def main() -> None:
     print("| model | run | median step | fastest step | median / eager |")
     print("|---|---|---|---|---|")
     for name in args.models:
-        sizes = dict(REAL_SIZES[name])
-        model, inputs = models_zoo.get_model(name, sizes.pop("preset"), **sizes)
-        model, inputs = model.to(device), tuple(t.to(device) for t in inputs)
+        model, inputs = models_zoo.get_model_on(name, device, **REAL_SIZES[name])
         torch._dynamo.reset()
         planned = optimize(model, 1.0, example_inputs=inputs, solver="store_all")
         path = "compiler" if isinstance(planned, CompiledRecomputedModule) else "executor (capture fell back)"
