@@ -19,7 +19,8 @@ from .transformer import GPT2
 from .unet import UNet
 from .vgg import VGG19
 
-__all__ = ["get_model", "get_model_on", "MODEL_NAMES", "PRESETS", "MLPChain", "ResNet", "UNet", "GPT2", "VGG19", "UnrolledLSTM"]
+__all__ = ["get_model", "get_model_on", "MODEL_NAMES", "PRESETS", "MLPChain", "ResNet", "UNet", "GPT2", "VGG19",
+           "UnrolledLSTM"]
 
 
 def _resnet(depth: int) -> Callable[..., tuple[nn.Module, tuple[torch.Tensor, ...]]]:

@@ -7,29 +7,36 @@ carry the same ``meta["seq_nr"]`` (``addmm`` and the ``mm``/``sum`` of its backw
 Units (:func:`joint_units`). A *unit* is a connected group of forward nodes of one ``seq_nr`` (an op
 with its ``getitem``s; a causal mask built under the same number is a unit of its own; a node without a
 number is a unit of its own). Its *backward nodes* are the tangent-dependent nodes of that number: of
-the units sharing it, the one they read most; moved to the unit that consumes it when they read values
-its own forward does not (a linear's weight gradient, traced under the weight transpose's number, reads
-the linear's input). Backward nodes whose number no forward unit has (functionalized in-place ops:
-EfficientNet's ``silu_``) are placed by what they read. Units are ordered so that every edge points
+the units sharing it, the one they read most among those the forward reads on (a transpose made only
+for an attention ``bmm``'s backward is not one: nothing would order its backward after the units making
+the gradient it reads); moved to the unit that consumes it when they read values its own forward does
+not (a linear's weight gradient, traced under the weight transpose's number, reads the linear's
+input). Backward nodes whose number no forward unit has (functionalized in-place ops: EfficientNet's
+``silu_``) are placed by what they read, preferring a unit the forward reads on (the ``silu``, not the
+``clone`` kept for its backward). Units are ordered so that every edge points
 forward, including from the values a unit's backward reads (they must be live when it runs, so they
 are its predecessors); units caught in a cycle are merged.
 
 Pricing (:func:`joint_cost_graph`), bytes from the fake tensors of ``meta["val"]``, storage by storage
 (a view owns nothing and ``alias_of`` names the unit owning its storage):
 
-* ``output_bytes``: storages the unit creates that other units, or the model's outputs, read (a
-  buffer's new value, BatchNorm's running statistics, is not a model output);
+* ``output_bytes``: storages the unit creates that other units or their backward nodes, or the
+  model's outputs, read (a buffer's new value, BatchNorm's running statistics, is not a model output);
 * ``saved_output_bytes`` / ``saved_buffer_bytes`` / ``saved_input_bytes``: forward values the unit's
   backward nodes read, by who owns them (the unit itself, read by others / only by its backward /
   another unit, which goes into ``backward_needs``); primals (parameters, inputs) are not counted;
 * ``grad_bytes``: the size of the floating-point outputs other units read (a view's gradient is the
-  view's size), when the unit has backward nodes or reads something that requires grad;
-  ``param_grad_bytes``: the primal gradients its backward nodes return; ``backward_aliases_grad``: its
-  backward nodes are only views of the gradient;
+  view's size), when the unit has backward nodes or reads something that requires grad and is read on
+  in the forward (a unit without backward nodes that only a backward reads passes no gradient on);
+  ``param_grad_bytes``: the primal gradients whose storage its backward nodes allocate (wherever they
+  are returned), or, for a sum of terms from several units' backward (a tied or shared weight), the
+  first term's unit, each later term adding itself and the new sum to its backward's workspace;
+  ``backward_aliases_grad``: its backward nodes are only views of the gradient;
 * ``workspace_bytes`` / ``backward_workspace_bytes``: internal storages nobody outside reads, and the
-  storages the backward nodes keep besides the gradients they pass on (counted as if alive together),
-  plus the largest kernel temporary of the unit's nodes, measured by the allocator on one run of the
-  joint graph on real tensors (``joint_allocations.kernel_workspace_bytes``);
+  storages the backward nodes allocate besides the gradients they pass on, with the returned gradients
+  they make (counted as if alive together), plus the largest kernel temporary of the unit's nodes,
+  measured by the allocator on one run of the joint graph on real tensors
+  (``joint_allocations.kernel_workspace_bytes``);
 * the loss the training loop computes on the outputs, priced on their shapes
   (``joint_allocations.outputs_loss_bytes``) as ``CostGraph.loss_bytes``;
 * costs: FLOPs of each node run on meta tensors under ``FlopCounterMode``, turned into seconds by a
@@ -555,7 +562,8 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
             # the returned gradients it makes live from their kernel to the end of the step, beside
             # the other storages and the largest kernel temporaries of its backward
             backward_workspace_bytes=sum(backward_made.values()) + sum(made_gradients[index].values())
-            + returned_gradients.summed_bytes[index] + max((workspace.get(b.name, 0) for b in backward_nodes), default=0),
+            + returned_gradients.summed_bytes[index]
+            + max((workspace.get(b.name, 0) for b in backward_nodes), default=0),
             param_grad_bytes=sum(made_gradients[index].values()),
             forward_cost=sum(profile.seconds(flops[n], _moved_bytes(n)) for n in members),
             backward_cost=sum(profile.seconds(flops[b], _moved_bytes(b)) for b in backward_nodes),
