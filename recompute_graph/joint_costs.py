@@ -375,12 +375,12 @@ def _moved_bytes(node: fx.Node) -> int:
     return _value_bytes(node) + sum(_value_bytes(a) for a in node.all_input_nodes)
 
 
-def _backward_storage_makers(graph: fx.Graph, units: JointUnits, primal_keys: set[int]
+def _backward_storage_makers(graph: fx.Graph, unit_of_backward: dict[fx.Node, int], primal_keys: set[int]
                             ) -> dict[int, tuple[int, fx.Node]]:
     """``{storage key: (unit, node)}`` of every storage a backward node allocates: the node allocating
-    it first, in execution order, and its unit. A view of it in another unit's backward (a gradient
-    read there, a ``t`` returning a weight gradient) is not that unit's allocation."""
-    unit_of_backward = {b: index for index, nodes in enumerate(units.backward_of) for b in nodes}
+    it first, in execution order, and its unit (``unit_of_backward``: backward node -> its unit). A view
+    of it in another unit's backward (a gradient read there, a ``t`` returning a weight gradient) is not
+    that unit's allocation."""
     makers: dict[int, tuple[int, fx.Node]] = {}
     for node in graph.nodes:
         if node in unit_of_backward and _allocates(node):
@@ -399,8 +399,8 @@ class _ReturnedGradients:
     accumulation_keys: set[int]  # terms and partial sums, priced through the two above
 
 
-def _returned_gradients(graph: fx.Graph, units: JointUnits, makers: dict[int, tuple[int, fx.Node]]
-                        ) -> _ReturnedGradients:
+def _returned_gradients(graph: fx.Graph, units: JointUnits, unit_of_backward: dict[fx.Node, int],
+                        makers: dict[int, tuple[int, fx.Node]]) -> _ReturnedGradients:
     """A returned gradient counts at the unit whose backward node allocates its storage, not at the
     unit returning it. A linear's weight gradient is an ``mm`` of the linear's backward, returned
     through a ``t`` traced under the weight transpose's number, whose backward runs later: the ``mm``
@@ -410,7 +410,6 @@ def _returned_gradients(graph: fx.Graph, units: JointUnits, makers: dict[int, tu
     every step of an LSTM) is summed as soon as both terms exist: one buffer of its size lives from the
     first term on, and each later term adds itself and the new sum while its backward runs. One no
     backward node allocates (a view of a tangent) counts at the unit returning it."""
-    unit_of_backward = {b: index for index, nodes in enumerate(units.backward_of) for b in nodes}
     position = {n: k for k, n in enumerate(graph.nodes)}
     priced = _ReturnedGradients([{} for _ in units.units], [0] * len(units.units), set())
     for g in units.gradient_outputs(graph):
@@ -473,10 +472,10 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
     gradient_outputs = units.gradient_outputs(graph)
     primals = [n for n in graph.nodes if n.op == "placeholder" and not is_tangent(n)]
     trainable = {p for p, g in zip(primals, gradient_outputs) if g is not None}
-    makers = _backward_storage_makers(graph, units, primal_keys)
-    returned_gradients = _returned_gradients(graph, units, makers)
-    made_gradients = returned_gradients.made
     backward_unit = {b: i for i, nodes in enumerate(units.backward_of) for b in nodes}
+    makers = _backward_storage_makers(graph, backward_unit, primal_keys)
+    returned_gradients = _returned_gradients(graph, units, backward_unit, makers)
+    made_gradients = returned_gradients.made
     requires_grad: list[bool] = []
     parameter_views: list[bool] = []
     nodes: list[CostNode] = []
