@@ -58,6 +58,7 @@ from torch import fx
 from torch.utils._pytree import tree_flatten
 
 from .costs import DEVICE_PROFILES, DeviceProfile
+from .gradient_accumulation import in_place_sums, sum_terms
 from .graph import CostGraph, CostNode
 from .joint_capture import RANDOM_TARGETS, op_name, reachable
 from .joint_partition import STATE_READING_TARGETS, _is_tensor
@@ -87,6 +88,7 @@ class JointUnits:
     backward_of: list[list[fx.Node]]           # backward nodes of each unit, in graph order
     unplaced_backward: list[fx.Node] = field(default_factory=list)  # backward nodes of no unit
     num_fwd_outputs: int = 0
+    in_place_sums: set[str] = field(default_factory=set)  # gradient sums accumulated in place (names)
 
     def forward_outputs(self, graph: fx.Graph) -> list[fx.Node]:
         output = next(n for n in graph.nodes if n.op == "output")
@@ -143,7 +145,10 @@ def joint_units(joint: fx.GraphModule, num_fwd_outputs: int) -> JointUnits:
         backward_of[_consumer_that_reads_it_all(owner, backward_nodes, units, unit_of)].extend(backward_nodes)
     unplaced = _place_by_reads(_gradient_sums_out(backward_of, backward) + unplaced, units, unit_of, backward_of)
     units, unit_of, backward_of = _topological(units, unit_of, backward_of)
-    return JointUnits(forward, backward, units, unit_of, backward_of, unplaced, num_fwd_outputs)
+    result = JointUnits(forward, backward, units, unit_of, backward_of, unplaced, num_fwd_outputs)
+    returned = [g for g in result.gradient_outputs(joint.graph) if isinstance(g, fx.Node)]
+    result.in_place_sums = in_place_sums(joint.graph, returned, {b for nodes in backward_of for b in nodes})
+    return result
 
 
 def _gradient_sums_out(backward_of: list[list[fx.Node]], backward: set[fx.Node]) -> list[fx.Node]:
@@ -408,40 +413,33 @@ def _returned_gradients(graph: fx.Graph, units: JointUnits, unit_of_backward: di
     peak when it was counted at the transpose). A gradient that is a sum of terms made by several
     units' backward (a tied weight: GPT-2's ``wte`` in the embedding and the head; a weight shared by
     every step of an LSTM) is summed as soon as both terms exist: one buffer of its size lives from the
-    first term on, and each later term adds itself and the new sum while its backward runs. One no
+    first term on, and each later term adds itself and the new sum while its backward runs (itself
+    alone where the sum is accumulated in place, ``gradient_accumulation``). One no
     backward node allocates (a view of a tangent) counts at the unit returning it."""
     position = {n: k for k, n in enumerate(graph.nodes)}
+
+    def made_in(term: fx.Node) -> int:  # the unit whose backward allocates the term's storage
+        return next((makers[k][0] for k, _ in _storage(term) if k in makers), unit_of_backward[term])
     priced = _ReturnedGradients([{} for _ in units.units], [0] * len(units.units), set())
     for g in units.gradient_outputs(graph):
         if not isinstance(g, fx.Node):
             continue
         for key, nbytes in _storage(g):
             unit, node = makers.get(key, (unit_of_backward.get(g), None))
-            terms, sums = _sum_terms(node, unit_of_backward) if node is not None else ([], [])
+            terms, sums = sum_terms(node, unit_of_backward) if node is not None else ([], [])
             if len(terms) < 2:
                 if unit is not None:
                     priced.made[unit][key] = nbytes
                 continue
             terms.sort(key=position.get)
-            priced.made[unit_of_backward[terms[0]]][key] = nbytes
-            for term in terms[1:]:
-                priced.summed_bytes[unit_of_backward[term]] += 2 * nbytes
+            priced.made[made_in(terms[0])][key] = nbytes
+            in_place = all(s.name in units.in_place_sums for s in sums)
+            for term in terms[1:]:  # live from its kernel to its sum (a linear's: the ``mm``, then its ``t``)
+                priced.summed_bytes[made_in(term)] += nbytes
+                priced.summed_bytes[unit_of_backward[term]] += (nbytes if made_in(term) != unit_of_backward[term]
+                                                                else 0) + (0 if in_place else nbytes)
             priced.accumulation_keys |= {k for n in (*terms, *sums) for k, _ in _storage(n)} - {key}
     return priced
-
-
-def _sum_terms(node: fx.Node, unit_of_backward: dict[fx.Node, int]) -> tuple[list[fx.Node], list[fx.Node]]:
-    """The terms and the ``add`` nodes of a gradient sum ending at ``node`` (no sum: ``[node]``)."""
-    terms, sums, stack = [], [], [node]
-    while stack:
-        current = stack.pop()
-        inputs = current.all_input_nodes
-        if op_name(current.target) == "add" and len(inputs) >= 2 and all(a in unit_of_backward for a in inputs):
-            sums.append(current)
-            stack.extend(inputs)
-        elif current not in terms:
-            terms.append(current)
-    return terms, sums
 
 
 def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "joint",

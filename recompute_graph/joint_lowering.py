@@ -42,6 +42,7 @@ from torch import fx
 
 from .errors import InfeasibleBudgetError
 from .graph import CostGraph
+from .gradient_accumulation import ACCUMULATE_IN_PLACE, accumulate_in_place
 from .joint_capture import RANDOM_TARGETS, op_name
 from .joint_allocations import kernel_workspace_bytes, outputs_loss_bytes
 from .joint_costs import JointUnits, _storage, is_tangent, joint_cost_graph, joint_units, rng_state_bytes
@@ -213,6 +214,8 @@ def lower_schedule(joint: fx.GraphModule, units: JointUnits, schedule: Schedule
         while ready:
             _, node = heapq.heappop(ready)
             env[node] = new.node_copy(node, reader_of(node))
+            if node.name in units.in_place_sums:  # names change here; the mark travels with the node
+                env[node].meta[ACCUMULATE_IN_PLACE] = True
             emitted.add(node)
             del waiting[node]
             for user in node.users:
@@ -390,6 +393,7 @@ def plan_and_lower(joint: fx.GraphModule, budget: Any, *, num_fwd_outputs: int, 
     schedule = schedule_pass(graph, plan.schedule) if schedule_pass is not None else plan.schedule
     module, saved, saved_sym, recomputed = lower_schedule(joint, units, schedule)
     forward_graph, backward_graph = extract_graphs(module, saved, saved_sym, num_fwd_outputs=num_fwd_outputs)
+    accumulate_in_place(backward_graph)
     lowered = Lowered(graph, plan, forward_graph, backward_graph, tuple(n.name for n in saved), tuple(recomputed),
                       units)
     _LAST[:] = [lowered]

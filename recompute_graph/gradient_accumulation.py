@@ -1,0 +1,156 @@
+"""Returned gradients that are sums of terms, accumulated in place.
+
+A weight read by several forward ops (an unrolled LSTM's cell weights, read at each of its T steps; a
+tied embedding and head) gets one gradient term from each reader's backward, and the joint graph
+AOTAutograd traces sums them out of place: ``add(add(t0, t1), t2) ...``. Each ``add`` allocates a new
+buffer of the weight's size and fills it, where eager autograd accumulates into one buffer in place
+(its ``InputBuffer``). At T = 200 the LSTM's backward made 800 such buffers: its ``add`` calls took
+10 µs each against eager's 5.5 µs ``add_``, about 4 % of the step.
+
+The model: a *sum chain* is the tree of ``add`` nodes (backward nodes all) ending at the storage a
+returned gradient is made in (:func:`sum_terms`). An ``add`` can write into its *accumulator* (one of
+its two inputs, :func:`accumulator`) when nothing but that ``add`` reads the accumulator's storage
+(the previous partial sum, or the first term and the views of it on the way: a linear's weight term is
+``t(t(mm))``), the storage was made by a backward node, the result has the accumulator's shape, dtype
+and strides, and the other input does not share that storage. A chain whose every ``add`` can is
+accumulated in place (:func:`in_place_sums`, decided once on the joint graph by ``joint_units``):
+
+* ``joint_costs`` prices each later term of such a chain at its own bytes (out of place: its bytes and
+  the new sum's);
+* ``joint_lowering`` rewrites those ``add`` nodes of the generated backward into ``add_`` on the
+  accumulator (:func:`accumulate_in_place`), whose value is the accumulator's own storage.
+
+Invariants: every value is unchanged (only storage nothing else reads is written); a chain is in place
+whole or not at all, so the pricing and the generated graph agree sum by sum.
+"""
+from __future__ import annotations
+
+from typing import Container, Iterable
+
+import torch
+from torch import fx
+from torch.utils._pytree import tree_flatten
+
+from .joint_capture import op_name
+
+__all__ = ["ACCUMULATE_IN_PLACE", "sum_terms", "accumulator", "in_place_sums", "accumulate_in_place"]
+
+_ADD = torch.ops.aten.add.Tensor
+
+#: the ``meta`` key marking a generated backward's ``add`` to accumulate in place
+ACCUMULATE_IN_PLACE = "accumulate_in_place"
+
+
+def sum_terms(node: fx.Node, backward: Container[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
+    """The terms and the ``add`` nodes of a gradient sum ending at ``node``, all of whose inputs are in
+    ``backward`` (no sum: ``([node], [])``)."""
+    terms, sums, stack = [], [], [node]
+    while stack:
+        current = stack.pop()
+        inputs = current.all_input_nodes
+        if op_name(current.target) == "add" and len(inputs) >= 2 and all(a in backward for a in inputs):
+            sums.append(current)
+            stack.extend(inputs)
+        elif current not in terms:
+            terms.append(current)
+    return terms, sums
+
+
+def _storage_keys(node: fx.Node) -> set[int]:
+    keys = set()
+    for value in tree_flatten(node.meta.get("val"))[0]:
+        if isinstance(value, torch.Tensor):
+            try:
+                keys.add(value.untyped_storage()._cdata)
+            except (RuntimeError, NotImplementedError):
+                continue
+    return keys
+
+
+def _sharing(node: fx.Node) -> tuple[fx.Node, set[fx.Node]] | None:
+    """The node that allocated ``node``'s (single) storage and every node holding that storage, found
+    through inputs and users that hold it; None if ``node`` holds no single storage."""
+    keys = _storage_keys(node)
+    if len(keys) != 1:
+        return None
+    root = node
+    while True:
+        holders = [a for a in root.all_input_nodes if keys <= _storage_keys(a)]
+        if not holders:
+            break
+        root = holders[0]
+    found, stack = {root}, [root]
+    while stack:
+        for user in stack.pop().users:
+            if user not in found and user.op != "output" and keys <= _storage_keys(user):
+                found.add(user)
+                stack.append(user)
+    return root, found
+
+
+def accumulator(add: fx.Node, backward: Container[fx.Node]) -> fx.Node | None:
+    """The input of ``add`` (an ``aten.add.Tensor`` of two tensors) it can write its sum into (module
+    docstring), or None. ``backward``: the nodes whose storages are the backward's own."""
+    if add.target is not _ADD or add.kwargs or len(add.args) != 2:
+        return None
+    value = add.meta.get("val")
+    if not all(isinstance(a, fx.Node) for a in add.args) or not isinstance(value, torch.Tensor):
+        return None
+    for candidate, other in (add.args, reversed(add.args)):
+        held = candidate.meta.get("val")
+        if not isinstance(held, torch.Tensor) or (held.shape, held.dtype, held.stride()) != (
+                value.shape, value.dtype, value.stride()):
+            continue
+        sharing = _sharing(candidate)
+        if sharing is None:
+            continue
+        root, holders = sharing
+        if root.op == "placeholder" or root not in backward or _storage_keys(other) & _storage_keys(root):
+            continue
+        if all(user in holders or user is add for holder in holders for user in holder.users):
+            return candidate
+    return None
+
+
+def in_place_sums(graph: fx.Graph, returned: Iterable[fx.Node], backward: Container[fx.Node]) -> set[str]:
+    """Names of the ``add`` nodes of every returned gradient's sum chain whose every ``add`` has an
+    :func:`accumulator`. ``returned``: the nodes the backward returns as gradients; ``backward``: the
+    backward nodes a chain's terms and sums are among."""
+    names: set[str] = set()
+    for gradient in returned:
+        sharing = _sharing(gradient)
+        if sharing is None:
+            continue
+        _, sums = sum_terms(sharing[0], backward)
+        if sums and all(accumulator(s, backward) is not None for s in sums):
+            names |= {s.name for s in sums}
+    return names
+
+
+def accumulate_in_place(backward_graph: fx.GraphModule) -> int:
+    """Rewrite each ``add`` of ``backward_graph`` marked ``meta[ACCUMULATE_IN_PLACE]`` (the lowering
+    marks the nodes of ``in_place_sums`` as it copies them, since the copies may be renamed) into
+    ``add_`` on its accumulator,
+    whose value it then is (``meta["val"]`` too, so the graph's liveness sees one storage), and return
+    how many. A named ``add`` whose accumulator some later node still reads would be priced in place
+    and run out of place: that is an error of the lowering, raised."""
+    position = {n: i for i, n in enumerate(backward_graph.graph.nodes)}
+    backward = {n for n in backward_graph.graph.nodes if n.op != "placeholder"}
+    rewritten = 0
+    for node in list(backward_graph.graph.nodes):
+        if node.op != "call_function" or not node.meta.get(ACCUMULATE_IN_PLACE):
+            continue
+        target = accumulator(node, backward)
+        later = [] if target is None else [u for h in _sharing(target)[1] for u in h.users
+                                             if u is not node and position[u] > position[node]]
+        if target is None or later:
+            raise RuntimeError(f"joint lowering: the gradient sum {node.name} was priced in place, but its "
+                               "accumulator is read elsewhere in the generated backward")
+        other = node.args[1] if node.args[0] is target else node.args[0]
+        node.target = torch.ops.aten.add_.Tensor
+        node.args = (target, other)
+        node.meta["val"] = target.meta["val"]
+        rewritten += 1
+    if rewritten:
+        backward_graph.recompile()
+    return rewritten
