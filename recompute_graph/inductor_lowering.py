@@ -91,6 +91,11 @@ def _with_custom_ops(gm: fx.GraphModule) -> str | None:
                 return f"a recomputed {op_name(target)} (only native_dropout is replayed under inductor)"
             x, p, train = (list(args) + [None])[:3]
             node.target, node.args = ops["replay"], (state, x, p, train)
+        elif node.target is torch.ops.aten.view.default:
+            # the retrace's decompositions may lay a result out otherwise than the op the ``view`` was
+            # traced against (HF GPT-2's attention: "Cannot view a tensor with shape [2, 4, 8, 16] and
+            # strides (512, 8, 1, 32)"); ``reshape`` is that view wherever one exists
+            node.target = torch.ops.aten.reshape.default
     gm.recompile()
     return None
 
