@@ -1,6 +1,7 @@
 """A store-all plan's step on the compiler path against plain eager autograd, at real sizes.
 
     python scripts/store_all_step.py [--models resnet50 gpt2 rnn] [--rounds 7] [--device cpu|cuda]
+                                     [--profile N]
 
 Issue 16's target: a store-all plan (no recomputation) costs at most 1.03x of eager autograd per
 training step on GPT-2 small, ResNet-50 and the LSTM at T = 200, as the median of interleaved runs. For
@@ -10,6 +11,8 @@ solver="store_all")`` (the compiler path, ``optimize``'s default), and ``torch.c
 backend="aot_eager")`` (AOTAutograd's own partition, its graphs run as generated: what compiling costs by
 itself). Every step is forward, the ``sum of squares`` loss, backward, with gradients set to None first.
 Prints one Markdown row per run: median and fastest step time and the ratios of the medians to eager.
+``--profile N``: then, for each run, the N aten ops of most self CPU time over 3 steps
+(``torch.profiler``: calls, total and mean microseconds per call), to see where a gap comes from.
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(REAL_SIZES), choices=list(REAL_SIZES))
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--profile", type=int, default=0, metavar="N", help="top N ops of each run")
     args = parser.parse_args()
     device = torch.device(args.device)
     print("| model | run | median step | fastest step | median / eager |")
@@ -56,6 +60,22 @@ def main() -> None:
         for (label, _), timing, median in zip(runs, timings, medians):
             print(f"| {name} | {label} | {median * 1e3:.1f} ms | {min(timing.seconds) * 1e3:.1f} ms | "
                   f"x{median / medians[0]:.3f} |", flush=True)
+        if args.profile:
+            for label, step in runs:
+                print_top_ops(f"{name}, {label}", step, args.profile)
+
+
+def print_top_ops(title: str, step, count: int, steps: int = 3) -> None:
+    """The ``count`` aten ops of most self CPU time over ``steps`` steps, as a Markdown table."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as recorded:
+        for _ in range(steps):
+            step()
+    events = sorted((e for e in recorded.key_averages() if e.key.startswith("aten::")),
+                    key=lambda e: e.self_cpu_time_total, reverse=True)[:count]
+    print(f"\n{title}, {steps} steps:\n\n| op | calls | self CPU | per call |\n|---|---|---|---|")
+    for e in events:
+        print(f"| {e.key} | {e.count} | {e.self_cpu_time_total / 1e3:.1f} ms | {e.self_cpu_time_total / e.count:.1f} µs |")
 
 
 if __name__ == "__main__":
