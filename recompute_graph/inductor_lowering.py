@@ -124,10 +124,10 @@ def inductor_graph_compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -
         warnings.warn(f"{'backward' if is_backward else 'forward'} graph runs uncompiled: {why}",
                       InductorFallbackWarning, stacklevel=2)
         return boxed_interpreter(gm, example_inputs)
-    decompositions = {op: fn for op, fn in select_decomp_table().items()
-                      if op_name(op) != "native_dropout"}
-    fake_mode = torch._guards.detect_fake_mode(example_inputs)  # AOTAutograd's: constants made fake too
-    with fake_mode if fake_mode is not None else contextlib.nullcontext():
-        decomposed = make_fx(fx.Interpreter(gm).run, decomposition_table=decompositions)(*example_inputs)
     with inductor_config.patch(fallback_random=True, layout_optimization=False, reorder_for_peak_memory=False):
+        decompositions = {op: fn for op, fn in select_decomp_table().items()
+                          if op_name(op) != "native_dropout"}
+        fake_mode = torch._guards.detect_fake_mode(example_inputs)  # AOTAutograd's: constants made fake too
+        with fake_mode if fake_mode is not None else contextlib.nullcontext():
+            decomposed = make_fx(fx.Interpreter(gm).run, decomposition_table=decompositions)(*example_inputs)
         return compile_fx_inner(decomposed, list(example_inputs), is_backward=is_backward)

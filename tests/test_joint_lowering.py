@@ -458,3 +458,29 @@ def test_the_generated_graphs_transpose_each_weight_once_and_detach_nothing_in_t
         transposed = [n.args[0] for n in transposes]
         assert len(transposed) == len(set(transposed))  # each value transposed once
         assert not any(op_name(n.target) == "t" for n in transposed if n.op == "call_function")  # no t(t(x))
+
+
+def test_recompute_copies_run_in_the_backward_only_even_where_random_ops_count_as_impure():
+    """Under ``torch._inductor.config.fallback_random`` the graph extraction's dead-code elimination
+    keeps ops that may draw, such as CPU flash attention, and every node feeding them: a recomputed
+    chain ending in one also ran, unread, in ViT's forward (249 KB over the plan under inductor). The
+    forward keeps none of the recompute copies, and the graphs are those made without the setting."""
+    from models_zoo import third_party
+    from models_zoo.conformance import call_of
+    from torch._inductor import config as inductor_config
+    if not third_party.available("tv_vit"):
+        pytest.skip("torchvision is not installed")
+    sizes = []
+    for fallback_random in (True, False):
+        torch.manual_seed(0)
+        model, call = third_party.build("tv_vit")
+        args, kwargs = call_of(call)
+        torch._dynamo.reset()
+        with inductor_config.patch(fallback_random=fallback_random):
+            compiled = torch.compile(model, backend=budget_backend(0.8, price_kernels=False, on_infeasible="floor"))
+            _loss(compiled(*args, **kwargs)).backward()
+        lowered = last_lowering()
+        assert lowered.recomputed
+        assert not set(lowered.recomputed) & {n.name for n in lowered.forward_graph.graph.nodes}
+        sizes.append((len(lowered.forward_graph.graph.nodes), len(lowered.backward_graph.graph.nodes)))
+    assert sizes[0] == sizes[1]
