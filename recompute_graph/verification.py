@@ -28,7 +28,8 @@ from .measure import peak_memory
 from .model_state import preserved_state, training_step
 from .units import format_bytes
 
-__all__ = ["VerifyReport", "verify", "GRADIENT_TOLERANCE", "PREDICTION_TOLERANCE"]
+__all__ = ["VerifyReport", "verify", "GRADIENT_TOLERANCE", "PREDICTION_TOLERANCE", "parameter_gradient_error",
+           "model_gradient_error"]
 
 #: Largest gradient error (relative to the model's largest gradient) a plan may have.
 GRADIENT_TOLERANCE = 1e-5
@@ -123,6 +124,22 @@ def verify(model: nn.Module, budget: Any = 0.5, *, example_inputs: Sequence[Any]
                         gradients_compared=compared, missing_gradients=missing, buffer_mismatches=mismatches,
                         budget_bytes=plan.budget_bytes, predicted_peak_bytes=predicted, measured_peak_bytes=measured,
                         loss_difference=abs(actual_loss - expected_loss), warnings=tuple(warnings))
+
+
+def parameter_gradient_error(model: nn.Module, reference: nn.Module) -> float:
+    """The largest gradient difference between ``model`` and ``reference`` (same parameters, in order)
+    relative to that parameter's largest reference gradient: the strictest measure, for exact paths
+    (0.0 where the gradients are equal to the bit). Parameters without a reference gradient are skipped."""
+    return max((((p.grad - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-12)).item()
+                for p, q in zip(model.parameters(), reference.parameters()) if q.grad is not None), default=0.0)
+
+
+def model_gradient_error(model: nn.Module, reference: nn.Module) -> float:
+    """The largest gradient difference relative to the reference's largest gradient over the model
+    (``verify``'s measure: some exact gradients are 0, and a compiler's rounding is judged against the
+    model's scale)."""
+    return _gradient_error({name: p.grad for name, p in model.named_parameters()},
+                           dict(reference.named_parameters()))[0]
 
 
 def _gradient_error(actual: dict[str, torch.Tensor | None], expected: dict[str, nn.Parameter]

@@ -30,6 +30,7 @@ import models_zoo
 import recompute_graph as rg
 from recompute_graph.joint_lowering import graph_peak_bytes
 from recompute_graph.measure import allocator_peak_memory
+from recompute_graph.verification import parameter_gradient_error
 
 
 def loss_of(out):
@@ -69,8 +70,7 @@ def check(name: str, preset: str, fraction: float, repeats: int, inductor: bool 
         return f"| {name} | {fraction:.0%} | - | {reason.split(';')[0][:120]} |||||||||"
     compile_seconds = time.perf_counter() - start
     lowered = rg.last_lowering()
-    error = max(((p.grad - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-12)).item()
-                for p, q in zip(model.parameters(), reference.parameters()) if q.grad is not None)
+    error = parameter_gradient_error(model, reference)
     buffers = all((torch.allclose(a.float(), b.float(), rtol=1e-4, atol=1e-6) if inductor else torch.equal(a, b))
                   for a, b in zip(model.buffers(), reference.buffers()))
     measured = allocator_peak_memory(step)

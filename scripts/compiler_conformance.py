@@ -41,6 +41,7 @@ from models_zoo.conformance import call_of
 from recompute_graph.losses import default_training_loss
 from recompute_graph.joint_lowering import InfeasibleBudgetWarning
 from recompute_graph.measure import allocator_peak_memory
+from recompute_graph.verification import model_gradient_error, parameter_gradient_error
 
 
 def row(name: str, fraction: float, inductor: bool = False) -> str:
@@ -78,10 +79,7 @@ def row(name: str, fraction: float, inductor: bool = False) -> str:
     seconds = time.perf_counter() - start
     lowered = rg.last_lowering()
     # under inductor's rounding: against the model's largest gradient, beside inductor's own (below)
-    error = _error_of_largest(model, reference) if inductor else max(
-        (((p.grad - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-12)).item()
-         for p, q in zip(model.parameters(), reference.parameters())
-         if q.grad is not None and p.grad is not None), default=0.0)
+    error = model_gradient_error(model, reference) if inductor else parameter_gradient_error(model, reference)
     missing = sum(1 for p, q in zip(model.parameters(), reference.parameters())
                   if (q.grad is None) != (p.grad is None))
     buffers = all((torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-6) if inductor else torch.equal(a, b))
@@ -91,7 +89,7 @@ def row(name: str, fraction: float, inductor: bool = False) -> str:
         plain = copy.deepcopy(reference)
         torch._dynamo.reset()
         step(plain, torch.compile(plain, backend="inductor"))
-        inductor_error = _error_of_largest(plain, reference)
+        inductor_error = model_gradient_error(plain, reference)
     predicted = lowered.plan.predicted_step_peak_bytes
     ok = error <= (max(1e-4, 1.5 * inductor_error) if inductor else 1e-5) and buffers and not missing
     graphs = len(lowerings)
@@ -100,14 +98,6 @@ def row(name: str, fraction: float, inductor: bool = False) -> str:
     return (f"| {name} | {fraction:.0%}{at_floor} | {'pass' if ok else 'FAIL'} | {lowered.plan.solver} | {error:.1e}{own}"
             f"{'' if buffers else ', buffers differ'}{f', {missing} gradients missing' if missing else ''} | "
             f"{predicted:,} | {measured:,} | {ratio} | {seconds:.0f} s |")
-
-
-def _error_of_largest(model: torch.nn.Module, reference: torch.nn.Module) -> float:
-    """The largest gradient difference relative to the reference's largest gradient over the model."""
-    pairs = [(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters())
-             if p.grad is not None and q.grad is not None]
-    largest = max((q.abs().max().item() for _, q in pairs), default=0.0)
-    return max(((p - q).abs().max().item() for p, q in pairs), default=0.0) / max(largest, 1e-12)
 
 
 def optimize_row(name: str, fraction: float) -> str:

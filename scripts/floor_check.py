@@ -16,6 +16,7 @@ import torch
 
 import models_zoo
 import recompute_graph as rg
+from recompute_graph.verification import parameter_gradient_error
 from recompute_graph.measure import default_loss, peak_memory
 
 
@@ -41,8 +42,7 @@ def main() -> None:
         return run
     measured = peak_memory(step(optimized))
     store_all = peak_memory(step(reference))
-    gradient_error = max(((a.grad - b.grad).abs().max() / b.grad.abs().max().clamp_min(1e-12)).item()
-                         for a, b in zip(model.parameters(), reference.parameters()))
+    gradient_error = parameter_gradient_error(model, reference)
     buffers_equal = all(torch.equal(a, b) for a, b in zip(model.buffers(), reference.buffers()))
     print(f"measured {rg.format_bytes(measured)} (predicted {rg.format_bytes(plan.predicted_peak_bytes)}, "
           f"budget {rg.format_bytes(plan.budget_bytes)}); store-all measured {rg.format_bytes(store_all)}, "

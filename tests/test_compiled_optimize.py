@@ -11,6 +11,7 @@ from torch import nn
 import models_zoo
 import recompute_graph as rg
 from recompute_graph.measure import allocator_peak_memory, default_loss
+from recompute_graph.verification import parameter_gradient_error
 
 
 def _step(module, inputs, kwargs=None):
@@ -19,9 +20,6 @@ def _step(module, inputs, kwargs=None):
     default_loss(module(*inputs, **(kwargs or {}))).backward()
 
 
-def _gradient_error(model, reference):
-    return max(((p.grad - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-12)).item()
-               for p, q in zip(model.parameters(), reference.parameters()) if q.grad is not None)
 
 
 def _buffers_equal(model, reference):
@@ -45,7 +43,7 @@ def test_the_compiler_path_trains_exactly_and_planning_leaves_the_model_as_it_wa
     for _ in range(2):  # two steps: BatchNorm statistics updated once per step, the same dropout masks
         _step(reference, inputs)
         _step(optimized, inputs)
-        assert _gradient_error(model, reference) == 0.0 and _buffers_equal(model, reference)
+        assert parameter_gradient_error(model, reference) == 0.0 and _buffers_equal(model, reference)
     assert len(optimized.lowerings) == 1  # planned once, on the example call
     measured = allocator_peak_memory(lambda: _step(optimized, inputs))
     assert measured <= plan.budget_bytes
@@ -68,7 +66,7 @@ def test_eval_and_no_grad_run_the_plain_forward_and_an_unplanned_module_plans_on
     reference = copy.deepcopy(model)
     _step(reference, inputs)
     _step(optimized, inputs)
-    assert optimized.recompute_plan is not None and _gradient_error(model, reference) == 0.0
+    assert optimized.recompute_plan is not None and parameter_gradient_error(model, reference) == 0.0
 
 
 def test_an_infeasible_budget_raises_the_typed_error_and_changes_nothing():
@@ -122,12 +120,12 @@ def test_a_model_that_cannot_be_captured_whole_is_refused_or_falls_back_with_a_w
     reference = copy.deepcopy(model)
     _step(reference, (x,))
     _step(optimized, (x,))
-    assert _gradient_error(model, reference) == 0.0
+    assert parameter_gradient_error(model, reference) == 0.0
     lazy = rg.optimize(model, 0.9, compiler="auto")  # no example: the fallback happens on the first call
     with pytest.warns(rg.CompilerFallbackWarning):
         _step(lazy, (x,))
     assert lazy.delegate is not None and lazy.recompute_plan is lazy.delegate.recompute_plan
-    assert _gradient_error(model, reference) == 0.0
+    assert parameter_gradient_error(model, reference) == 0.0
 
 
 def test_a_recompilation_that_cannot_be_captured_falls_back_on_the_call_that_needs_it():
@@ -144,7 +142,7 @@ def test_a_recompilation_that_cannot_be_captured_falls_back_on_the_call_that_nee
         _step(optimized, (x,))
     assert optimized.delegate is not None and "compiler path failed" in repr(optimized)
     _step(reference, (x,))
-    assert _gradient_error(model, reference) == 0.0
+    assert parameter_gradient_error(model, reference) == 0.0
     model.breaks = False
     strict = rg.optimize(model, 0.9, example_inputs=(x,), compiler=True)  # the compiler path only: an error
     model.breaks = True
@@ -178,7 +176,7 @@ def test_a_logging_call_inside_the_forward_does_not_break_the_graph():
     assert optimized.recompute_plan.recomputed_nodes
     _step(reference, (x,))
     _step(optimized, (x,))
-    assert _gradient_error(model, reference) == 0.0
+    assert parameter_gradient_error(model, reference) == 0.0
     assert not torch._dynamo.config.ignore_logging_functions  # Dynamo's setting is put back after each call
 
 
@@ -194,10 +192,10 @@ def test_under_a_dispatch_mode_a_training_call_runs_the_plain_forward_with_a_war
     with StorageTracker(), pytest.warns(rg.CompilerFallbackWarning, match="dispatch mode"):
         _step(optimized, (x,))
     _step(reference, (x,))
-    assert _gradient_error(model, reference) == 0.0
+    assert parameter_gradient_error(model, reference) == 0.0
     _step(optimized, (x,))
     assert optimized.delegate is None and len(optimized.lowerings) == 1
-    assert _gradient_error(model, reference) == 0.0
+    assert parameter_gradient_error(model, reference) == 0.0
 
 
 def test_a_call_nothing_in_which_requires_grad_is_refused_by_the_compiler_path_and_falls_back():
@@ -228,7 +226,7 @@ def test_third_party_model_code_trains_exactly_through_optimize_on_the_compiler_
     _step(reference, args, kwargs)
     _step(optimized, args, kwargs)
     assert optimized.recompute_plan.recomputed_nodes
-    assert _gradient_error(model, reference) < 1e-5 and _buffers_equal(model, reference)
+    assert parameter_gradient_error(model, reference) < 1e-5 and _buffers_equal(model, reference)
 
 
 def test_a_plan_made_on_meta_tensors_is_saved_and_reused_by_the_compiler_path(tmp_path):
@@ -257,7 +255,7 @@ def test_a_plan_made_on_meta_tensors_is_saved_and_reused_by_the_compiler_path(tm
     assert plan.graph.loss_bytes == optimized.recompute_plan.graph.loss_bytes > 0
     _step(reference, inputs)
     _step(optimized, inputs)
-    assert _gradient_error(model, reference) == 0.0
+    assert parameter_gradient_error(model, reference) == 0.0
     torch._dynamo.reset()
     shorter = (inputs[0][:, : inputs[0].shape[1] // 2],)  # another sequence length: another structure
     with pytest.warns(rg.PlanMismatchWarning, match="saved plan not reused"):
@@ -284,11 +282,11 @@ def test_many_models_of_one_class_and_many_shapes_of_one_model_are_each_compiled
         assert optimized.recompute_plan.recomputed_nodes
         _step(reference, (x,))
         _step(optimized, (x,))
-        assert _gradient_error(model, reference) == 0.0
+        assert parameter_gradient_error(model, reference) == 0.0
     lazy = rg.optimize(model, 0.8)  # one model, nine batch sizes: nine signatures, each planned once
     for rows in range(504, 513):
         _step(reference, (x[:rows],))
         _step(lazy, (x[:rows],))
-        assert _gradient_error(model, reference) == 0.0
+        assert parameter_gradient_error(model, reference) == 0.0
     _step(lazy, (x[:510],))  # a signature seen before is not planned again
     assert len(lazy.lowerings) == 9 and isinstance(lazy, rg.CompiledRecomputedModule)
