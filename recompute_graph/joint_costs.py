@@ -400,7 +400,7 @@ class _ReturnedGradients:
     """How the returned (parameter and input) gradients are priced, per unit of the joint graph."""
 
     made: list[dict[int, int]]  # {storage key: bytes} live from the unit's backward to the step's end
-    summed_bytes: list[int]     # a further term and its new sum, transient in the unit's backward
+    summed_bytes: list[int]     # later terms (made or added here) and out-of-place new sums, transient
     accumulation_keys: set[int]  # terms and partial sums, priced through the two above
 
 
