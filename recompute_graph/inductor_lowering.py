@@ -23,7 +23,7 @@ generated, uncompiled, with a warning. What inductor still does to memory, unpri
 pointwise chains, so their intermediates never exist, its decomposed backward kernels hold other
 temporaries than eager's, and its scheduler may still move a node next to a fused partner. The
 prediction is 0.93-1.10 of the measured peak on the tiny zoo models (``python scripts/compiler_check.py
---inductor``), but ViT of the conformance sample measures 10 % above it at 80 %, over the budget
+--inductor``), but T5 of the conformance sample measures 8 % above it at 80 %, over the budget
 (docs/compiler.md), so this is opt-in, not ``optimize()``'s path.
 """
 from __future__ import annotations

@@ -30,7 +30,9 @@ Pricing (:func:`joint_cost_graph`), bytes from the fake tensors of ``meta["val"]
   in the forward (a unit without backward nodes that only a backward reads passes no gradient on);
   ``param_grad_bytes``: the primal gradients whose storage its backward nodes allocate (wherever they
   are returned), or, for a sum of terms from several units' backward (a tied or shared weight), the
-  first term's unit, each later term adding itself and the new sum to its backward's workspace;
+  first term's unit (the one whose kernel makes it), each later term counted from the backward that
+  makes it to the one adding it, with the new sum unless the chain is accumulated in place
+  (``gradient_accumulation``);
   ``backward_aliases_grad``: its backward nodes are only views of the gradient;
 * ``workspace_bytes`` / ``backward_workspace_bytes``: internal storages nobody outside reads, and the
   storages the backward nodes allocate besides the gradients they pass on, with the returned gradients
@@ -461,15 +463,13 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
             for key, _ in _storage(node):
                 if key not in primal_keys:
                     owner.setdefault(key, index)
-    primals_ = [n for n in graph.nodes if n.op == "placeholder" and not is_tangent(n)]
-    trainable_ = {p for p, g in zip(primals_, units.gradient_outputs(graph)) if g is not None}
-    # the model's outputs; a buffer's new value (BatchNorm's running statistics, written back after the
-    # forward) is not one: it would keep its unit's whole value (the normalized activations) alive
-    forward_outputs = {n for n in units.forward_outputs(graph)
-                       if not _is_buffer_update(n, set(primals_) - trainable_)}
     gradient_outputs = units.gradient_outputs(graph)
     primals = [n for n in graph.nodes if n.op == "placeholder" and not is_tangent(n)]
     trainable = {p for p, g in zip(primals, gradient_outputs) if g is not None}
+    # the model's outputs; a buffer's new value (BatchNorm's running statistics, written back after the
+    # forward) is not one: it would keep its unit's whole value (the normalized activations) alive
+    forward_outputs = {n for n in units.forward_outputs(graph)
+                       if not _is_buffer_update(n, set(primals) - trainable)}
     backward_unit = {b: i for i, nodes in enumerate(units.backward_of) for b in nodes}
     makers = _backward_storage_makers(graph, backward_unit, primal_keys)
     returned_gradients = _returned_gradients(graph, units, backward_unit, makers)

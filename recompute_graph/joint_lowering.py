@@ -412,9 +412,10 @@ def budget_backend(budget: Any, solver: str = "auto", schedule_pass: SchedulePas
     (``joint_partition.boxed_interpreter``).
     ``last_lowering()`` shows the plan, the saved values and the backward's code. ``price_kernels``:
     measure each node's kernel workspace on real tensors first
-    (``joint_allocations.kernel_workspace_bytes``); without it the plan prices the graphs' liveness alone. ``loss_fn``: the loss the training loop
-    computes on the compiled module's output (default ``losses.default_training_loss``), priced on
-    the outputs' shapes and kept free beside the step (``planner.loss_allowance_bytes``).
+    (``joint_allocations.kernel_workspace_bytes``); without it the plan prices the graphs' liveness
+    alone. ``loss_fn``: the loss the training loop computes on the compiled module's output (default
+    ``losses.default_training_loss``), priced on the outputs' shapes and kept free beside the step
+    (``planner.loss_allowance_bytes``).
     ``on_infeasible``: ``"raise"`` (``InfeasibleBudgetError``, with the smallest feasible budget) or
     ``"floor"``: plan that graph at its smallest feasible budget, with an ``InfeasibleBudgetWarning``.
     ``graph_compiler``: what runs the generated graphs (AOTAutograd's boxed convention; the node-marking
