@@ -18,7 +18,7 @@ from .schedule import Schedule
 from .schedule_passes import keep_free_tapes
 from .simulate import SimulationResult
 from .solvers import SOLVERS, Solution, get_solver, solvers_for
-from .solvers.chen import split_candidates
+from .solvers.chain_dp import chain_cuts
 from .solvers.lower_set_dp import dp_for
 from .units import format_bytes, parse_bytes
 
@@ -109,7 +109,7 @@ def auto_solvers(graph: CostGraph) -> tuple[str, ...]:
     if not graph.implicit_backward:
         return ("store_all", "evict", "shave")
     dp = dp_for(graph)
-    chain = ("chain_dp",) if dp and len(split_candidates(graph)) >= 2 else ()
+    chain = ("chain_dp",) if dp and len(chain_cuts(graph)) >= 2 else ()
     return AUTO_SOLVERS + ((dp,) if dp else ()) + chain
 
 _BUDGET_FORMS = ("a positive int of bytes, a size string such as '1.5GiB' or '800MB', or a float in "

@@ -1,13 +1,17 @@
-"""chain_dp (rotor): optimal in its model against brute force; valid multi-recompute schedules."""
+"""chain_dp (rotor): optimal in its model against brute force; valid multi-recompute schedules; the chain cut at
+narrow positions where no split candidate is."""
 import math
 
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from recompute_graph.graph import CostGraph, CostNode
 from recompute_graph.schedule import Forward
 from recompute_graph.simulate import simulate
 from recompute_graph.solvers import SOLVERS
-from recompute_graph.solvers.chain_dp import Chain, discretize, lower_chain_ops, optimal_time, solve_chain
+from recompute_graph.solvers.chain_dp import (Chain, boundary_bytes, chain_cuts, chain_of, discretize, lower_chain_ops,
+                                              optimal_time, solve_chain)
+from recompute_graph.solvers.chen import split_candidates
 
 from test_schedule import chain as chain_graph
 
@@ -111,3 +115,43 @@ def test_revolve_on_a_chain_graph_is_valid_and_fits_its_budget():
     budget = (smallest.peak_bytes + store_all.peak_bytes) // 2
     planned = SOLVERS["revolve"](graph, budget)
     assert planned.fits(budget) and planned.recompute_cost <= smallest.recompute_cost
+
+
+def recurrence(steps: int) -> CostGraph:
+    """An RNN whose state is two tensors: step t's gates ``g`` (400 B) read ``h[t-1]``; ``c`` reads ``g`` and
+    ``c[t-1]``; ``h`` reads ``g`` and ``c``. After ``h[t]`` the values read later are ``c[t]`` and ``h[t]``
+    (200 B), so no node has everything flowing through it."""
+    nodes, h, c = [], None, None
+    for t in range(steps):
+        g = len(nodes)
+        step = [(f"g{t}", (h,) if h is not None else (), 400, 4.0),
+                (f"c{t}", (g, c) if c is not None else (g,), 100, 1.0),
+                (f"h{t}", (g, g + 1), 100, 1.0)]
+        for offset, (name, reads, size, cost) in enumerate(step):
+            nodes.append(CostNode(g + offset, name, predecessors=reads, output_bytes=size, grad_bytes=size,
+                                  backward_needs=reads, forward_cost=cost, backward_cost=2 * cost))
+        h, c = g + 2, g + 1
+    return CostGraph("recurrence", tuple(nodes))
+
+
+def test_a_state_of_two_tensors_is_cut_at_its_narrowest_positions_and_recomputed():
+    """Split candidates leave an RNN of two-tensor state one stage; chain_cuts cuts it after every
+    ``h[t]``, where only ``(c[t], h[t])`` is open, and chain_dp then plans recomputation under budgets
+    that store-all cannot meet, the schedule valid and its claim the simulator's."""
+    graph = recurrence(12)
+    assert len(split_candidates(graph)) <= 1
+    assert boundary_bytes(graph)[2::3][:-1] == [200] * 11
+    assert chain_cuts(graph, max_stages=12) == [0] + [3 * t + 2 for t in range(11)]
+    chain = chain_of(graph, max_stages=12)
+    assert chain.cw[1:-1] == (400,) + (200,) * 11
+    store_all = SOLVERS["store_all"](graph, None)
+    tight = SOLVERS["chain_dp"](graph, int(0.6 * store_all.peak_bytes))
+    assert tight.peak_bytes <= 0.6 * store_all.peak_bytes
+    assert max(tight.schedule.computation_counts().values()) >= 2
+    assert simulate(graph, tight.schedule) == tight.simulation
+
+
+def test_graphs_with_enough_split_candidates_keep_them_as_cuts():
+    graph = chain_graph(12)
+    assert chain_cuts(graph) == split_candidates(graph)
+    assert boundary_bytes(graph)[:-1] == [100] * 11

@@ -4,9 +4,15 @@ special cases).
 
 Chain: the graph is cut at Chen's split candidates (nodes through which everything flows, see
 :func:`~recompute_graph.solvers.chen.split_candidates`) into stages ``0..L-1``; when there are more than
-``max_stages`` candidates, every k-th is used. Stage ``s`` has forward/backward time ``fw[s]``/``bw[s]``,
-input activation ``x_s`` of ``cw[s]`` bytes (``cw[0] = 0``: the model input is not charged), and
-``cbw[s+1]`` bytes kept when it runs with tape (what its nodes keep for backward plus its output).
+``max_stages`` candidates, every k-th is used. A stage that holds more than a quarter of the graph's
+nodes (an unrolled RNN, whose state ``(h, c)`` is two tensors, has no split candidate inside; neither
+has a U-Net between its skips) is cut further at *narrow* positions (:func:`chain_cuts`): in each of
+``k`` equal windows of it, the position whose boundary (the nodes up to it read after it) has the
+fewest bytes. Stage ``s`` has forward/backward time ``fw[s]``/``bw[s]``, input activation ``x_s``, the
+boundary of the cut before it, of ``cw[s]`` bytes (``cw[0] = 0``: the model input is not charged), and
+``cbw[s+1]`` bytes kept when it runs with tape (what its nodes keep for backward plus its output
+boundary). A boundary node read across several cuts is charged in each: the model over-counts, and
+the simulator, which decides, does not.
 
 Operations: ``Fn(s)`` runs stage ``s`` without tape; ``Fe(s)`` runs it with tape; ``B(s)`` runs its
 backward. The DP over memory ``m`` (``slots`` discrete steps) and sub-chain ``[i, l]`` (``x_i`` live,
@@ -35,7 +41,7 @@ from ..schedule import Backward, Forward, Op, Schedule, insert_frees
 from . import Solution, register, simulator_checked
 from .chen import split_candidates
 
-__all__ = ["Chain", "chain_of", "discretize", "solve_chain", "optimal_time", "lower_chain_ops", "chain_dp",
+__all__ = ["Chain", "boundary_bytes", "chain_cuts", "chain_of", "discretize", "solve_chain", "optimal_time", "lower_chain_ops", "chain_dp",
            "DEFAULT_MAX_STAGES", "DEFAULT_SLOTS"]
 
 DEFAULT_MAX_STAGES = 40
@@ -54,19 +60,62 @@ class Chain:
     fixed_bytes: int        # parameter gradients and held output gradients, charged up front
 
 
-def chain_of(graph: CostGraph, max_stages: int = DEFAULT_MAX_STAGES) -> Chain:
-    """Cut ``graph`` into stages at its split candidates (see the module docstring)."""
+def boundary_bytes(graph: CostGraph) -> list[int]:
+    """``b[i]``: the output bytes of the nodes at positions ``0..i`` that a node after ``i`` reads (the
+    values a forward cut after ``i`` must hold; ``i``'s own bytes for a split candidate)."""
+    nodes = graph.nodes
+    ending: dict[int, int] = {}  # position -> bytes that stop being open after it
+    open_bytes, result = 0, []
+    for i, node in enumerate(nodes):
+        open_bytes -= ending.pop(i, 0)
+        last_use = max(node.successors, default=-1)
+        if last_use > i:
+            open_bytes += node.output_bytes
+            ending[last_use] = ending.get(last_use, 0) + node.output_bytes
+        result.append(open_bytes)
+    return result
+
+
+def chain_cuts(graph: CostGraph, max_stages: int = DEFAULT_MAX_STAGES,
+               boundary: list[int] | None = None) -> list[int]:
+    """The positions after which the chain is cut: split candidates, with every stage of more than a
+    quarter of the graph's nodes cut further at narrow positions (see the module docstring)."""
     cuts = split_candidates(graph)
     if len(cuts) + 1 > max_stages:
         step = math.ceil((len(cuts) + 1) / max_stages)
-        cuts = cuts[step - 1::step]
+        return cuts[step - 1::step]
+    count = len(graph)
+    wide = count / 4
+    if not any(high - low > wide for low, high in zip([-1] + cuts, cuts + [count - 1])):
+        return cuts
+    boundary = boundary_bytes(graph) if boundary is None else boundary
+    spans = list(zip([-1] + cuts, cuts + [count - 1]))
+    wide_nodes = sum(high - low for low, high in spans if high - low > wide)
+    spare = max_stages - len(spans)  # the stages the refinement may add, shared by the wide stages
+    refined: list[int] = []
+    for low, high in spans:
+        if high - low > wide:
+            windows = max(1, round((high - low) / wide_nodes * (spare + 1)))
+            edges = [low + 1 + (high - low - 1) * w // windows for w in range(windows + 1)]
+            for start, stop in zip(edges, edges[1:]):
+                if stop > start:  # the narrowest position of the window, the latest of equals
+                    refined.append(min(range(start, stop), key=lambda i: (boundary[i], -i)))
+        if high < count - 1:
+            refined.append(high)
+    return sorted(set(refined))
+
+
+def chain_of(graph: CostGraph, max_stages: int = DEFAULT_MAX_STAGES) -> Chain:
+    """Cut ``graph`` into stages at :func:`chain_cuts` (see the module docstring)."""
+    boundary = boundary_bytes(graph)
+    cuts = chain_cuts(graph, max_stages, boundary)
     bounds = [-1] + cuts + [len(graph) - 1]
     stages = tuple(tuple(range(bounds[s] + 1, bounds[s + 1] + 1)) for s in range(len(bounds) - 1))
     stored = graph.stored_bytes_per_node()
     nodes = graph.nodes
-    cw = [0] + [nodes[stage[-1]].output_bytes for stage in stages]
+    cw = [0] + [boundary[stage[-1]] for stage in stages]
     cw[-1] = sum(nodes[o].grad_bytes for o in graph.gradient_outputs)
-    cbw = [0] + [sum(stored[v] for v in stage) + nodes[stage[-1]].output_bytes
+    cbw = [0] + [sum(stored[v] for v in stage) + max(boundary[stage[-1]], nodes[stage[-1]].output_bytes)
                  + max((nodes[v].workspace_bytes for v in stage), default=0) for stage in stages]
     fixed = sum(n.param_grad_bytes for n in nodes) + max(
         (n.backward_workspace_bytes for n in nodes), default=0)
