@@ -136,21 +136,23 @@ def accumulate_in_place(backward_graph: fx.GraphModule) -> int:
     and run out of place: that is an error of the lowering, raised."""
     position = {n: i for i, n in enumerate(backward_graph.graph.nodes)}
     backward = {n for n in backward_graph.graph.nodes if n.op != "placeholder"}
-    rewritten = 0
-    for node in list(backward_graph.graph.nodes):
-        if node.op != "call_function" or not node.meta.get(ACCUMULATE_IN_PLACE):
-            continue
+    # every accumulator is found before any add is rewritten: a rewritten add shares its accumulator's
+    # storage, and a chain of T terms would then be walked T times (quadratic in an unrolled RNN's steps)
+    marked = [n for n in backward_graph.graph.nodes if n.op == "call_function" and n.meta.get(ACCUMULATE_IN_PLACE)]
+    targets = []
+    for node in marked:
         target = accumulator(node, backward)
         later = [] if target is None else [u for h in _sharing(target)[1] for u in h.users
                                              if u is not node and position[u] > position[node]]
         if target is None or later:
             raise RuntimeError(f"joint lowering: the gradient sum {node.name} was priced in place, but its "
                                "accumulator is read elsewhere in the generated backward")
+        targets.append(target)
+    for node, target in zip(marked, targets):
         other = node.args[1] if node.args[0] is target else node.args[0]
         node.target = torch.ops.aten.add_.Tensor
         node.args = (target, other)
         node.meta["val"] = target.meta["val"]
-        rewritten += 1
-    if rewritten:
+    if marked:
         backward_graph.recompile()
-    return rewritten
+    return len(marked)

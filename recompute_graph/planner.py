@@ -25,7 +25,7 @@ from .units import format_bytes, parse_bytes
 __all__ = ["Budget", "parse_budget", "RecomputePlan", "make_plan", "AUTO_SOLVERS", "auto_solvers",
            "min_feasible_budget", "replan_schedule", "loss_allowance_bytes", "usable_bytes_of",
            "planning_margin", "step_peak_bytes", "min_budget_for_step", "candidate_pool", "POOL_FRACTIONS",
-           "POOL_FRACTIONS_LARGE", "LARGE_GRAPH_NODES"]
+           "POOL_FRACTIONS_LARGE", "LARGE_GRAPH_NODES", "LOWER_SET_DP_MAX_NODES"]
 
 Budget = Union[int, float, str]
 #: A plan of a traced model fits a budget when its predicted peak times (1 + PLANNING_MARGIN), plus the
@@ -45,6 +45,9 @@ POOL_FRACTIONS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)
 #: (a 48-layer GPT-2-XL-wide decoder, 1,591 nodes: 2-4 s per run, two runs per budget).
 POOL_FRACTIONS_LARGE = (1.0, 0.8, 0.6, 0.5, 0.4, 0.2)
 LARGE_GRAPH_NODES = 1000
+#: Above this many nodes ``solver="auto"`` leaves dp_approx out when chain_dp can plan the graph (an LSTM
+#: unrolled over 1,000 steps has a joint graph of 17,000 units; dp_approx did not finish in 30 minutes).
+LOWER_SET_DP_MAX_NODES = 5000
 
 
 def loss_allowance_bytes(graph: CostGraph) -> int:
@@ -102,14 +105,17 @@ def _fits_step(graph: CostGraph, solution: Solution, budget_bytes: int) -> bool:
 
 def auto_solvers(graph: CostGraph) -> tuple[str, ...]:
     """``solver="auto"``: the baselines, plus dp_exact when the graph has at most
-    ``lower_set_dp.AUTO_EXACT_LIMIT`` lower sets (else dp_approx), plus chain_dp when the graph
-    linearizes into at least three stages. The baselines stay because the DPs' cost models for traced
+    ``lower_set_dp.AUTO_EXACT_LIMIT`` lower sets (else dp_approx, left out above
+    ``LOWER_SET_DP_MAX_NODES`` nodes when chain_dp runs), plus chain_dp when the graph linearizes into at
+    least three stages (``chain_dp.chain_cuts``). The baselines stay because the DPs' cost models for traced
     graphs are estimates: the simulator picks the best plan. Joint graphs (explicit backward nodes):
     store_all and the two heuristics, evict and shave."""
     if not graph.implicit_backward:
         return ("store_all", "evict", "shave")
     dp = dp_for(graph)
     chain = ("chain_dp",) if dp and len(chain_cuts(graph)) >= 2 else ()
+    if chain and dp == "dp_approx" and len(graph) > LOWER_SET_DP_MAX_NODES:
+        dp = None  # O(n²) per run, a dozen runs: half an hour at 17,000 nodes, where chain_dp takes seconds
     return AUTO_SOLVERS + ((dp,) if dp else ()) + chain
 
 _BUDGET_FORMS = ("a positive int of bytes, a size string such as '1.5GiB' or '800MB', or a float in "

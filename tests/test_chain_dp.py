@@ -155,3 +155,10 @@ def test_graphs_with_enough_split_candidates_keep_them_as_cuts():
     graph = chain_graph(12)
     assert chain_cuts(graph) == split_candidates(graph)
     assert boundary_bytes(graph)[:-1] == [100] * 11
+
+
+def test_auto_leaves_the_quadratic_dp_out_of_very_long_chains():
+    from recompute_graph.planner import LOWER_SET_DP_MAX_NODES, auto_solvers
+    assert {"dp_approx", "chain_dp"} <= set(auto_solvers(recurrence(1000)))  # more lower sets than dp_exact takes
+    long = recurrence(LOWER_SET_DP_MAX_NODES // 3 + 1)
+    assert "chain_dp" in auto_solvers(long) and "dp_approx" not in auto_solvers(long)
