@@ -9,7 +9,7 @@ from __future__ import annotations
 import inspect
 import math
 from dataclasses import dataclass, field
-from typing import Union
+from typing import Iterator, Union
 
 from .errors import InfeasibleBudgetError, SolverError
 from .graph import SCALAR_LOSS_BYTES, CostGraph
@@ -25,7 +25,7 @@ from .units import format_bytes, parse_bytes
 __all__ = ["Budget", "parse_budget", "RecomputePlan", "make_plan", "AUTO_SOLVERS", "auto_solvers",
            "min_feasible_budget", "replan_schedule", "loss_allowance_bytes", "usable_bytes_of",
            "planning_margin", "step_peak_bytes", "min_budget_for_step", "candidate_pool", "POOL_FRACTIONS",
-           "POOL_FRACTIONS_LARGE", "LARGE_GRAPH_NODES", "LOWER_SET_DP_MAX_NODES"]
+           "POOL_FRACTIONS_LARGE", "LARGE_GRAPH_NODES", "pool_fractions", "LOWER_SET_DP_MAX_NODES"]
 
 Budget = Union[int, float, str]
 #: A plan of a traced model fits a budget when its predicted peak times (1 + PLANNING_MARGIN), plus the
@@ -45,6 +45,9 @@ POOL_FRACTIONS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)
 #: (a 48-layer GPT-2-XL-wide decoder, 1,591 nodes: 2-4 s per run, two runs per budget).
 POOL_FRACTIONS_LARGE = (1.0, 0.8, 0.6, 0.5, 0.4, 0.2)
 LARGE_GRAPH_NODES = 1000
+#: Below the grid the pool goes on geometrically, by this ratio, down to this fraction (``pool_fractions``).
+POOL_BELOW_GRID_RATIO = 0.7
+POOL_LOWEST_FRACTION = 0.01
 #: Above this many nodes ``solver="auto"`` leaves dp_approx out when chain_dp can plan the graph (an LSTM
 #: unrolled over 1,000 steps has a joint graph of 17,000 units; dp_approx did not finish in 30 minutes).
 LOWER_SET_DP_MAX_NODES = 5000
@@ -273,10 +276,9 @@ def make_plan(graph: CostGraph, budget: Budget, solver: str = "auto", *, variant
 
 def candidate_pool(graph: CostGraph, variant: str = "time") -> tuple[Solution, ...]:
     """The plans ``solver="auto"`` chooses from, made once per graph (``graph_memo``): store-all, and
-    each other solver of ``auto_solvers(graph)`` at its lowest peak and at every ``POOL_FRACTIONS``
-    fraction of the store-all budget down to its floor (``POOL_FRACTIONS_LARGE`` above
-    ``LARGE_GRAPH_NODES`` nodes). At each fraction a solver plans for the budget
-    less the loss allowance and the margin (``usable_bytes_of``), and, when that plan does not fit it,
+    each other solver of ``auto_solvers(graph)`` at its lowest peak and at every fraction of
+    ``pool_fractions`` of the store-all budget down to its floor. At each fraction a solver plans for the
+    budget less the loss allowance and the margin (``usable_bytes_of``), and, when that plan does not fit it,
     for the budget less the margin only (its step may still fit: a language model's loss on its logits
     is held at the end of the forward, the step's peak lies in the backward). Plans with the same
     schedule are kept once."""
@@ -298,7 +300,7 @@ def _build_pool(graph: CostGraph, variant: str) -> tuple[Solution, ...]:
         else:
             pool.setdefault(floor.schedule, floor)
             floor_budget = min_budget_for_step(graph, floor.simulation)
-        for fraction in POOL_FRACTIONS if len(graph) <= LARGE_GRAPH_NODES else POOL_FRACTIONS_LARGE:
+        for fraction in pool_fractions(graph):
             budget_bytes = int(fraction * store_all_budget)
             if budget_bytes < floor_budget:
                 break
@@ -312,6 +314,20 @@ def _build_pool(graph: CostGraph, variant: str) -> tuple[Solution, ...]:
                 if solution.fits(usable):
                     break
     return tuple(pool.values())
+
+
+def pool_fractions(graph: CostGraph) -> Iterator[float]:
+    """The fractions of the store-all budget the pool plans at: ``POOL_FRACTIONS`` (``POOL_FRACTIONS_LARGE``
+    above ``LARGE_GRAPH_NODES`` nodes), then on down by ``POOL_BELOW_GRID_RATIO`` to ``POOL_LOWEST_FRACTION``
+    (the pool stops at each solver's floor). Without the tail, a budget under the grid's last point got
+    the floor plan only: an LSTM over 1,000 steps at 5 % of its activations ran the floor's 260 stage
+    recomputations, where a plan for 5 % needs about 60."""
+    grid = POOL_FRACTIONS if len(graph) <= LARGE_GRAPH_NODES else POOL_FRACTIONS_LARGE
+    yield from grid
+    fraction = grid[-1] * POOL_BELOW_GRID_RATIO
+    while fraction >= POOL_LOWEST_FRACTION:
+        yield fraction
+        fraction *= POOL_BELOW_GRID_RATIO
 
 
 def _plan_from_pool(graph: CostGraph, budget: Budget, variant: str) -> RecomputePlan:

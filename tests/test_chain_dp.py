@@ -162,3 +162,15 @@ def test_auto_leaves_the_quadratic_dp_out_of_very_long_chains():
     assert {"dp_approx", "chain_dp"} <= set(auto_solvers(recurrence(1000)))  # more lower sets than dp_exact takes
     long = recurrence(LOWER_SET_DP_MAX_NODES // 3 + 1)
     assert "chain_dp" in auto_solvers(long) and "dp_approx" not in auto_solvers(long)
+
+
+def test_auto_plans_budgets_under_its_grid_with_less_than_the_floors_recomputation():
+    """The pool goes on below its grid (``pool_fractions``): at 8 % of the store-all budget, under the
+    grid's last point (10 %), auto's plan is not the floor plan but one that recomputes less."""
+    from recompute_graph.planner import candidate_pool, make_plan, pool_fractions
+    graph = recurrence(120)
+    assert [f for f in pool_fractions(graph) if f < 0.1][:2] == pytest.approx([0.07, 0.049])
+    floor = min(candidate_pool(graph), key=lambda s: (s.peak_bytes, s.recompute_cost))
+    plan = make_plan(graph, 0.08, "auto")
+    assert floor.peak_bytes < plan.predicted_peak_bytes and plan.schedule != floor.schedule
+    assert plan.simulation.recompute_cost < floor.recompute_cost
