@@ -38,7 +38,12 @@ from .units import format_bytes
 if TYPE_CHECKING:  # pragma: no cover
     import networkx
 
-__all__ = ["CostNode", "CostGraph"]
+__all__ = ["CostNode", "CostGraph", "JOINT_COST_SOURCE", "is_joint_cost_graph"]
+
+#: The end of a joint cost graph's ``cost_source`` (``joint_costs.joint_cost_graph``): what tells a saved
+#: plan of the compiler path's graph from one of the schedule executor's (``optimize(..., plan=...)`` runs
+#: each on its own path), and a graph whose simulation is the liveness of the code it lowers to.
+JOINT_COST_SOURCE = "joint graph"
 
 #: An output of at most this many bytes that requires grad is a scalar loss computed by the model itself.
 SCALAR_LOSS_BYTES = 8
@@ -408,3 +413,7 @@ class CostGraph:
             lines.append(f"  ... {len(self.nodes) - len(rows)} more nodes")
         return "\n".join(lines)
 
+
+def is_joint_cost_graph(graph: CostGraph) -> bool:
+    """Whether ``graph`` was priced from a joint graph (``joint_costs.joint_cost_graph``), here or on disk."""
+    return graph.cost_source.endswith(JOINT_COST_SOURCE)

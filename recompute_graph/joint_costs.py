@@ -61,22 +61,13 @@ from torch.utils._pytree import tree_flatten
 
 from .costs import DEVICE_PROFILES, DeviceProfile
 from .gradient_accumulation import in_place_sums, sum_terms
-from .graph import CostGraph, CostNode
+from .graph import JOINT_COST_SOURCE, CostGraph, CostNode, is_joint_cost_graph
 from .joint_capture import RANDOM_TARGETS, op_name, reachable
 from .joint_partition import STATE_READING_TARGETS, _is_tensor
 from .meta_flops import meta_flops
 
 __all__ = ["JointUnits", "joint_units", "joint_cost_graph", "is_tangent", "backward_reads", "rng_state_bytes",
            "JOINT_COST_SOURCE", "is_joint_cost_graph"]
-
-#: The end of a joint cost graph's ``cost_source``: what tells a saved plan of the compiler path's graph
-#: from one of the schedule executor's (``optimize(..., plan=...)`` runs each on its own path).
-JOINT_COST_SOURCE = "joint graph"
-
-
-def is_joint_cost_graph(graph: CostGraph) -> bool:
-    """Whether ``graph`` was priced from a joint graph (:func:`joint_cost_graph`), here or on disk."""
-    return graph.cost_source.endswith(JOINT_COST_SOURCE)
 
 
 @dataclass

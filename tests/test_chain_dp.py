@@ -1,11 +1,12 @@
 """chain_dp (rotor): optimal in its model against brute force; valid multi-recompute schedules; the chain cut at
 narrow positions where no split candidate is."""
+import dataclasses
 import math
 
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from recompute_graph.graph import CostGraph, CostNode
+from recompute_graph.graph import JOINT_COST_SOURCE, CostGraph, CostNode
 from recompute_graph.schedule import Forward
 from recompute_graph.simulate import simulate
 from recompute_graph.solvers import SOLVERS
@@ -118,7 +119,8 @@ def test_revolve_on_a_chain_graph_is_valid_and_fits_its_budget():
 
 
 def recurrence(steps: int) -> CostGraph:
-    """An RNN whose state is two tensors: step t's gates ``g`` (400 B) read ``h[t-1]``; ``c`` reads ``g`` and
+    """An RNN whose state is two tensors (marked as priced from a joint graph: chain_cuts cuts at narrow
+    positions on those only): step t's gates ``g`` (400 B) read ``h[t-1]``; ``c`` reads ``g`` and
     ``c[t-1]``; ``h`` reads ``g`` and ``c``. After ``h[t]`` the values read later are ``c[t]`` and ``h[t]``
     (200 B), so no node has everything flowing through it."""
     nodes, h, c = [], None, None
@@ -131,7 +133,7 @@ def recurrence(steps: int) -> CostGraph:
             nodes.append(CostNode(g + offset, name, predecessors=reads, output_bytes=size, grad_bytes=size,
                                   backward_needs=reads, forward_cost=cost, backward_cost=2 * cost))
         h, c = g + 2, g + 1
-    return CostGraph("recurrence", tuple(nodes))
+    return CostGraph("recurrence", tuple(nodes), cost_source=f"by hand, as a {JOINT_COST_SOURCE}")
 
 
 def test_a_state_of_two_tensors_is_cut_at_its_narrowest_positions_and_recomputed():
@@ -151,10 +153,12 @@ def test_a_state_of_two_tensors_is_cut_at_its_narrowest_positions_and_recomputed
     assert simulate(graph, tight.schedule) == tight.simulation
 
 
-def test_graphs_with_enough_split_candidates_keep_them_as_cuts():
+def test_graphs_with_enough_split_candidates_or_priced_by_the_executor_keep_them_as_cuts():
     graph = chain_graph(12)
     assert chain_cuts(graph) == split_candidates(graph)
     assert boundary_bytes(graph)[:-1] == [100] * 11
+    executors = dataclasses.replace(recurrence(12), cost_source="traced")
+    assert chain_cuts(executors, max_stages=12) == split_candidates(executors)
 
 
 def test_auto_leaves_the_quadratic_dp_out_of_very_long_chains():
