@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from recompute_graph.graph import JOINT_COST_SOURCE, CostGraph, CostNode
+from recompute_graph import InfeasibleBudgetError, SolverError
 from recompute_graph.schedule import Forward
 from recompute_graph.simulate import simulate
 from recompute_graph.solvers import SOLVERS
@@ -14,6 +15,7 @@ from recompute_graph.solvers.chain_dp import (Chain, boundary_bytes, chain_cuts,
                                               optimal_time, solve_chain)
 from recompute_graph.solvers.chen import split_candidates
 
+from strategies import cost_graphs
 from test_schedule import chain as chain_graph
 
 
@@ -178,3 +180,26 @@ def test_auto_plans_budgets_under_its_grid_with_less_than_the_floors_recomputati
     plan = make_plan(graph, 0.08, "auto")
     assert floor.peak_bytes < plan.predicted_peak_bytes and plan.schedule != floor.schedule
     assert plan.simulation.recompute_cost < floor.recompute_cost
+
+
+@settings(max_examples=40, deadline=None)
+@given(cost_graphs(max_nodes=30), st.integers(2, 12), st.floats(0.3, 1.0))
+def test_narrow_cuts_of_random_joint_graphs_keep_the_split_candidates_and_plan_validly(graph, stages, fraction):
+    """On any graph priced as a joint graph: the cuts are sorted positions before the last node that keep
+    every split candidate (when there are few enough), the chain's stages cover the graph in order, and
+    chain_dp's plan is valid, its claim the simulator's, within the budget when it says it fits."""
+    joint = dataclasses.replace(graph, cost_source=JOINT_COST_SOURCE)
+    cuts, candidates = chain_cuts(joint, stages), split_candidates(joint)
+    assert cuts == sorted(set(cuts)) and all(0 <= c < len(joint) - 1 for c in cuts)
+    if len(candidates) + 1 <= stages:
+        assert set(candidates) <= set(cuts)
+    chain = chain_of(joint, stages)
+    assert [v for stage in chain.stages for v in stage] == list(range(len(joint)))
+    budget = int(fraction * SOLVERS["store_all"](joint, None).peak_bytes)
+    try:
+        solution = SOLVERS["chain_dp"](joint, budget, max_stages=stages)
+    except (InfeasibleBudgetError, SolverError):
+        return
+    assert simulate(joint, solution.schedule) == solution.simulation
+    if solution.fits(budget):
+        assert solution.peak_bytes <= budget
