@@ -7,16 +7,19 @@ Chain: the graph is cut at Chen's split candidates (nodes through which everythi
 ``max_stages`` candidates, every k-th is used. On a joint cost graph (the compiler path's, whose
 simulation is the liveness of the generated code; the executor's simulation of a plan cut so ran 6 %
 under the allocator on a Hugging Face BERT), a stage of more than a quarter of the graph's nodes (an
-unrolled RNN has no split candidate inside: its state ``(h, c)`` is two tensors) is cut further at
-*narrow* positions (:func:`chain_cuts`): in each of ``k`` equal windows of it, the position whose
-boundary (the nodes up to it read after it) has the fewest bytes, among the positions whose open values
-were all made after the previous cut. A value open across several cuts (a U-Net's skip) would be
-charged at each, and the DP, over-counting, would plan far under its budget at several times the
-recomputation.
+unrolled RNN has no split candidate inside, its state ``(h, c)`` being two tensors; nor has a U-Net
+between its skips) is cut further at *narrow* positions (:func:`chain_cuts`): in each of ``k`` equal
+windows of it, the position whose boundary (the nodes up to it read after it, :func:`boundary_bytes`)
+has the fewest bytes.
 
 Stage ``s`` has forward/backward time ``fw[s]``/``bw[s]``, input activation ``x_s`` (the boundary of the
 cut before it) of ``cw[s]`` bytes (``cw[0] = 0``: the model input is not charged), and ``cbw[s+1]``
-bytes kept when it runs with tape (what its nodes keep for backward plus its output boundary).
+bytes kept when it runs with tape (what its nodes keep for backward plus its output boundary). A value
+open across several cuts is charged at each: the model over-counts, and the simulator, which decides,
+does not. Where such values are large (a U-Net's skips) chain_dp alone plans far under its budget at
+much recomputation (its meta-priced U-Net: 133 MiB for a 60 % budget at +120 % compute), and ``auto``
+takes the lower-set DP's plans there. Charging each value at its first cut only was tried: it fixes
+the U-Net and breaks the RNN (free cuts through views, where the values open are older).
 
 Operations: ``Fn(s)`` runs stage ``s`` without tape; ``Fe(s)`` runs it with tape; ``B(s)`` runs its
 backward. The DP over memory ``m`` (``slots`` discrete steps) and sub-chain ``[i, l]`` (``x_i`` live,
@@ -33,7 +36,6 @@ plan fits. Exact for its model in the space of stage-level multi-recompute sched
 """
 from __future__ import annotations
 
-import heapq
 import math
 from dataclasses import dataclass
 
@@ -68,32 +70,21 @@ class Chain:
 def boundary_bytes(graph: CostGraph) -> list[int]:
     """``b[i]``: the output bytes of the nodes at positions ``0..i`` that a node after ``i`` reads (the
     values a forward cut after ``i`` must hold; ``i``'s own bytes for a split candidate)."""
-    return _open_values(graph)[0]
-
-
-def _open_values(graph: CostGraph) -> tuple[list[int], list[int]]:
-    """:func:`boundary_bytes`, and per position the earliest position of an open node with bytes (the
-    position itself when none is open)."""
     nodes = graph.nodes
     ending: dict[int, int] = {}  # position -> bytes that stop being open after it
-    last_uses = [max(node.successors, default=-1) for node in nodes]
-    open_heap: list[int] = []  # positions of open nodes with bytes, closed ones dropped lazily
-    open_bytes, result, oldest = 0, [], []
+    open_bytes, result = 0, []
     for i, node in enumerate(nodes):
         open_bytes -= ending.pop(i, 0)
-        if last_uses[i] > i:
+        last_use = max(node.successors, default=-1)
+        if last_use > i:
             open_bytes += node.output_bytes
-            ending[last_uses[i]] = ending.get(last_uses[i], 0) + node.output_bytes
-            if node.output_bytes:
-                heapq.heappush(open_heap, i)
-        while open_heap and last_uses[open_heap[0]] <= i:
-            heapq.heappop(open_heap)
+            ending[last_use] = ending.get(last_use, 0) + node.output_bytes
         result.append(open_bytes)
-        oldest.append(open_heap[0] if open_heap else i)
-    return result, oldest
+    return result
 
 
-def chain_cuts(graph: CostGraph, max_stages: int = DEFAULT_MAX_STAGES) -> list[int]:
+def chain_cuts(graph: CostGraph, max_stages: int = DEFAULT_MAX_STAGES,
+               boundary: list[int] | None = None) -> list[int]:
     """The positions after which the chain is cut: split candidates, and on joint cost graphs every stage
     of more than a quarter of the graph's nodes cut further at narrow positions (module docstring)."""
     cuts = split_candidates(graph)
@@ -102,10 +93,10 @@ def chain_cuts(graph: CostGraph, max_stages: int = DEFAULT_MAX_STAGES) -> list[i
         return cuts[step - 1::step]
     count = len(graph)
     wide = count / 4
-    spans = list(zip([-1] + cuts, cuts + [count - 1]))
-    if not is_joint_cost_graph(graph) or not any(high - low > wide for low, high in spans):
+    if not is_joint_cost_graph(graph) or not any(high - low > wide for low, high in zip([-1] + cuts, cuts + [count - 1])):
         return cuts
-    boundary, oldest = _open_values(graph)
+    boundary = boundary_bytes(graph) if boundary is None else boundary
+    spans = list(zip([-1] + cuts, cuts + [count - 1]))
     wide_nodes = sum(high - low for low, high in spans if high - low > wide)
     spare = max_stages - len(spans)  # the stages the refinement may add, shared by the wide stages
     refined: list[int] = []
@@ -113,15 +104,9 @@ def chain_cuts(graph: CostGraph, max_stages: int = DEFAULT_MAX_STAGES) -> list[i
         if high - low > wide:
             windows = max(1, round((high - low) / wide_nodes * (spare + 1)))
             edges = [low + 1 + (high - low - 1) * w // windows for w in range(windows + 1)]
-            previous = low
             for start, stop in zip(edges, edges[1:]):
-                # the narrowest position of the window whose open values were all made after the previous
-                # cut (a U-Net's skips, open across many windows, would be charged at each), the latest
-                # of equals; a window without one is not cut
-                local = [i for i in range(start, stop) if oldest[i] > previous]
-                if local:
-                    previous = min(local, key=lambda i: (boundary[i], -i))
-                    refined.append(previous)
+                if stop > start:  # the narrowest position of the window, the latest of equals
+                    refined.append(min(range(start, stop), key=lambda i: (boundary[i], -i)))
         if high < count - 1:
             refined.append(high)
     return sorted(set(refined))
@@ -130,7 +115,7 @@ def chain_cuts(graph: CostGraph, max_stages: int = DEFAULT_MAX_STAGES) -> list[i
 def chain_of(graph: CostGraph, max_stages: int = DEFAULT_MAX_STAGES) -> Chain:
     """Cut ``graph`` into stages at :func:`chain_cuts` (see the module docstring)."""
     boundary = boundary_bytes(graph)
-    cuts = chain_cuts(graph, max_stages)
+    cuts = chain_cuts(graph, max_stages, boundary)
     bounds = [-1] + cuts + [len(graph) - 1]
     stages = tuple(tuple(range(bounds[s] + 1, bounds[s + 1] + 1)) for s in range(len(bounds) - 1))
     stored = graph.stored_bytes_per_node()
