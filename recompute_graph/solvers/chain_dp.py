@@ -48,8 +48,8 @@ from ..schedule import Backward, Forward, Op, Schedule, insert_frees
 from . import Solution, register, simulator_checked
 from .chen import split_candidates
 
-__all__ = ["Chain", "boundary_bytes", "chain_cuts", "chain_of", "discretize", "solve_chain", "optimal_time", "lower_chain_ops", "chain_dp",
-           "DEFAULT_MAX_STAGES", "DEFAULT_SLOTS"]
+__all__ = ["Chain", "boundary_bytes", "chain_cuts", "chain_of", "discretize", "solve_chain", "optimal_time",
+           "lower_chain_ops", "chain_dp", "DEFAULT_MAX_STAGES", "DEFAULT_SLOTS"]
 
 DEFAULT_MAX_STAGES = 40
 DEFAULT_SLOTS = 400
@@ -93,10 +93,10 @@ def chain_cuts(graph: CostGraph, max_stages: int = DEFAULT_MAX_STAGES,
         return cuts[step - 1::step]
     count = len(graph)
     wide = count / 4
-    if not is_joint_cost_graph(graph) or not any(high - low > wide for low, high in zip([-1] + cuts, cuts + [count - 1])):
+    spans = list(zip([-1] + cuts, cuts + [count - 1]))
+    if not is_joint_cost_graph(graph) or not any(high - low > wide for low, high in spans):
         return cuts
     boundary = boundary_bytes(graph) if boundary is None else boundary
-    spans = list(zip([-1] + cuts, cuts + [count - 1]))
     wide_nodes = sum(high - low for low, high in spans if high - low > wide)
     spare = max_stages - len(spans)  # the stages the refinement may add, shared by the wide stages
     refined: list[int] = []
