@@ -46,7 +46,7 @@ from ..graph import CostGraph, is_joint_cost_graph
 from ..graph_memo import memoized
 from ..schedule import Backward, Forward, Op, Schedule, insert_frees
 from . import Solution, register, simulator_checked
-from .chen import split_candidates
+from .chen import open_after, split_candidates
 
 __all__ = ["Chain", "boundary_bytes", "chain_cuts", "chain_of", "discretize", "solve_chain", "optimal_time",
            "lower_chain_ops", "chain_dp", "DEFAULT_MAX_STAGES", "DEFAULT_SLOTS"]
@@ -70,17 +70,7 @@ class Chain:
 def boundary_bytes(graph: CostGraph) -> list[int]:
     """``b[i]``: the output bytes of the nodes at positions ``0..i`` that a node after ``i`` reads (the
     values a forward cut after ``i`` must hold; ``i``'s own bytes for a split candidate)."""
-    nodes = graph.nodes
-    ending: dict[int, int] = {}  # position -> bytes that stop being open after it
-    open_bytes, result = 0, []
-    for i, node in enumerate(nodes):
-        open_bytes -= ending.pop(i, 0)
-        last_use = max(node.successors, default=-1)
-        if last_use > i:
-            open_bytes += node.output_bytes
-            ending[last_use] = ending.get(last_use, 0) + node.output_bytes
-        result.append(open_bytes)
-    return result
+    return open_after(graph)[1]
 
 
 def chain_cuts(graph: CostGraph, max_stages: int = DEFAULT_MAX_STAGES,

@@ -26,20 +26,31 @@ from . import Solution, best_of, register
 GREEDY_GRID_POINTS = 40
 
 
+def open_after(graph: CostGraph) -> tuple[list[int], list[int]]:
+    """Per position ``i``: how many of the nodes at ``0..i`` a node after ``i`` reads (the prefix's
+    boundary), and their output bytes."""
+    counts: list[int] = []
+    sizes: list[int] = []
+    open_nodes = open_bytes = 0
+    ending: dict[int, tuple[int, int]] = {}  # position -> (nodes, bytes) that stop being open after it
+    for i, node in enumerate(graph.nodes):
+        nodes_done, bytes_done = ending.pop(i, (0, 0))
+        open_nodes, open_bytes = open_nodes - nodes_done, open_bytes - bytes_done
+        last_use = max(node.successors, default=-1)
+        if last_use > i:
+            open_nodes, open_bytes = open_nodes + 1, open_bytes + node.output_bytes
+            done = ending.get(last_use, (0, 0))
+            ending[last_use] = (done[0] + 1, done[1] + node.output_bytes)
+        counts.append(open_nodes)
+        sizes.append(open_bytes)
+    return counts, sizes
+
+
 def split_candidates(graph: CostGraph) -> list[int]:
     """Positions ``i`` (not the last) whose prefix ``0..i`` has exactly ``{i}`` as its boundary."""
-    last_use = [max(node.successors, default=-1) for node in graph.nodes]
-    candidates = []
-    open_nodes = 0  # nodes before i (exclusive) still read after i
-    pending: dict[int, int] = {}  # position -> how many nodes stop being open after it
-    for i, node in enumerate(graph.nodes):
-        open_nodes -= pending.pop(i, 0)
-        if i < len(graph) - 1 and open_nodes == 0 and last_use[i] > i:
-            candidates.append(i)
-        if last_use[i] > i:
-            open_nodes += 1
-            pending[last_use[i]] = pending.get(last_use[i], 0) + 1
-    return candidates
+    counts, _ = open_after(graph)
+    return [i for i, node in enumerate(graph.nodes[:-1])
+            if counts[i] == 1 and max(node.successors, default=-1) > i]
 
 
 def _segments_solution(name: str, graph: CostGraph, cuts: list[int], description: str) -> Solution:
