@@ -97,6 +97,14 @@ class CostNode:
     phase
         ``"forward"``, or ``"backward"`` for the explicit backward nodes of a joint graph (see
         :attr:`CostGraph.implicit_backward`).
+    backward_steps, backward_step_workspace_bytes, tape_release_steps
+        When the backward is a sequence of kernels that frees each value after its last read (a joint
+        graph's generated backward), its steps in order: the predecessor whose gradient each step first
+        makes (-1: none; the predecessors no step names get theirs before the first step), the bytes
+        the step holds besides the gradients and the tape (its temporaries, the parameter gradients
+        made so far, its kernels' workspace), and, for each of ``backward_needs``, the step after
+        which the tape lets go of it (``len(backward_steps)``: at the end). Empty: the gradients are made
+        before the tape is freed, beside ``backward_workspace_bytes`` (autograd's kernels, the executor).
     """
 
     index: int
@@ -126,6 +134,9 @@ class CostNode:
     stateful: bool = False
     opaque: bool = False
     phase: str = "forward"
+    backward_steps: tuple[int, ...] = ()
+    backward_step_workspace_bytes: tuple[int, ...] = ()
+    tape_release_steps: tuple[int, ...] = ()
 
     @property
     def saved_bytes(self) -> int:
@@ -231,6 +242,16 @@ class CostGraph:
         for q in node.backward_needs:
             if not 0 <= q < count:
                 raise GraphError(f"{where}: backward_needs names missing node {q}")
+        steps = len(node.backward_steps)
+        named = [p for p in node.backward_steps if p >= 0]
+        if (not set(named) <= set(node.predecessors) or len(set(named)) < len(named)
+                or len(node.backward_step_workspace_bytes) != steps
+                or any(b < 0 for b in node.backward_step_workspace_bytes)):
+            raise GraphError(f"{where}: backward_steps must name distinct predecessors, with one "
+                             "non-negative backward_step_workspace_bytes per step")
+        if node.tape_release_steps and (len(node.tape_release_steps) != len(node.backward_needs)
+                                        or not all(0 <= s <= steps for s in node.tape_release_steps)):
+            raise GraphError(f"{where}: tape_release_steps must give one step (0..{steps}) per backward_needs")
         if node.alias_of is not None:
             if not 0 <= node.alias_of < position:
                 raise GraphError(f"{where}: alias_of={node.alias_of} must name an earlier node")
@@ -366,7 +387,8 @@ class CostGraph:
             if unknown:
                 raise GraphError(f"saved node {raw.get('name')!r} has unknown fields {sorted(unknown)}")
             raw = dict(raw)
-            for key in ("predecessors", "backward_needs"):
+            for key in ("predecessors", "backward_needs", "backward_steps", "backward_step_workspace_bytes",
+                        "tape_release_steps"):
                 raw[key] = tuple(raw.get(key, ()))
             nodes.append(CostNode(**raw))
         kwargs = {k: data[k] for k in ("name", "cost_unit", "cost_source", "input_bytes", "parameter_bytes",

@@ -39,6 +39,10 @@ Pricing (:func:`joint_cost_graph`), bytes from the fake tensors of ``meta["val"]
   they make (counted as if alive together), plus the largest kernel temporary of the unit's nodes,
   measured by the allocator on one run of the joint graph on real tensors
   (``joint_allocations.kernel_workspace_bytes``);
+* ``backward_steps`` / ``backward_step_workspace_bytes`` / ``tape_release_steps``: the unit's backward
+  nodes in order, as steps that make the predecessors' gradients and free saved values after their
+  last read, each with the temporaries, returned gradients and kernel workspace it holds
+  (``joint_storage.backward_steps``);
 * the loss the training loop computes on the outputs, priced on their shapes
   (``joint_allocations.outputs_loss_bytes``) as ``CostGraph.loss_bytes``;
 * costs: FLOPs of each node run on meta tensors under ``FlopCounterMode``, turned into seconds by a
@@ -57,13 +61,16 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch.utils._pytree import tree_flatten
 
 from .costs import DEVICE_PROFILES, DeviceProfile
 from .gradient_accumulation import in_place_sums, sum_terms
 from .graph import JOINT_COST_SOURCE, CostGraph, CostNode, is_joint_cost_graph
 from .joint_capture import RANDOM_TARGETS, op_name, reachable
 from .joint_partition import STATE_READING_TARGETS, _is_tensor
+from .joint_storage import allocates as _allocates
+from .joint_storage import storage_of as _storage
+from .joint_storage import backward_steps
+from .joint_storage import value_bytes as _value_bytes
 from .meta_flops import meta_flops
 
 __all__ = ["JointUnits", "joint_units", "joint_cost_graph", "is_tangent", "backward_reads", "rng_state_bytes",
@@ -308,23 +315,6 @@ def _topological(units: list[list[fx.Node]], unit_of: dict[fx.Node, int], backwa
     return merged, {node: i for i, members in enumerate(merged) for node in members}, merged_backward
 
 
-def _storage(node: fx.Node) -> list[tuple[int, int]]:
-    """``(storage key, bytes)`` of each tensor in the node's value."""
-    out = []
-    for value in tree_flatten(node.meta.get("val"))[0]:
-        if isinstance(value, torch.Tensor):
-            try:
-                storage = value.untyped_storage()
-                out.append((storage._cdata, storage.nbytes()))
-            except (RuntimeError, NotImplementedError):
-                continue
-    return out
-
-
-def _value_bytes(node: fx.Node) -> int:
-    return sum(nbytes for _, nbytes in _storage(node))
-
-
 def _is_buffer_update(node: fx.Node, buffers: set[fx.Node]) -> bool:
     """A forward output that is a buffer's new value: made by an op (or an item of one) that reads a
     non-trainable primal of the same shape and dtype (``running_mean`` -> BatchNorm's new running mean,
@@ -341,12 +331,6 @@ def _is_buffer_update(node: fx.Node, buffers: set[fx.Node]) -> bool:
 VIEW_TARGETS = frozenset({"view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "slice",
                           "select", "squeeze", "unsqueeze", "split", "split_with_sizes", "unbind", "alias",
                           "as_strided", "narrow", "detach", "chunk"})
-
-
-def _allocates(node: fx.Node) -> bool:
-    """Whether the node's value has a storage none of its inputs has (it allocates)."""
-    inputs = {key for a in node.all_input_nodes for key, _ in _storage(a)}
-    return any(key not in inputs for key, _ in _storage(node))
 
 
 def _passes_gradient_on(backward_nodes: list[fx.Node]) -> bool:
@@ -468,6 +452,8 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
     requires_grad: list[bool] = []
     parameter_views: list[bool] = []
     nodes: list[CostNode] = []
+    unit_predecessors: list[tuple[int, ...]] = []
+    has_backward = [bool(b) for b in units.backward_of]
     flops_by_signature: dict[Any, int] = {}
     for index, members in enumerate(units.units):
         member_set = set(members)
@@ -531,6 +517,14 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
         backward_made = {key: nbytes for b in backward_nodes for key, nbytes in _storage(b)
                          if makers.get(key, (None,))[0] == index and key not in passed_keys
                          and key not in returned_gradients.accumulation_keys}
+        # what its backward reads must be live when it runs, to be saved
+        predecessors = tuple(sorted(({units.unit_of[a] for a in inputs if a in units.unit_of}
+                                     | backward_reads(units, index)) - {index}))
+        unit_predecessors.append(predecessors)
+        steps, step_bytes, release_steps = backward_steps(
+            backward_nodes, predecessors, sorted(needs), owner, backward_unit, unit_predecessors, has_backward,
+            temporaries=backward_made, returned=made_gradients[index],
+            constant_bytes=returned_gradients.summed_bytes[index], kernel_bytes=workspace)
         flops = {n: meta_flops(n, flops_by_signature) for n in (*members, *backward_nodes)}
         forward_flops = sum(flops[n] for n in members)
         backward_flops = sum(flops[b] for b in backward_nodes)
@@ -538,9 +532,8 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
         targets = {op_name(n.target) for n in members if n.op == "call_function"}
         nodes.append(CostNode(
             index=index, name=members[0].name, kind="function", target=op_name(members[0].target),
-            # what its backward reads must be live when it runs, to be saved
-            predecessors=tuple(sorted(({units.unit_of[a] for a in inputs if a in units.unit_of}
-                                       | backward_reads(units, index)) - {index})),
+            predecessors=predecessors, backward_steps=steps, backward_step_workspace_bytes=step_bytes,
+            tape_release_steps=release_steps,
             output_bytes=output_bytes, alias_of=alias_of, grad_bytes=grad_bytes,
             saved_input_bytes=saved_input, saved_output_bytes=saved_output, saved_buffer_bytes=saved_buffer,
             backward_needs=tuple(sorted(needs)),

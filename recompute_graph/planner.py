@@ -85,9 +85,12 @@ def usable_bytes_of(budget_bytes: int, allowance_bytes: int = 0, margin: float =
 
 def step_peak_bytes(graph: CostGraph, simulation: SimulationResult) -> int:
     """A whole step's predicted peak, the loss at its moment: the simulator's peak, or the loss's
-    transient (``loss_allowance_bytes``) on top of what is live when the output gradients arrive."""
+    transient (``loss_allowance_bytes``) on top of what is live when the output gradients arrive, the
+    outputs still live (a loss with a transient holds them while its backward makes their gradients;
+    on the compiler path the simulator lets them go first, ``outputs_dropped_bytes``)."""
     arrival = next((p.live_bytes for p in simulation.timeline if p.op is None), simulation.peak_bytes)
-    return max(simulation.peak_bytes, arrival + loss_allowance_bytes(graph))
+    allowance = loss_allowance_bytes(graph)
+    return max(simulation.peak_bytes, arrival + (simulation.outputs_dropped_bytes + allowance if allowance else 0))
 
 
 def min_budget_for_step(graph: CostGraph, simulation: SimulationResult) -> int:

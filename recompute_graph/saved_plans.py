@@ -34,7 +34,7 @@ PLAN_FORMAT = "recompute_graph.RecomputePlan/1"
 _TIME_FIELDS = ("forward_cost", "backward_cost", "forward_flops", "backward_flops",
                 # kernel temporaries as the allocator sees them: they differ between devices (none on
                 # meta) and are re-priced when a plan is reused, like times
-                "workspace_bytes", "backward_workspace_bytes")
+                "workspace_bytes", "backward_workspace_bytes", "backward_step_workspace_bytes")
 #: Graph fields left out of the fingerprint.
 _GRAPH_FIELDS_IGNORED = ("name", "cost_source", "source", "nodes", "format", "loss_bytes", "rng_state_bytes")
 

@@ -27,6 +27,17 @@ Memory model (bytes of tensor storage above what was live before the step; see d
   their first gradient share it, as the views autograd gives them do: an addition's two inputs, the
   slices ``cat`` hands to its inputs).
 
+A backward given in steps (``backward_steps``, a joint graph's unit: its generated backward is a
+sequence of kernels that frees each value after its last read) makes the gradients its steps name in
+their order, after those no step names, with each step's own bytes (``backward_step_workspace_bytes``)
+on top of what is live then, and lets go of each tape reference after the step that reads it last
+(``tape_release_steps``): GELU's product frees one factor between its two gradients.
+
+On the compiler path (``output_gradients_held`` False) the training loop has dropped the model's
+outputs, its loss run, when the generated backward takes their gradients: the ``FreeValue`` ops that
+open the backward run before the gradients arrive (``outputs_dropped_bytes``; ``planner.step_peak_bytes``
+puts them back for a loss that holds the outputs while it makes their gradients).
+
 Time: ``forward_cost`` for every ``Forward`` and ``backward_cost`` for every ``Backward`` that ran;
 computations beyond the first of a node count as ``recompute_cost``.
 
@@ -86,6 +97,9 @@ class SimulationResult:
     recompute_cost: float
     final_bytes: int
     timeline: tuple[TimelinePoint, ...] = field(repr=False)
+    #: bytes freed before the output gradients arrived (the compiler path: values the schedule frees
+    #: first, the outputs among them, are gone when its generated backward starts)
+    outputs_dropped_bytes: int = 0
 
     def overhead(self, baseline_cost: float) -> float:
         """Extra compute relative to ``baseline_cost`` (usually the store-all compute)."""
@@ -197,16 +211,19 @@ class _Simulation:
             raise ScheduleError(f"{where}: the value is not live")
         self._unref(self.value.pop(op.node))
 
-    def arrive_output_gradients(self) -> None:
-        """End of the forward ops: the outputs must be live; their gradients arrive (implicit backward).
-        A joint graph (explicit backward nodes) has no such point: its schedule only has to compute
-        every node (checked at the end)."""
+    def check_outputs_live(self) -> None:
+        """End of the forward ops: the outputs must be live (implicit backward). A joint graph (explicit
+        backward nodes) has no such point: its schedule only has to compute every node (checked at the
+        end)."""
         if not self.graph.implicit_backward:
             return
         for o in self.graph.outputs:
             if o not in self.value:
                 raise ScheduleError(f"model output node {o} ({self.graph.nodes[o].name!r}) is not live at the "
                                     "end of the forward ops")
+
+    def arrive_output_gradients(self) -> None:
+        """The gradients of the outputs arrive (implicit backward)."""
         if not self.graph.implicit_backward:
             return
         arriving = [o for o in self.graph.gradient_outputs if o not in self.grad]
@@ -227,19 +244,32 @@ class _Simulation:
             if self._propagates(s, op.node) and s not in self.backward_done:
                 raise ScheduleError(f"{where}: runs before the backward of node {s} "
                                     f"({self.graph.nodes[s].name!r}), whose gradient it needs")
+        tape = self.tape.pop(op.node)
         if op.node in self.grad:
-            self._propagate_gradient(op.node, node)
+            self._propagate_gradient(op.node, node, tape)
         elif not node.successors and node.param_grad_bytes:
             # no gradient can reach it, yet its backward returns parameter gradients made from what it
             # reads: a joint graph's weight-transpose unit that no forward unit reads (HF GPT-2's Conv1D
             # weights: 100 KB of gradients this simulator did not count), as every solver counts them
             self.op_peak = max(self.op_peak, self.live + node.backward_workspace_bytes)
             self._add(node.param_grad_bytes)
-        for sid in self.tape.pop(op.node):
-            self._unref(sid)
+        for sid in tape:
+            if sid is not None:  # None: let go of at a step (``tape_release_steps``)
+                self._unref(sid)
         self.backward_done.add(op.node)
 
-    def _propagate_gradient(self, index: int, node: CostNode) -> None:
+    def _release_after(self, node: CostNode, tape: list[int | None], step: int) -> int:
+        """Drop the tape references the backward reads for the last time at ``step``
+        (``tape_release_steps``); the bytes that frees."""
+        before = self.live
+        for k, last in enumerate(node.tape_release_steps):
+            sid = tape[k + 1]  # tape[0] is the saved buffer, kept to the end
+            if last == step and sid is not None:
+                tape[k + 1] = None
+                self._unref(sid)
+        return before - self.live
+
+    def _propagate_gradient(self, index: int, node: CostNode, tape: list[int | None]) -> None:
         """Backward of ``node`` from its output gradient buffer (see the module docstring).
 
         The output gradient is released when the backward ends, except a model output's, which autograd
@@ -247,7 +277,12 @@ class _Simulation:
         A pass-through backward (``backward_aliases_grad``:
         an addition, a view, ``cat``) hands its buffer on without a copy: every input that gets its first
         gradient shares that one storage (an addition's two inputs; the slices of ``cat``), and when none
-        does, the buffer is released before the inputs' buffers appear."""
+        does, the buffer is released before the inputs' buffers appear.
+
+        A backward with ``backward_steps`` makes the gradients its steps name at those steps, after the
+        others, with each step's own bytes on top, and lets go of each tape reference after the step
+        that reads it last; the incoming gradients and sums of inputs that already have a buffer are
+        counted beside every step and what it released (when they are made is not known)."""
         graph = self.graph
         handed = self.grad_storage.pop(index)
         held = index in graph.outputs and graph.output_gradients_held
@@ -260,16 +295,18 @@ class _Simulation:
         incoming_bytes = 0
         first_sum_bytes = 0
         summed: list[int] = []
-        for p in node.predecessors:
+
+        def make_gradient(p: int) -> None:
+            nonlocal incoming_bytes, first_sum_bytes
             if not graph.nodes[p].requires_grad:
-                continue
+                return
             if p in fresh:
                 self.grad.add(p)
                 self.grad_storage[p] = (self._ref(handed) if p in shared
                                         else self._new_storage(graph.nodes[p].grad_bytes))
                 if p in shared:
                     self.shared_grads.add(p)
-                continue
+                return
             # adding into an existing buffer: the incoming gradient (unless handed on) and, the first
             # time, a new sum (the buffer may be shared, or a broadcast that cannot be written: mean's
             # gradient), except for a buffer handed on by a pass-through backward that nothing else
@@ -282,13 +319,32 @@ class _Simulation:
             if first_sum:
                 summed.append(p)
             self.accumulated.add(p)
+
+        steps = node.backward_steps if not shared else ()
+        named = set(steps)
+        for p in node.predecessors:
+            if p not in named:
+                make_gradient(p)
+        released_early = 0  # bytes the steps let go of; the transients after them count them live
+        step_peak = 0
+        for step, p in enumerate(steps):
+            if p >= 0:
+                make_gradient(p)
+            step_peak = max(step_peak, self.live + node.backward_step_workspace_bytes[step])
+            if node.tape_release_steps:
+                released_early += self._release_after(node, tape, step)
         # the backward computes the incoming gradients (with its workspace); then its output gradient,
         # read by nothing else, is released before the sums are made, as autograd's engine and the
         # generated backward both do
         handed_free = (self.storage_bytes[handed] if not released and not held and not node.backward_aliases_grad
                        and self.storage_refs.get(handed) == 1 else 0)
-        self.op_peak = max(self.op_peak, self.live + node.backward_workspace_bytes + incoming_bytes,
-                           self.live - handed_free + incoming_bytes + first_sum_bytes)
+        sums = incoming_bytes + first_sum_bytes
+        if steps:
+            workspace_peak = step_peak + incoming_bytes
+        else:
+            workspace_peak = self.live + node.backward_workspace_bytes + incoming_bytes
+        self.op_peak = max(self.op_peak, workspace_peak,
+                           self.live + released_early - handed_free + sums if sums else 0)
         self.peak = max(self.peak, self.op_peak)
         for p in summed:  # the sum replaces the first buffer, which lives on if shared
             previous = self.grad_storage[p]
@@ -340,12 +396,24 @@ def simulate(graph: CostGraph, schedule: Schedule) -> SimulationResult:
     for position, op in enumerate(schedule.forward_ops):
         sim.run("forward", position, op)
     forward_peak = sim.peak
+    sim.check_outputs_live()
+    ops = schedule.backward_ops
+    first = 0
+    forward_end_bytes = sim.live
+    if graph.implicit_backward and not graph.output_gradients_held:
+        # the compiler path: the training loop has dropped the outputs (its loss ran) when the generated
+        # backward takes their gradients, so what the schedule frees first is gone by then
+        while first < len(ops) and isinstance(ops[first], FreeValue):
+            sim.run("backward", first, ops[first])
+            first += 1
+    dropped_bytes = forward_end_bytes - sim.live
     sim.op_peak = sim.live
     sim.arrive_output_gradients()
     sim.timeline.append(TimelinePoint("backward", -1, None, sim.live, sim.op_peak))
-    for position, op in enumerate(schedule.backward_ops):
-        sim.run("backward", position, op)
+    for position in range(first, len(ops)):
+        sim.run("backward", position, ops[position])
     sim.finish()
     return SimulationResult(peak_bytes=sim.peak, forward_peak_bytes=forward_peak,
                             compute_cost=sim.compute_cost, recompute_cost=sim.recompute_cost,
-                            final_bytes=sim.live, timeline=tuple(sim.timeline))
+                            final_bytes=sim.live, timeline=tuple(sim.timeline),
+                            outputs_dropped_bytes=dropped_bytes)

@@ -275,13 +275,32 @@ class _LossAndState(nn.Module):
         return self.b(h.exp()).square().mean(), h * 2
 
 
-@pytest.mark.parametrize("model,shape,fraction", [(_DenseBlock, (4, 8, 32, 32), 0.8), (_WideHead, (256, 64), 1.0)],
-                         ids=["dense-concatenations", "wide-classifier"])
+class _TanhGeluMLP(nn.Module):
+    """GPT-2's MLP with its tanh GELU written out (HF's ``NewGELUActivation``): the backward of
+    ``mul(0.5 * h, 1 + tanh(...))`` frees each factor after its last read, between the two gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 128), nn.Linear(128, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        return self.b(0.5 * h * (1.0 + torch.tanh(0.7978845608 * (h + 0.044715 * torch.pow(h, 3.0)))))
+
+
+@pytest.mark.parametrize("model,shape,fraction", [(_DenseBlock, (4, 8, 32, 32), 0.8), (_WideHead, (256, 64), 1.0),
+                                                  (_TanhGeluMLP, (64, 32), 1.0)],
+                         ids=["dense-concatenations", "wide-classifier", "tanh-gelu"])
 def test_the_simulator_prices_exactly_what_the_lowered_graphs_hold(model, shape, fraction):
     """Gradient sums are emitted as soon as both terms exist (summed late, every concatenation's
     gradient lived to the end of the block: 3.98 MB for a 3.16 MB plan), and a source unit's backward
     runs right after its readers' (left in an early segment, the classifier's weight gradients
-    arrived at the end of the simulated backward: 4.5 MB for a 7.6 MB store-all step)."""
+    arrived at the end of the simulated backward: 4.5 MB for a 7.6 MB store-all step). A unit's
+    backward runs in steps (``backward_steps``) that let go of each saved value after its last read:
+    with both factors of the GELU's product held until both gradients were made, and a linear's bias
+    gradient counted beside the input its weight gradient reads, the tanh GELU's plan was predicted
+    a gradient's size over (the pointwise ops of its GELU are recomputed even at a 100 % budget: the
+    peak is in the backward)."""
     torch.manual_seed(0)
     error, _ = _compiled_step_matches_eager(model(), (torch.randn(*shape),),
                                             budget_backend(fraction, solver="dp_exact", price_kernels=False,

@@ -1,4 +1,6 @@
 """Schedules, the shared lowering, and the simulator as the judge (valid and invalid programs)."""
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 
@@ -155,3 +157,58 @@ def test_an_additions_two_inputs_share_its_gradient_buffer_until_both_have_used_
     assert after[Backward(1)].peak_bytes == before[Backward(1)].live_bytes + 100 + 100
     assert after[Backward(1)].live_bytes == before[Backward(1)].live_bytes + 100 - 100 - 100
     assert result.final_bytes == 10  # the output's gradient, held by autograd to the end
+
+
+def _product(steps: bool) -> CostGraph:
+    """``p = a * b`` read by a head: p's backward makes b's gradient from a, lets go of a, then makes
+    a's gradient from b (``backward_steps``), or makes both beside both saved factors (no steps)."""
+    stepped = dict(backward_steps=(1, 0), backward_step_workspace_bytes=(0, 0), tape_release_steps=(0, 1))
+    return CostGraph("product", (
+        CostNode(0, "a", output_bytes=100, grad_bytes=100),
+        CostNode(1, "b", output_bytes=100, grad_bytes=100),
+        CostNode(2, "p", predecessors=(0, 1), output_bytes=100, grad_bytes=100, backward_needs=(0, 1),
+                 **(stepped if steps else {})),
+        CostNode(3, "head", predecessors=(2,), output_bytes=10, grad_bytes=10, backward_needs=(2,)),
+    ), source="traced")
+
+
+def test_a_backward_in_steps_lets_go_of_a_saved_value_before_its_next_gradient():
+    results = {steps: simulate(_product(steps), lower_segments(_product(steps), store_all_lower_sets(_product(steps))))
+               for steps in (False, True)}
+    points = {steps: {p.op: (k, p) for k, p in enumerate(r.timeline) if p.op is not None} for steps, r in results.items()}
+    for steps, result in results.items():
+        k, point = points[steps][Backward(2)]
+        before = result.timeline[k - 1].live_bytes
+        # both gradients beside both factors, or b's gradient, a let go of, then a's gradient
+        assert point.peak_bytes == before + (100 if steps else 200)
+        # afterwards the same: both gradients made, both factors and p's gradient released
+        assert point.live_bytes == before + 200 - 100 - 100 - 100
+    assert results[True].final_bytes == results[False].final_bytes
+
+
+def test_a_steps_workspace_counts_beside_what_is_live_at_that_step():
+    g = CostGraph("product", tuple(
+        dataclasses.replace(n, backward_step_workspace_bytes=(0, 70)) if n.index == 2 else n
+        for n in _product(True).nodes), source="traced")
+    result = simulate(g, lower_segments(g, store_all_lower_sets(g)))
+    k, point = next((k, p) for k, p in enumerate(result.timeline) if p.op == Backward(2))
+    # step 1: p's gradient, the factor b, both gradients, and 70 bytes of the step's own
+    assert point.peak_bytes == result.timeline[k - 1].live_bytes + 100 - 100 + 100 + 70
+    with pytest.raises(GraphError, match="backward_steps"):
+        CostGraph("bad", (CostNode(0, "a"), CostNode(1, "b", predecessors=(0,), backward_steps=(0,))))
+
+
+@pytest.mark.parametrize("loss_bytes", [0, 50])
+def test_on_the_compiler_path_the_outputs_are_dropped_before_their_gradients_arrive(loss_bytes):
+    """The generated backward takes the output gradients after the loop dropped the outputs; a loss
+    with a transient holds them while it makes their gradients (``planner.step_peak_bytes``)."""
+    from recompute_graph.planner import step_peak_bytes
+    g = dataclasses.replace(chain(4), output_gradients_held=False, loss_bytes=loss_bytes, source="traced")
+    result = simulate(g, lower_segments(g, store_all_lower_sets(g)))
+    arrival = next(p for p in result.timeline if p.op is None)
+    assert result.outputs_dropped_bytes == 100  # node 3's value, freed first in the backward
+    assert arrival.live_bytes == 300 + 100  # the inputs the tapes keep, and the output's gradient
+    assert result.peak_bytes == 500  # node 3's backward makes node 2's gradient
+    assert step_peak_bytes(g, result) == (400 + 100 + loss_bytes if loss_bytes else 500)
+    held = simulate(chain(4), lower_segments(chain(4), store_all_lower_sets(chain(4))))
+    assert next(p for p in held.timeline if p.op is None).live_bytes == 500 and held.outputs_dropped_bytes == 0
