@@ -65,6 +65,9 @@ class Lowered:
     saved: tuple[str, ...]
     recomputed: tuple[str, ...]  # names of the backward's recompute nodes, in order (repeats allowed)
     units: JointUnits | None = None  # the joint graph's units (node i of ``graph`` = unit i)
+    #: what inductor's code for the graphs holds beyond them, measured on the example inputs
+    #: (``inductor_lowering.inductor_excess_bytes``); None without inductor
+    inductor_excess_bytes: int | None = None
 
     @property
     def backward_code(self) -> str:
@@ -421,7 +424,9 @@ def budget_backend(budget: Any, solver: str = "auto", schedule_pass: SchedulePas
     ``"floor"``: plan that graph at its smallest feasible budget, with an ``InfeasibleBudgetWarning``.
     ``graph_compiler``: what runs the generated graphs (AOTAutograd's boxed convention; the node-marking
     interpreter of ``joint_timeline`` measures them node by node; ``"inductor"``: inductor's code for
-    them, ``inductor_lowering``). ``on_lowered(lowered)``: called with
+    them, ``inductor_lowering``, measured on the example inputs and planned again with less budget
+    where it holds more than the plan, ``inductor_lowering.fit_plan_to_inductor``).
+    ``on_lowered(lowered)``: called with
     each graph's :class:`Lowered` (``optimize(..., compiler=True)`` keeps its module's own).
     ``saved_plan`` and ``device_profile``: as in :func:`plan_and_lower`.
     A model ``torch.compile`` splits into several graphs (graph breaks) is planned graph by graph, each
@@ -432,18 +437,26 @@ def budget_backend(budget: Any, solver: str = "auto", schedule_pass: SchedulePas
         if graph_compiler != "inductor":
             raise ValueError(f"graph_compiler={graph_compiler!r}: use 'inductor' or an AOTAutograd compiler")
         from .inductor_lowering import inductor_graph_compiler
-        graph_compiler = inductor_graph_compiler
+        graph_compiler = inductor = inductor_graph_compiler
+    else:
+        inductor = None
     from .losses import default_training_loss
     loss_fn = loss_fn or default_training_loss
     from torch._dynamo.backends.common import aot_autograd
 
     def partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **_: Any
                   ) -> tuple[fx.GraphModule, fx.GraphModule]:
-        lowered = plan_and_lower(joint, budget, num_fwd_outputs=num_fwd_outputs, solver=solver,
-                                 schedule_pass=schedule_pass,
-                                 joint_inputs=joint_inputs if price_kernels else None,
-                                 loss_fn=loss_fn if price_kernels else None, on_infeasible=on_infeasible,
-                                 saved_plan=saved_plan, device_profile=device_profile)
+        def lower_at(budget: Any, saved_plan: Any = None) -> Lowered:
+            return plan_and_lower(joint, budget, num_fwd_outputs=num_fwd_outputs, solver=solver,
+                                  schedule_pass=schedule_pass,
+                                  joint_inputs=joint_inputs if price_kernels else None,
+                                  loss_fn=loss_fn if price_kernels else None, on_infeasible=on_infeasible,
+                                  saved_plan=saved_plan, device_profile=device_profile)
+        lowered = lower_at(budget, saved_plan)
+        if inductor is not None and price_kernels:  # inductor's code measured, the plan made again if over
+            from .inductor_lowering import fit_plan_to_inductor
+            lowered = fit_plan_to_inductor(lowered, lowered.plan.budget_bytes, lower_at)
+            _LAST[:] = [lowered]
         if on_lowered is not None:
             on_lowered(lowered)
         return lowered.forward_graph, lowered.backward_graph

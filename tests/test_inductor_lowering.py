@@ -61,6 +61,42 @@ def test_inductor_runs_a_plan_with_replayed_dropouts_and_batch_norm_to_eagers_gr
     measured = allocator_peak_memory(lambda: step(model, compiled))
     assert measured <= lowered.plan.budget_bytes
     assert 0.95 <= lowered.plan.predicted_step_peak_bytes / measured <= 1.05
+    # inductor's code was measured beside the generated graphs, the same way
+    assert isinstance(lowered.inductor_excess_bytes, int)
+    assert lowered.plan.predicted_step_peak_bytes + max(0, lowered.inductor_excess_bytes) <= lowered.plan.budget_bytes
+
+
+def test_a_plan_whose_inductor_code_holds_more_is_planned_again_with_that_taken_from_the_budget(monkeypatch):
+    """``fit_plan_to_inductor``: the excess inductor's code holds over the generated graphs is taken from
+    the budget and the graph planned again; the first plan that fits with its excess is kept, else the
+    lowest, with a warning."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from recompute_graph import inductor_lowering
+    from recompute_graph.inductor_lowering import InductorBudgetWarning, fit_plan_to_inductor
+
+    @dataclasses.dataclass(frozen=True)
+    class FakeLowered:
+        plan: SimpleNamespace
+        inductor_excess_bytes: int | None = None
+
+    def lowering(step: int, schedule: str) -> FakeLowered:
+        return FakeLowered(SimpleNamespace(predicted_step_peak_bytes=step, schedule=schedule))
+    excess = {"a": 300, "b": 100, "c": 250}
+    monkeypatch.setattr(inductor_lowering, "inductor_excess_bytes", lambda lowered: excess[lowered.plan.schedule])
+    budgets = []
+
+    def replan(budget_bytes):
+        budgets.append(budget_bytes)
+        return lowering(budget_bytes - 200, "b")
+    fitted = fit_plan_to_inductor(lowering(900, "a"), 1000, replan)
+    assert budgets == [700] and fitted.plan.schedule == "b" and fitted.inductor_excess_bytes == 100
+    # nothing fits: the lowest predicted step with its excess is kept, with a warning
+    budgets.clear()
+    with pytest.warns(InductorBudgetWarning, match="over the budget"):
+        fitted = fit_plan_to_inductor(lowering(900, "a"), 500, lambda b: (budgets.append(b), lowering(400, "c"))[1])
+    assert budgets == [200, 200] and fitted.plan.schedule == "c"
 
 
 def test_a_graph_compiler_name_other_than_inductor_is_a_value_error():
