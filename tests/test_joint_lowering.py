@@ -542,7 +542,9 @@ def test_recompute_copies_run_in_the_backward_only_even_where_random_ops_count_a
 def test_chain_dp_plans_an_lstms_joint_graph_under_the_lower_set_dps_floor_exactly():
     """The joint graph of an unrolled LSTM has no split candidate between its steps (the state is
     ``(h, c)``); chain_dp cuts it where only the state is open and recomputes steps several times, which
-    reaches a lower floor than dp_approx's segments, with gradients equal to eager autograd's."""
+    reaches a lower floor than dp_approx's segments, with gradients equal to eager autograd's (14,760 B
+    against 15,528 B; 16,168 B before ``joint_costs.gradient_readers`` ordered the gates' backward
+    helpers, which let dp_approx's segments fit lower too)."""
     floors, errors = {}, {}
     for solver in ("dp_approx", "chain_dp"):
         torch._dynamo.reset()
@@ -557,5 +559,5 @@ def test_chain_dp_plans_an_lstms_joint_graph_under_the_lower_set_dps_floor_exact
         plan = last_lowering().plan
         floors[solver], errors[solver] = plan.predicted_peak_bytes, parameter_gradient_error(model, reference)
     assert "recomputations" in plan.description and max(plan.schedule.computation_counts().values()) >= 2
-    assert floors["chain_dp"] < 0.95 * floors["dp_approx"]
+    assert floors["chain_dp"] < 0.97 * floors["dp_approx"]
     assert max(errors.values()) < 1e-6
