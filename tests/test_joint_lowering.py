@@ -543,8 +543,8 @@ def test_chain_dp_plans_an_lstms_joint_graph_under_the_lower_set_dps_floor_exact
     """The joint graph of an unrolled LSTM has no split candidate between its steps (the state is
     ``(h, c)``); chain_dp cuts it where only the state is open and recomputes steps several times, which
     reaches a lower floor than dp_approx's segments, with gradients equal to eager autograd's (14,760 B
-    against 15,528 B; 16,168 B before ``joint_costs.gradient_readers`` ordered the gates' backward
-    helpers, which let dp_approx's segments fit lower too)."""
+    against 15,528 B; dp_approx's was 16,168 B before ``joint_costs.gradient_readers`` ordered the
+    units whose backward reads another unit's gradients, which let its segments fit lower too)."""
     floors, errors = {}, {}
     for solver in ("dp_approx", "chain_dp"):
         torch._dynamo.reset()
