@@ -173,9 +173,10 @@ def _product(steps: bool) -> CostGraph:
 
 
 def test_a_backward_in_steps_lets_go_of_a_saved_value_before_its_next_gradient():
-    results = {steps: simulate(_product(steps), lower_segments(_product(steps), store_all_lower_sets(_product(steps))))
-               for steps in (False, True)}
-    points = {steps: {p.op: (k, p) for k, p in enumerate(r.timeline) if p.op is not None} for steps, r in results.items()}
+    graphs = {steps: _product(steps) for steps in (False, True)}
+    results = {steps: simulate(g, lower_segments(g, store_all_lower_sets(g))) for steps, g in graphs.items()}
+    points = {steps: {p.op: (k, p) for k, p in enumerate(r.timeline) if p.op is not None}
+              for steps, r in results.items()}
     for steps, result in results.items():
         k, point = points[steps][Backward(2)]
         before = result.timeline[k - 1].live_bytes
