@@ -74,18 +74,18 @@ def _gradient_reach(predecessors: Iterable[int], unit_predecessors: Sequence[Seq
 def backward_steps(backward_nodes: Sequence[fx.Node], predecessors: Sequence[int], needs: Sequence[int],
                    owner: dict[int, int], unit_of_backward: dict[fx.Node, int],
                    unit_predecessors: Sequence[Sequence[int]], has_backward: Sequence[bool],
-                   temporaries: Iterable[int], returned: Iterable[int], constant_bytes: int,
+                   temporaries: dict[int, int], returned: dict[int, int], constant_bytes: int,
                    kernel_bytes: dict[str, int]) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
     """``(backward_steps, backward_step_workspace_bytes, tape_release_steps)`` of a unit whose backward
     nodes are ``backward_nodes`` (module docstring), or three empty tuples when they make no gradient a
     predecessor is known to read. ``owner``: storage key -> the forward unit making it;
     ``unit_predecessors``/``has_backward``: of the units up to this one. A step's bytes: the
-    ``temporaries`` (storage keys) its backward made and reads later, the ``returned`` gradients
-    (storage keys, kept to the end of the step) made so far, ``constant_bytes`` throughout, and its
-    kernels' workspace (``kernel_bytes``, by node name)."""
+    ``temporaries`` (``{storage key: bytes}``) its backward made and reads later, the ``returned``
+    gradients (``{storage key: bytes}``, kept to the end of the step) made so far (from the first step
+    when no node here makes them), ``constant_bytes`` throughout, and its kernels' workspace
+    (``kernel_bytes``, by node name)."""
     own = set(backward_nodes)
     reach = _gradient_reach(predecessors, unit_predecessors, has_backward)
-    sizes: dict[int, int] = {}
     holders: dict[int, list[int]] = {}    # storage key -> positions (in B) of the nodes holding it
     made_at: dict[int, int] = {}          # storage key made in B -> the position of its maker
     last_use: dict[int, int] = {}         # storage key -> the last position holding or reading it
@@ -96,8 +96,7 @@ def backward_steps(backward_nodes: Sequence[fx.Node], predecessors: Sequence[int
             last_use[key] = k
             if key in owner:  # a saved value, or a view of it (a view shares its base's key)
                 last_read[owner[key]] = k
-        for key, nbytes in storage_of(b):
-            sizes[key] = nbytes
+        for key, _ in storage_of(b):
             holders.setdefault(key, []).append(k)
             last_use[key] = max(last_use.get(key, k), k)
             if key not in inputs and key not in owner:
@@ -111,14 +110,13 @@ def backward_steps(backward_nodes: Sequence[fx.Node], predecessors: Sequence[int
             makes[k] = p
     if not makes:
         return (), (), ()
-    temporaries, returned = set(temporaries), set(returned)
     count = len(backward_nodes)
     workspace = [constant_bytes + kernel_bytes.get(b.name, 0) for b in backward_nodes]
-    for key in temporaries | returned:
+    for key, nbytes in {**temporaries, **returned}.items():
         first = made_at.get(key, 0)
         last = count - 1 if key in returned or key not in made_at else last_use.get(key, count - 1)
         for k in range(first, last + 1):
-            workspace[k] += sizes.get(key, 0)
+            workspace[k] += nbytes
     releases = {q: last_read.get(q, count) for q in needs}
     # merge nodes into steps: a step starts where a gradient is made or after a release
     released_at = set(releases.values())
