@@ -75,8 +75,10 @@ class Lowered:
         return self.backward_graph.code
 
     def __repr__(self) -> str:
+        inductor = (f", inductor's code {self.inductor_excess_bytes:+d} B" if self.inductor_excess_bytes is not None
+                    else "")
         return (f"Lowered({self.plan.solver}: {len(self.saved)} saved, {len(self.recomputed)} recompute nodes; "
-                f"predicted peak {self.plan.predicted_peak_bytes} B)")
+                f"predicted peak {self.plan.predicted_peak_bytes} B{inductor})")
 
 
 _LAST: list[Lowered] = []
