@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Container, Iterable
 
 import torch
 from torch import fx
@@ -244,6 +244,13 @@ def _consumer_that_reads_it_all(owner: int, backward_nodes: list[fx.Node], units
     return next((c for c in consumers + siblings if read <= inputs_of(c) | {owner}), owner)
 
 
+def is_gradient_sum(node: fx.Node, backward: Container[fx.Node]) -> bool:
+    """An ``add`` of two gradients: both inputs are backward nodes (``backward``), neither a tangent."""
+    inputs = node.all_input_nodes
+    return (node.op == "call_function" and op_name(node.target) == "add" and len(inputs) == 2
+            and all(a in backward and not is_tangent(a) for a in inputs))
+
+
 def gradient_readers(backward_of: list[list[fx.Node]], predecessors: Callable[[int], Iterable[int]]
                      ) -> list[set[int]]:
     """For each unit, the other units whose backward nodes read what its backward nodes make, and that
@@ -258,10 +265,9 @@ def gradient_readers(backward_of: list[list[fx.Node]], predecessors: Callable[[i
     readers: list[set[int]] = [set() for _ in backward_of]
     for index, nodes in enumerate(backward_of):
         for b in nodes:
-            inputs = b.all_input_nodes
-            if op_name(b.target) == "add" and len(inputs) == 2 and all(a in unit_of_backward for a in inputs):
+            if is_gradient_sum(b, unit_of_backward):
                 continue
-            for a in inputs:
+            for a in b.all_input_nodes:
                 maker = unit_of_backward.get(a)
                 if maker is not None and maker != index:
                     readers[maker].add(index)
@@ -563,9 +569,7 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
                          if makers.get(key, (None,))[0] == index and key not in passed_keys
                          and key not in returned_gradients.accumulation_keys}
         # what its backward reads must be live when it runs, to be saved
-        predecessors = tuple(sorted(({units.unit_of[a] for a in inputs if a in units.unit_of}
-                                     | backward_reads(units, index)
-                                     | {r for r in readers_of_gradients[index] if r < index}) - {index}))
+        predecessors = tuple(sorted(unit_inputs[index] | {r for r in readers_of_gradients[index] if r < index}))
         unit_predecessors.append(predecessors)
         steps, step_bytes, release_steps = backward_steps(
             backward_nodes, predecessors, sorted(needs), owner, backward_unit, unit_predecessors, has_backward,

@@ -45,7 +45,8 @@ from .graph import CostGraph
 from .gradient_accumulation import ACCUMULATE_IN_PLACE, accumulate_in_place
 from .joint_capture import RANDOM_TARGETS, op_name
 from .joint_allocations import kernel_workspace_bytes, outputs_loss_bytes
-from .joint_costs import JointUnits, is_tangent, joint_cost_graph, joint_units, rng_state_bytes
+from .joint_costs import (JointUnits, is_gradient_sum, is_tangent, joint_cost_graph, joint_units,
+                          rng_state_bytes)
 from .joint_storage import storage_of as _storage
 from .joint_partition import STATE_READING_TARGETS, boxed_interpreter, extract_graphs
 from .schedule import Backward, Forward, Schedule
@@ -129,9 +130,7 @@ def _copy_batch_norm(graph: fx.Graph, node: fx.Node, read: Callable[[fx.Node], f
 
 def _is_gradient_sum(node: fx.Node, units: JointUnits) -> bool:
     """An ``add`` of two gradients (backward values, no forward value read)."""
-    inputs = node.all_input_nodes
-    return (node in units.backward and node.op == "call_function" and op_name(node.target) == "add"
-            and len(inputs) == 2 and all(a in units.backward and not is_tangent(a) for a in inputs))
+    return node in units.backward and is_gradient_sum(node, units.backward)
 
 
 def _is_random(node: fx.Node) -> bool:
@@ -435,13 +434,12 @@ def budget_backend(budget: Any, solver: str = "auto", schedule_pass: SchedulePas
     at ``budget`` (a fraction: of that graph's own store-all step)."""
     if on_infeasible not in ("raise", "floor"):
         raise ValueError(f"on_infeasible={on_infeasible!r}: use 'raise' or 'floor'")
+    inductor = graph_compiler == "inductor"  # by name: its code is measured and the plan fitted to it
     if isinstance(graph_compiler, str):
         if graph_compiler != "inductor":
             raise ValueError(f"graph_compiler={graph_compiler!r}: use 'inductor' or an AOTAutograd compiler")
         from .inductor_lowering import inductor_graph_compiler
-        graph_compiler = inductor = inductor_graph_compiler
-    else:
-        inductor = None
+        graph_compiler = inductor_graph_compiler
     from .losses import default_training_loss
     loss_fn = loss_fn or default_training_loss
     from torch._dynamo.backends.common import aot_autograd
@@ -455,7 +453,7 @@ def budget_backend(budget: Any, solver: str = "auto", schedule_pass: SchedulePas
                                   loss_fn=loss_fn if price_kernels else None, on_infeasible=on_infeasible,
                                   saved_plan=saved_plan, device_profile=device_profile)
         lowered = lower_at(budget, saved_plan)
-        if inductor is not None and price_kernels:  # inductor's code measured, the plan made again if over
+        if inductor and price_kernels:  # inductor's code measured, the plan made again if over
             from .inductor_lowering import fit_plan_to_inductor
             lowered = fit_plan_to_inductor(lowered, lowered.plan.budget_bytes, lower_at)
             _LAST[:] = [lowered]

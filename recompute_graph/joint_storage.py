@@ -3,10 +3,9 @@
 A value's storage is read from the fake tensor of ``meta["val"]`` (:func:`storage_of`): a view shares its
 base's key. The generated backward (``joint_lowering``) is a sequence of kernels, and its liveness frees
 a saved value after its last read: GELU's ``mul(x, 1 + tanh(...))`` reads ``1 + tanh`` to make ``x``'s
-gradient, and frees it before it makes the other input's. :func:`tape_release_order` says so to the
-simulator, as a unit's ``gradient_order`` and ``tape_release_ranks`` (``graph.CostNode``). Without it the
-simulator made both gradients beside both saved values: HF GPT-2 tiny at 50 % was predicted 12 KB (5 %)
-over its generated graphs' liveness.
+gradient, and frees it before it makes the other input's. :func:`backward_steps` says so to the
+simulator, as a unit's ``backward_steps``, ``backward_step_workspace_bytes`` and ``tape_release_steps``
+(``graph.CostNode``). Without them the simulator made both gradients beside both saved values.
 
 Model (unit ``i``, its backward nodes ``B`` in execution order):
 
@@ -14,10 +13,12 @@ Model (unit ``i``, its backward nodes ``B`` in execution order):
   predecessor ``p`` of ``i`` whose gradient reaches ``r``: ``p`` itself, or a unit before it that it
   passes the gradient to through units without backward nodes (``1 + tanh``: its gradient goes to the
   ``tanh``'s backward). Storages whose predecessor is not unique are left out;
-* ``gradient_order``: the predecessors by the first storage made for them (a gradient made in two
-  parts counts as made at the first, the safe side);
-* a need's rank: how many gradients of ``gradient_order`` are made at or before the last node of ``B``
-  that reads its storage (directly, or through a view of it).
+* a step starts at each node of ``B`` that makes a predecessor's gradient first (a gradient made in two
+  parts counts as made at the first, the safe side) and after each node that is the last to read a
+  saved value; its bytes are the largest of its nodes': the temporaries ``B`` made and reads later, the
+  returned gradients made so far, and the node's kernel workspace;
+* a saved value is let go of after the step holding the last node of ``B`` that reads its storage
+  (directly, or through a view of it).
 """
 from __future__ import annotations
 
