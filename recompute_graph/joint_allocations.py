@@ -14,7 +14,8 @@ import torch
 from torch import fx
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .joint_costs import JointUnits, _is_buffer_update, is_tangent
+from .joint_costs import _is_buffer_update
+from .joint_units import JointUnits, is_tangent
 from .joint_storage import value_bytes as _value_bytes
 from .joint_partition import _is_tensor
 

@@ -45,8 +45,8 @@ from .graph import CostGraph
 from .gradient_accumulation import ACCUMULATE_IN_PLACE, accumulate_in_place
 from .joint_capture import RANDOM_TARGETS, op_name
 from .joint_allocations import kernel_workspace_bytes, outputs_loss_bytes
-from .joint_costs import (JointUnits, is_gradient_sum, is_tangent, joint_cost_graph, joint_units,
-                          rng_state_bytes)
+from .joint_costs import joint_cost_graph, rng_state_bytes
+from .joint_units import JointUnits, is_gradient_sum, is_tangent, joint_units
 from .joint_storage import storage_of as _storage
 from .joint_partition import STATE_READING_TARGETS, boxed_interpreter, extract_graphs
 from .schedule import Backward, Forward, Schedule

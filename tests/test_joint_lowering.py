@@ -330,7 +330,7 @@ def test_the_simulator_prices_exactly_what_the_lowered_graphs_hold(model, shape,
 
 def test_a_backward_reading_a_gradient_another_units_backward_makes_runs_after_it():
     """The RMS norm's pow: its backward reads ``2 * h``, a unit nothing reads in the forward, and the
-    mean's gradient. Unordered (``joint_costs.gradient_readers``), the simulator ran that backward early
+    mean's gradient. Unordered (``joint_units.gradient_readers``), the simulator ran that backward early
     and let go of ``2 * h`` there, while the generated graph holds it until the mean's gradient exists:
     329 KB predicted against 395 KB of liveness. Ordered, the prediction is on the safe side (an
     addition, a unit without backward nodes, is priced as making its inputs' gradients, which the
@@ -543,7 +543,7 @@ def test_chain_dp_plans_an_lstms_joint_graph_under_the_lower_set_dps_floor_exact
     """The joint graph of an unrolled LSTM has no split candidate between its steps (the state is
     ``(h, c)``); chain_dp cuts it where only the state is open and recomputes steps several times, which
     reaches a lower floor than dp_approx's segments, with gradients equal to eager autograd's (14,760 B
-    against 15,528 B; dp_approx's was 16,168 B before ``joint_costs.gradient_readers`` ordered the
+    against 15,528 B; dp_approx's was 16,168 B before ``joint_units.gradient_readers`` ordered the
     units whose backward reads another unit's gradients, which let its segments fit lower too)."""
     floors, errors = {}, {}
     for solver in ("dp_approx", "chain_dp"):

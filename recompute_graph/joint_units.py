@@ -1,0 +1,319 @@
+"""The forward units of an AOTAutograd joint graph, and the backward nodes of each.
+
+``torch.compile`` hands a partitioner the joint forward+backward aten graph (``joint_partition.py``).
+Every node AOTAutograd traced for one forward op of the model, and every node of that op's backward,
+carry the same ``meta["seq_nr"]`` (``addmm`` and the ``mm``/``sum`` of its backward).
+
+Units (:func:`joint_units`). A *unit* is a connected group of forward nodes of one ``seq_nr`` (an op
+with its ``getitem``s; a causal mask built under the same number is a unit of its own; a node without a
+number is a unit of its own). Its *backward nodes* are the tangent-dependent nodes of that number: of
+the units sharing it, the one they read most among those the forward reads on (a transpose made only
+for an attention ``bmm``'s backward is not one: nothing would order its backward after the units making
+the gradient it reads); moved to the unit that consumes it when they read values its own forward does
+not (a linear's weight gradient, traced under the weight transpose's number, reads the linear's
+input). Backward nodes whose number no forward unit has (functionalized in-place ops: EfficientNet's
+``silu_``) are placed by what they read, preferring a unit the forward reads on (the ``silu``, not the
+``clone`` kept for its backward). Units are ordered so that every edge points
+forward, including from the values a unit's backward reads (they must be live when it runs, so they
+are its predecessors); units caught in a cycle are merged.
+
+``joint_costs.joint_cost_graph`` prices the units; a solver keeps or recomputes each.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Callable, Container, Iterable
+
+from torch import fx
+
+from .gradient_accumulation import in_place_sums
+from .joint_capture import op_name, reachable
+from .joint_partition import _is_tensor
+
+__all__ = ["JointUnits", "joint_units", "is_tangent", "is_gradient_sum", "gradient_readers", "backward_reads"]
+
+
+@dataclass
+class JointUnits:
+    """The joint graph split into forward units (in topological order) and their backward nodes."""
+
+    forward: list[fx.Node]                     # forward nodes (no tangent reaches them), placeholders excluded
+    backward: set[fx.Node]                     # tangent-dependent nodes (tangents included)
+    units: list[list[fx.Node]]                 # forward nodes of each unit, in graph order
+    unit_of: dict[fx.Node, int]                # forward node -> its unit
+    backward_of: list[list[fx.Node]]           # backward nodes of each unit, in graph order
+    unplaced_backward: list[fx.Node] = field(default_factory=list)  # backward nodes of no unit
+    num_fwd_outputs: int = 0
+    in_place_sums: set[str] = field(default_factory=set)  # gradient sums accumulated in place (names)
+
+    def forward_outputs(self, graph: fx.Graph) -> list[fx.Node]:
+        output = next(n for n in graph.nodes if n.op == "output")
+        return [n for n in output.args[0][: self.num_fwd_outputs] if isinstance(n, fx.Node)]
+
+    def gradient_outputs(self, graph: fx.Graph) -> list[fx.Node | None]:
+        output = next(n for n in graph.nodes if n.op == "output")
+        return list(output.args[0][self.num_fwd_outputs:])
+
+
+def is_tangent(node: fx.Node) -> bool:
+    return node.op == "placeholder" and "tangents" in node.name
+
+
+def joint_units(joint: fx.GraphModule, num_fwd_outputs: int) -> JointUnits:
+    """Units and backward nodes of ``joint`` (module docstring)."""
+    nodes = list(joint.graph.nodes)
+    tangents = [n for n in nodes if is_tangent(n)]
+    backward = reachable(tangents, lambda n: [u for u in n.users if u.op != "output"])
+    forward = [n for n in nodes if n not in backward and n.op not in ("placeholder", "output")]
+    by_seq: dict[Any, int] = {}
+    groups: list[list[fx.Node]] = []
+    group_of: dict[fx.Node, int] = {}
+    for node in forward:
+        seq = node.meta.get("seq_nr")
+        if node.target is operator.getitem:  # an item of a multi-output op: the op's group
+            index = next((group_of[a] for a in node.all_input_nodes if a in group_of), None)
+        else:  # a node without seq_nr is a group of its own
+            index = by_seq.get(seq) if seq is not None else None
+        if index is None:
+            index = len(groups)
+            groups.append([])
+            if seq is not None:
+                by_seq[seq] = index
+        group_of[node] = index
+        groups[index].append(node)
+    # ops traced under one seq_nr that do not read each other (GPT-2's scaling ``mul`` and the causal
+    # mask built beside it) are separate units: each unit's value is one connected computation
+    units = [part for members in groups for part in _connected_parts(members)]
+    unit_of = {node: i for i, members in enumerate(units) for node in members}
+    candidates: dict[Any, list[int]] = {}
+    for index, members in enumerate(units):
+        for seq in {n.meta.get("seq_nr") for n in members} - {None}:
+            candidates.setdefault(seq, []).append(index)
+    by_seq_backward: dict[Any, list[fx.Node]] = {}
+    unplaced = []
+    for node in nodes:
+        if node in backward and not is_tangent(node):
+            seq = node.meta.get("seq_nr")
+            (by_seq_backward.setdefault(seq, []) if seq in candidates else unplaced).append(node)
+    backward_of: list[list[fx.Node]] = [[] for _ in units]
+    for seq, backward_nodes in by_seq_backward.items():
+        owner = _owner_of_backward(backward_nodes, candidates[seq], units, unit_of)
+        backward_of[_consumer_that_reads_it_all(owner, backward_nodes, units, unit_of)].extend(backward_nodes)
+    unplaced = _place_by_reads(_gradient_sums_out(backward_of, backward) + unplaced, units, unit_of, backward_of)
+    units, unit_of, backward_of = _topological(units, unit_of, backward_of)
+    result = JointUnits(forward, backward, units, unit_of, backward_of, unplaced, num_fwd_outputs)
+    returned = [g for g in result.gradient_outputs(joint.graph) if isinstance(g, fx.Node)]
+    result.in_place_sums = in_place_sums(joint.graph, returned, {b for nodes in backward_of for b in nodes})
+    return result
+
+
+def _gradient_sums_out(backward_of: list[list[fx.Node]], backward: set[fx.Node]) -> list[fx.Node]:
+    """Take out of each unit the gradient sums traced under its seq_nr that add other units' gradients
+    (DenseNet's concatenated features: hundreds of ``add``s under the classifier's number), to be
+    placed with the backward that reads them."""
+    taken: list[fx.Node] = []
+    for nodes in backward_of:
+        own = set(nodes)
+        sums: set[fx.Node] = set()
+        for b in nodes:
+            inputs = b.all_input_nodes
+            if (op_name(b.target) == "add" and len(inputs) >= 2
+                    and all(a in backward and (a not in own or a in sums) for a in inputs)):
+                sums.add(b)
+        if sums:
+            nodes[:] = [b for b in nodes if b not in sums]
+            taken.extend(sums)
+    return taken
+
+
+def _place_by_reads(unplaced: list[fx.Node], units: list[list[fx.Node]], unit_of: dict[fx.Node, int],
+                    backward_of: list[list[fx.Node]]) -> list[fx.Node]:
+    """Backward nodes whose seq_nr no forward unit has (an in-place op's backward, functionalized:
+    EfficientNet's ``silu_``): a node that reads forward values goes to the unit, among those values'
+    units and the units reading them, with the nearest seq_nr; one that reads only gradients goes
+    with the backward that reads it, else with the first gradient it reads. Returns those left
+    unplaced."""
+    position = {n: k for k, n in enumerate(next(iter(unit_of)).graph.nodes)} if unit_of else {}
+    unplaced = sorted(unplaced, key=position.get)
+    seq_of = [min((n.meta["seq_nr"] for n in members if n.meta.get("seq_nr") is not None), default=None)
+              for members in units]
+    placed: dict[fx.Node, int] = {b: i for i, bs in enumerate(backward_of) for b in bs}
+    units_of_seq: dict[Any, set[int]] = {}
+    for i, seq in enumerate(seq_of):
+        units_of_seq.setdefault(seq, set()).add(i)
+
+    def read_in_forward(i: int) -> bool:
+        return any(u in unit_of and unit_of[u] != i for n in units[i] for u in n.users)
+    gradient_only = []
+    for b in unplaced:
+        read = {unit_of[a] for a in b.all_input_nodes if a in unit_of}
+        consumers = {unit_of[u] for i in read for n in units[i] for u in n.users if u in unit_of}
+        # and the ops traced beside what it reads: ``silu_`` functionalized is a ``clone`` of its input,
+        # kept for the backward, and the ``silu``, under one number; the backward reads the clone and
+        # the gradient of the ``silu``, whose readers' backward make it: placed with the clone, which
+        # no forward unit reads, it could run before them (CoAtNet: 7 MB over the simulated peak)
+        beside = {j for i in read for j in units_of_seq.get(seq_of[i], ()) if seq_of[i] is not None}
+        candidates = [i for i in read | consumers | beside if seq_of[i] is not None]
+        seq = b.meta.get("seq_nr")
+        if candidates and seq is not None:
+            placed[b] = min(candidates, key=lambda i: (abs(seq_of[i] - seq), not read_in_forward(i), -i))
+            backward_of[placed[b]].append(b)
+        else:
+            gradient_only.append(b)
+    # a node that reads only gradients (a sum of gradients, DenseNet's concatenated features): with the
+    # backward that reads it, else with the gradient it reads
+    left = []
+    for b in reversed(gradient_only):
+        index = next((placed[u] for u in b.users if u in placed), None)
+        if index is not None:
+            placed[b] = index
+            backward_of[index].append(b)
+    for b in gradient_only:
+        if b in placed:
+            continue
+        index = next((placed[a] for a in b.all_input_nodes if a in placed), None)
+        if index is None:
+            left.append(b)
+            continue
+        placed[b] = index
+        backward_of[index].append(b)
+    for nodes in backward_of:
+        nodes.sort(key=position.get)
+    return left
+
+
+def _consumer_that_reads_it_all(owner: int, backward_nodes: list[fx.Node], units: list[list[fx.Node]],
+                                unit_of: dict[fx.Node, int]) -> int:
+    """``owner``, or, when these backward nodes read values ``owner``'s forward does not (a linear's
+    weight gradient, traced under the weight transpose's seq_nr, reads the linear's input), the unit
+    reading ``owner``'s value, or reading what it reads, whose forward reads all of them (the linear)."""
+    def inputs_of(index: int) -> set[int]:
+        return {unit_of[a] for n in units[index] for a in n.all_input_nodes if a in unit_of} | {index}
+    read = {unit_of[a] for b in backward_nodes for a in b.all_input_nodes if a in unit_of}
+    if read <= inputs_of(owner):
+        return owner
+    consumers = sorted({unit_of[u] for n in units[owner] for u in n.users if u in unit_of} - {owner})
+    # or a sibling: a unit reading what ``owner`` reads (``t(t(weight))``, made for the backward only,
+    # beside the linear that reads ``t(weight)``)
+    siblings = sorted({unit_of[u] for n in units[owner] for a in n.all_input_nodes for u in a.users
+                       if u in unit_of} - {owner} - set(consumers))
+    return next((c for c in consumers + siblings if read <= inputs_of(c) | {owner}), owner)
+
+
+def is_gradient_sum(node: fx.Node, backward: Container[fx.Node]) -> bool:
+    """An ``add`` of two gradients: both inputs are backward nodes (``backward``), neither a tangent."""
+    inputs = node.all_input_nodes
+    return (node.op == "call_function" and op_name(node.target) == "add" and len(inputs) == 2
+            and all(a in backward and not is_tangent(a) for a in inputs))
+
+
+def gradient_readers(backward_of: list[list[fx.Node]], predecessors: Callable[[int], Iterable[int]]
+                     ) -> list[set[int]]:
+    """For each unit, the other units whose backward nodes read what its backward nodes make, and that
+    nothing orders after it already: neither its predecessors nor units reached from them through units
+    without backward nodes (an addition hands its gradient on). Their backward runs after its own, so
+    they become its predecessors. A pow's backward, traced as ``mul(grad, 2 * x)`` with ``2 * x``
+    computed in the forward, is placed with that ``2 * x``, a unit nothing reads in the forward;
+    unordered, its backward ran early in the simulator and late in the generated graph, which held
+    ``2 * x`` in between (T5 at 80 %: 0.962 of the allocator). Gradient sums are left out: they are
+    made as soon as both terms exist, wherever they are placed (a tied embedding's weight gradient)."""
+    unit_of_backward = {b: i for i, nodes in enumerate(backward_of) for b in nodes}
+    readers: list[set[int]] = [set() for _ in backward_of]
+    for index, nodes in enumerate(backward_of):
+        for b in nodes:
+            if is_gradient_sum(b, unit_of_backward):
+                continue
+            for a in b.all_input_nodes:
+                maker = unit_of_backward.get(a)
+                if maker is not None and maker != index:
+                    readers[maker].add(index)
+    for maker, found in enumerate(readers):
+        if not found:
+            continue
+        ordered: set[int] = set()
+        stack = [maker]
+        while stack:
+            for p in predecessors(stack.pop()):
+                if p not in ordered:
+                    ordered.add(p)
+                    if not backward_of[p]:
+                        stack.append(p)
+        found -= ordered
+    return readers
+
+
+def backward_reads(units: JointUnits, index: int) -> set[int]:
+    """The other units whose values unit ``index``'s backward nodes read (a linear's weight gradient,
+    traced under the weight transpose's seq_nr, reads the linear's input)."""
+    return {units.unit_of[a] for b in units.backward_of[index] for a in b.all_input_nodes
+            if a in units.unit_of and units.unit_of[a] != index}
+
+
+def _connected_parts(members: list[fx.Node]) -> list[list[fx.Node]]:
+    """``members`` split into the groups connected by data edges among them, in graph order."""
+    member_set = set(members)
+    root = {n: n for n in members}
+
+    def find(n: fx.Node) -> fx.Node:
+        while root[n] is not n:
+            root[n] = root[root[n]]
+            n = root[n]
+        return n
+    for n in members:
+        for a in n.all_input_nodes:
+            if a in member_set:
+                root[find(a)] = find(n)
+    parts: dict[fx.Node, list[fx.Node]] = {}
+    for n in members:
+        parts.setdefault(find(n), []).append(n)
+    return list(parts.values())
+
+
+def _owner_of_backward(backward_nodes: list[fx.Node], candidates: list[int], units: list[list[fx.Node]],
+                       unit_of: dict[fx.Node, int]) -> int:
+    """Of the units sharing a seq_nr, the one whose backward these nodes are: of those whose value the
+    forward reads on (or returns), the one they read most, else the last with a floating-point value
+    (a mask built beside an op has no backward). A unit made for the backward only (the transposes an
+    attention ``bmm`` saves for its backward) is chosen only when no other is: its backward would read
+    the gradient of the op's value without being ordered after the units that make it (nothing reads
+    it in the forward, so nothing orders its backward)."""
+    reads = [unit_of[a] for b in backward_nodes for a in b.all_input_nodes
+             if a in unit_of and unit_of[a] in candidates]
+    read_on = [i for i in candidates if any(u.op == "output" or (u in unit_of and unit_of[u] != i)
+                                            for n in units[i] for u in n.users)]
+    if len(read_on) < len(candidates) and read_on:
+        candidates = read_on
+        reads = [i for i in reads if i in read_on]
+    if reads:
+        return max(set(reads), key=lambda i: (reads.count(i), i))
+    floating = [i for i in candidates if any(_is_tensor(n) and n.meta["val"].is_floating_point() for n in units[i])]
+    return (floating or candidates)[-1]
+
+
+def _topological(units: list[list[fx.Node]], unit_of: dict[fx.Node, int], backward_of: list[list[fx.Node]]
+                 ) -> tuple[list[list[fx.Node]], dict[fx.Node, int], list[list[fx.Node]]]:
+    """Order units so that every edge points forward: from the units a unit reads, from those its
+    backward reads (their values must be live when it runs, to be saved), and from the units whose
+    backward reads a gradient its backward makes (``gradient_readers``, where that makes no cycle);
+    units caught in a cycle (an op whose nodes interleave with another's) are merged."""
+    import networkx as nx
+    dag = nx.DiGraph()
+    dag.add_nodes_from(range(len(units)))
+    for index, members in enumerate(units):
+        for node in (*members, *backward_of[index]):
+            for a in node.all_input_nodes:
+                if a in unit_of and unit_of[a] != index:
+                    dag.add_edge(unit_of[a], index)
+    for index, later in enumerate(gradient_readers(backward_of, lambda u: list(dag.predecessors(u)))):
+        for reader in later:
+            if not nx.has_path(dag, index, reader):  # an order, not a cycle
+                dag.add_edge(reader, index)
+    condensed = nx.condensation(dag)
+    order = list(nx.lexicographical_topological_sort(condensed, key=lambda c: min(condensed.nodes[c]["members"])))
+    position = {n: i for i, n in enumerate(next(iter(unit_of)).graph.nodes)} if unit_of else {}
+    merged = [sorted((node for u in condensed.nodes[c]["members"] for node in units[u]), key=position.get)
+              for c in order]
+    merged_backward = [sorted((node for u in condensed.nodes[c]["members"] for node in backward_of[u]),
+                              key=position.get) for c in order]
+    return merged, {node: i for i, members in enumerate(merged) for node in members}, merged_backward
