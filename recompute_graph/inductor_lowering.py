@@ -89,6 +89,8 @@ def _with_custom_ops(gm: fx.GraphModule) -> str | None:
     ops = _custom_ops()
     for node in list(gm.graph.nodes):
         if node.target is rng_snapshot:
+            if not isinstance(node.args[0], fx.Node):
+                return "a random op without tensor inputs recomputed (its generator is named by a device)"
             node.target = ops["snapshot"]
         elif node.target is replay_random:
             state, _like, target, *args = node.args

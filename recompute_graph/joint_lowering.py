@@ -137,30 +137,39 @@ def _is_random(node: fx.Node) -> bool:
     return node.op == "call_function" and op_name(node.target) in RANDOM_TARGETS
 
 
-def rng_snapshot(like: torch.Tensor) -> torch.Tensor:
-    """The state of the generator a random op on ``like``'s device draws from (a node of the forward)."""
-    return torch.cuda.get_rng_state(like.device) if like.is_cuda else torch.get_rng_state()
+def rng_snapshot(like: torch.Tensor | torch.device) -> torch.Tensor:
+    """The state of the generator a random op on ``like``'s device (or on the device ``like``) draws
+    from (a node of the forward)."""
+    device = like if isinstance(like, torch.device) else like.device
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
 
 
-def replay_random(state: torch.Tensor, like: torch.Tensor, target: Any, *args: Any, **kwargs: Any) -> Any:
+def replay_random(state: torch.Tensor, like: torch.Tensor | torch.device, target: Any, *args: Any,
+                  **kwargs: Any) -> Any:
     """``target(*args, **kwargs)`` drawing from ``state`` (the snapshot taken before the original ran),
     the global generator left as it was: a recomputed dropout reproduces its mask."""
-    devices = [like.device] if like.is_cuda else []
-    with torch.random.fork_rng(devices=devices, device_type=like.device.type):
-        if like.is_cuda:
-            torch.cuda.set_rng_state(state, like.device)
+    device = like if isinstance(like, torch.device) else like.device
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices, device_type=device.type):
+        if device.type == "cuda":
+            torch.cuda.set_rng_state(state, device)
         else:
             torch.set_rng_state(state)
         return target(*args, **kwargs)
 
 
-def _first_tensor_input(node: fx.Node) -> fx.Node:
-    return next(a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor))
+def _device_of_random(node: fx.Node, read: Callable[[fx.Node], fx.Node]) -> fx.Node | torch.device:
+    """What tells the generated code which generator ``node`` draws from: its first tensor input, or,
+    for an op that makes its tensor from a shape (``torch.rand(shape, device=...)``: stochastic depth in
+    Hugging Face's Swin), the device of its value."""
+    tensor_input = next((a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)), None)
+    return read(tensor_input) if tensor_input is not None else node.meta["val"].device
 
 
-def _snapshot_value(like: fx.Node) -> torch.Tensor:
-    value = like.meta.get("val")
-    nbytes = rng_state_bytes(value.device if isinstance(value, torch.Tensor) else None)
+def _snapshot_value(like: fx.Node | torch.device) -> torch.Tensor:
+    value = like if isinstance(like, torch.device) else like.meta.get("val")
+    device = value if isinstance(value, torch.device) else value.device if isinstance(value, torch.Tensor) else None
+    nbytes = rng_state_bytes(device)
     return torch.empty(nbytes, dtype=torch.uint8, device="meta")
 
 
@@ -177,7 +186,7 @@ def lower_schedule(joint: fx.GraphModule, units: JointUnits, schedule: Schedule
     for node in old.nodes:
         if node.op == "placeholder" or (node in units.unit_of):
             if node in units.unit_of and units.unit_of[node] in recomputed_units and _is_random(node):
-                like = env[_first_tensor_input(node)]
+                like = _device_of_random(node, env.__getitem__)
                 snapshot = new.call_function(rng_snapshot, (like,))
                 snapshot.meta["val"] = _snapshot_value(like)
                 snapshots[node] = snapshot
@@ -243,7 +252,7 @@ def lower_schedule(joint: fx.GraphModule, units: JointUnits, schedule: Schedule
                     copy = _copy_batch_norm(new, node, read)
                 elif node in snapshots:
                     args, kwargs = fx.node.map_arg((node.args, node.kwargs), read)
-                    copy = new.call_function(replay_random, (snapshots[node], read(_first_tensor_input(node)),
+                    copy = new.call_function(replay_random, (snapshots[node], _device_of_random(node, read),
                                                              node.target, *args), kwargs)
                     copy.meta = dict(node.meta)
                 else:

@@ -18,7 +18,7 @@ from .schedule import Schedule
 from .schedule_passes import keep_free_tapes
 from .simulate import SimulationResult
 from .solvers import SOLVERS, Solution, get_solver, solvers_for
-from .solvers.chain_dp import chain_cuts
+from .solvers.chain_dp import chain_of
 from .solvers.lower_set_dp import dp_for
 from .units import format_bytes, parse_bytes
 
@@ -113,13 +113,13 @@ def auto_solvers(graph: CostGraph) -> tuple[str, ...]:
     """``solver="auto"``: the baselines, plus dp_exact when the graph has at most
     ``lower_set_dp.AUTO_EXACT_LIMIT`` lower sets (else dp_approx, left out above
     ``LOWER_SET_DP_MAX_NODES`` nodes when chain_dp runs), plus chain_dp when the graph linearizes into at
-    least three stages (``chain_dp.chain_cuts``). The baselines stay because the DPs' cost models for traced
-    graphs are estimates: the simulator picks the best plan. Joint graphs (explicit backward nodes):
-    store_all and the two heuristics, evict and shave."""
+    least three stages (``chain_dp.chain_of``, made once and reused by chain_dp). The baselines stay
+    because the DPs' cost models for traced graphs are estimates: the simulator picks the best plan.
+    Joint graphs (explicit backward nodes): store_all and the two heuristics, evict and shave."""
     if not graph.implicit_backward:
         return ("store_all", "evict", "shave")
     dp = dp_for(graph)
-    chain = ("chain_dp",) if dp and len(chain_cuts(graph)) >= 2 else ()
+    chain = ("chain_dp",) if dp and len(chain_of(graph).stages) >= 3 else ()
     if chain and dp == "dp_approx" and len(graph) > LOWER_SET_DP_MAX_NODES:
         dp = None  # O(n²) per run, a dozen runs: half an hour at 17,000 nodes, where chain_dp takes seconds
     return AUTO_SOLVERS + ((dp,) if dp else ()) + chain

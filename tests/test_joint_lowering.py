@@ -57,6 +57,36 @@ def test_a_recomputed_dropout_replays_its_mask_from_a_snapshot():
     assert error == 0.0
 
 
+class _StochasticDepthMLP(nn.Module):
+    """Residual blocks dropped per sample with a mask drawn from a shape (``torch.rand(shape,
+    device=...)``, no tensor input), as Hugging Face's Swin and timm's ``drop_path`` do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(64, 64) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            keep = (torch.rand(x.shape[0], 1, dtype=x.dtype, device=x.device) + 0.8).floor()
+            x = x + torch.tanh(block(x)).exp() * keep / 0.8
+        return x
+
+
+def test_a_recomputed_random_op_without_tensor_inputs_replays_its_draw():
+    """The snapshot and the replay name the generator by the value's device when the op reads no
+    tensor (before: ``StopIteration`` while lowering, and HF Swin at its floor fell back to the executor)."""
+    torch.manual_seed(0)
+    model, x = _StochasticDepthMLP(), torch.randn(512, 64)
+    with pytest.warns(UserWarning, match="smallest feasible budget"):
+        error, _ = _compiled_step_matches_eager(model, (x,), budget_backend(0.01, solver="chain_dp",
+                                                                          on_infeasible="floor"))
+    lowered = last_lowering()
+    replays = [n for n in lowered.backward_graph.graph.nodes if n.target.__class__ is not str
+               and getattr(n.target, "__name__", "") == "replay_random"]
+    assert any(isinstance(n.args[1], torch.device) and op_name(n.args[2]) == "rand" for n in replays)
+    assert error == 0.0
+
+
 def test_a_value_recomputed_twice_is_computed_twice_and_gradients_stay_exact():
     def recompute_again_before_use(graph, schedule):
         """Recompute every recomputed value a second time right before each backward that reads it."""

@@ -103,7 +103,12 @@ def chain_cuts(graph: CostGraph, max_stages: int = DEFAULT_MAX_STAGES,
 
 
 def chain_of(graph: CostGraph, max_stages: int = DEFAULT_MAX_STAGES) -> Chain:
-    """Cut ``graph`` into stages at :func:`chain_cuts` (see the module docstring)."""
+    """Cut ``graph`` into stages at :func:`chain_cuts` (see the module docstring); made once per graph
+    and ``max_stages`` (``auto`` asks for it at every fraction of its pool)."""
+    return memoized(graph, ("chain_dp.chain_of", max_stages), lambda: _chain_of(graph, max_stages))
+
+
+def _chain_of(graph: CostGraph, max_stages: int) -> Chain:
     boundary = boundary_bytes(graph)
     cuts = chain_cuts(graph, max_stages, boundary)
     bounds = [-1] + cuts + [len(graph) - 1]
