@@ -115,3 +115,24 @@ def test_the_first_step_of_a_compiled_plan_warns_when_it_breaks_the_budget(monke
     assert len(caught) == 1 and "loss_fn" in str(caught[0].message)
     assert step(2 * budget) == []  # once per signature: later steps are not judged again
 
+
+
+def test_a_buffer_updated_twice_is_a_mismatch_and_a_rounding_difference_is_not():
+    """BatchNorm's running mean after one and after two updates with the same batch statistics, against
+    the same value 1 ulp off (what AOTAutograd's decompositions leave on torchvision's DeepLabV3, as
+    ``torch.compile(backend="aot_eager")`` does)."""
+    from recompute_graph.verification import buffer_mismatches
+    bn = nn.BatchNorm1d(16)
+    batch = torch.randn(64, 16) * 3 + 1
+    bn(batch)
+    once = {name: b.clone() for name, b in bn.named_buffers()}
+    rounded = {name: (torch.nextafter(b, b + 1) if b.is_floating_point() else b.clone())
+               for name, b in once.items()}
+    bn.num_batches_tracked.zero_()  # a second update of the statistics alone, the count kept at 1
+    bn(batch)
+    bn.num_batches_tracked.fill_(1)
+    twice = {name: b.clone() for name, b in bn.named_buffers()}
+    assert buffer_mismatches(rounded, once) == ()
+    assert set(buffer_mismatches(twice, once)) == {"running_mean", "running_var"}
+    counted_twice = dict(once, num_batches_tracked=once["num_batches_tracked"] + 1)
+    assert buffer_mismatches(counted_twice, once) == ("num_batches_tracked",)
