@@ -86,9 +86,9 @@ VIEW_TARGETS = frozenset({"view", "_unsafe_view", "reshape", "t", "transpose", "
 
 def _passes_gradient_on(backward_nodes: list[fx.Node]) -> bool:
     """``backward_aliases_grad``: the unit's backward only reshapes the incoming gradient (views and
-    ``getitem``s: a view's or ``cat``'s backward)."""
-    return bool(backward_nodes) and all(b.target is operator.getitem or op_name(b.target) in VIEW_TARGETS
-                                        for b in backward_nodes)
+    ``getitem``s: a view's or ``cat``'s backward), or it has no backward nodes at all (an ``expand`` to
+    its own shape, a ``clone``: AOTAutograd hands the gradient on as it is)."""
+    return all(b.target is operator.getitem or op_name(b.target) in VIEW_TARGETS for b in backward_nodes)
 
 
 def rng_state_bytes(device: torch.device | None) -> int:
