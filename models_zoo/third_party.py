@@ -22,7 +22,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-__all__ = ["import_torchvision", "import_timm", "CONFORMANCE_MODELS", "FAST_SUBSET", "build", "available"]
+__all__ = ["import_torchvision", "import_timm", "CONFORMANCE_MODELS", "SECOND_SET", "FAST_SUBSET", "build",
+           "available"]
 
 Call = Any  # tuple of positional inputs, or dict of keyword arguments
 
@@ -131,6 +132,34 @@ def _vision_hf(cfg: Any) -> dict:
     return {"pixel_values": _images(2, cfg.image_size)[0], "labels": torch.tensor([1, 3])}
 
 
+def _vision_hf_32(cfg: Any) -> dict:
+    return {"pixel_values": _images(2, 32)[0], "labels": torch.tensor([1, 3])}
+
+
+def _speech_seq2seq(cfg: Any) -> dict:
+    generator = torch.Generator().manual_seed(3)
+    return {"input_features": torch.randn(2, cfg.num_mel_bins, 2 * cfg.max_source_positions, generator=generator),
+            "labels": torch.randint(2, cfg.vocab_size, (2, 8), generator=generator)}
+
+
+def _torchvision_video(builder: str, frames: int = 8, size: int = 32) -> Callable[[], tuple[nn.Module, Call]]:
+    def factory() -> tuple[nn.Module, Call]:
+        models = import_torchvision().models.video
+        torch.manual_seed(0)
+        clip = torch.randn(2, 3, frames, size, size, generator=torch.Generator().manual_seed(0))
+        return getattr(models, builder)(weights=None, num_classes=10), (clip,)
+    return factory
+
+
+def _torchvision_segmentation(builder: str, size: int = 64, **kwargs: Any) -> Callable[[], tuple[nn.Module, Call]]:
+    def factory() -> tuple[nn.Module, Call]:
+        models = import_torchvision().models.segmentation
+        torch.manual_seed(0)
+        return (getattr(models, builder)(weights=None, weights_backbone=None, num_classes=10, **kwargs),
+                _images(2, size))
+    return factory
+
+
 def _audio_hf(cfg: Any) -> dict:
     return {"input_values": torch.randn(2, 1600, generator=torch.Generator().manual_seed(3))}
 
@@ -197,7 +226,63 @@ CONFORMANCE_MODELS: dict[str, tuple[str, Callable[[], tuple[nn.Module, Call]]]] 
                                         conv_dim=(16, 16), conv_stride=(5, 4), conv_kernel=(10, 4),
                                         num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4,
                                         mask_time_prob=0.0, layerdrop=0.0)),
+    # added in session 19, tried as a new user would (docs/results/optimize_conformance.md): shared
+    # layers (ALBERT), a mixture of experts (Mixtral), a state-space model (Mamba), speech (Whisper),
+    # stochastic depth drawn from a shape (HF Swin), relative position biases (BEiT, DeBERTa), rotary
+    # embeddings (EVA-02, GPT-NeoX, Phi), video (R3D), segmentation heads (DeepLabV3, LR-ASPP)
+    "hf_distilbert": ("transformers", _hf("DistilBertConfig", "DistilBertForMaskedLM", _text, vocab_size=97, dim=32,
+                                          n_layers=2, n_heads=4, hidden_dim=64, max_position_embeddings=64)),
+    "hf_roberta": ("transformers", _hf("RobertaConfig", "RobertaForMaskedLM", _text, vocab_size=97, hidden_size=32,
+                                       num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                                       max_position_embeddings=64)),
+    "hf_albert": ("transformers", _hf("AlbertConfig", "AlbertForMaskedLM", _text, vocab_size=97, embedding_size=16,
+                                      hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      intermediate_size=64, max_position_embeddings=64)),
+    "hf_gpt_neox": ("transformers", _hf("GPTNeoXConfig", "GPTNeoXForCausalLM", _text, vocab_size=97, hidden_size=32,
+                                        num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                                        max_position_embeddings=64)),
+    "hf_opt": ("transformers", _hf("OPTConfig", "OPTForCausalLM", _text, vocab_size=97, hidden_size=32,
+                                   num_hidden_layers=2, ffn_dim=64, num_attention_heads=4, max_position_embeddings=64,
+                                   word_embed_proj_dim=32)),
+    "hf_phi": ("transformers", _hf("PhiConfig", "PhiForCausalLM", _text, vocab_size=97, hidden_size=32,
+                                   intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                   max_position_embeddings=64)),
+    "hf_gemma": ("transformers", _hf("GemmaConfig", "GemmaForCausalLM", _text, head_dim=8, **_DECODER)),
+    "hf_mixtral": ("transformers", _hf("MixtralConfig", "MixtralForCausalLM", _text, num_local_experts=4,
+                                       num_experts_per_tok=2, **_DECODER)),
+    "hf_deberta_v2": ("transformers", _hf("DebertaV2Config", "DebertaV2ForMaskedLM", _text, vocab_size=97,
+                                          hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                          intermediate_size=64, max_position_embeddings=64)),
+    "hf_mamba": ("transformers", _hf("MambaConfig", "MambaForCausalLM", _text, vocab_size=97, hidden_size=32,
+                                     num_hidden_layers=2, state_size=8)),
+    "hf_whisper": ("transformers", _hf("WhisperConfig", "WhisperForConditionalGeneration", _speech_seq2seq,
+                                       vocab_size=97, d_model=32, encoder_layers=2, decoder_layers=2,
+                                       encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                                       decoder_ffn_dim=64, num_mel_bins=16, max_source_positions=16,
+                                       max_target_positions=32, pad_token_id=0, decoder_start_token_id=1)),
+    "hf_convnext": ("transformers", _hf("ConvNextConfig", "ConvNextForImageClassification", _vision_hf_32,
+                                        hidden_sizes=[8, 16, 32, 64], depths=[1, 1, 1, 1], num_labels=10,
+                                        drop_path_rate=0.1)),
+    "hf_swin": ("transformers", _hf("SwinConfig", "SwinForImageClassification", _vision_hf, image_size=32,
+                                    patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=4,
+                                    num_labels=10)),
+    "timm_beit": ("timm", _timm("beit_base_patch16_224", size=64, img_size=64, patch_size=8, depth=2, embed_dim=64,
+                                num_heads=4)),
+    "timm_eva02": ("timm", _timm("eva02_tiny_patch14_224", size=56, img_size=56, depth=2)),
+    "timm_nf_regnet": ("timm", _timm("nf_regnet_b0", size=64)),
+    "timm_poolformer": ("timm", _timm("poolformer_s12", size=64)),
+    "timm_mobilevit": ("timm", _timm("mobilevit_xxs", size=64)),
+    "timm_dla": ("timm", _timm("dla34", size=64)),
+    "timm_repvgg": ("timm", _timm("repvgg_a0", size=64)),
+    "timm_hrnet": ("timm", _timm("hrnet_w18_small", size=64)),
+    "timm_xcit": ("timm", _timm("xcit_nano_12_p8_224", size=64, img_size=64)),
+    "tv_r3d_18": ("torchvision", _torchvision_video("r3d_18")),
+    "tv_lraspp": ("torchvision", _torchvision_segmentation("lraspp_mobilenet_v3_large")),
+    "tv_deeplabv3_mnv3": ("torchvision", _torchvision_segmentation("deeplabv3_mobilenet_v3_large", aux_loss=False)),
 }
+
+#: The models added after the first 45 (session 19); the sweep reports them apart (``--second-set``).
+SECOND_SET = tuple(list(CONFORMANCE_MODELS)[-25:])
 
 #: The CI subset: one or two per family, chosen for the patterns that broke before (ViT shape reads,
 #: EfficientNet in-place dropout on a view, T5's writes through views) and for speed.

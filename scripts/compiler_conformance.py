@@ -1,7 +1,7 @@
 """The conformance models on the compiler path: ``torch.compile(model, backend=rg.backend(f))``.
 
     python scripts/compiler_conformance.py [--models NAME ...] [--fractions 1.0 0.8] [--out FILE]
-    python scripts/compiler_conformance.py --optimize [--fractions 0.8 0.5] [--out FILE]
+    python scripts/compiler_conformance.py --optimize [--second-set] [--fractions 0.8 0.5] [--out FILE]
     python scripts/compiler_conformance.py --inductor [--models NAME ...] [--fractions 1.0 0.8]
 
 ``--optimize``: through ``optimize()``'s default path instead (``compiler="auto"``: the compiler path, the
@@ -145,12 +145,18 @@ def optimize_row(name: str, fraction: float) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="*", default=list(third_party.CONFORMANCE_MODELS))
+    parser.add_argument("--models", nargs="*", default=None,
+                        help="default: the first 45 conformance models (with --second-set: the models added after)")
+    parser.add_argument("--second-set", action="store_true",
+                        help="the models added after the first 45 (third_party.SECOND_SET)")
     parser.add_argument("--fractions", nargs="*", type=float, default=[1.0, 0.8])
     parser.add_argument("--out", default=None, help="also write the table to this file")
     parser.add_argument("--optimize", action="store_true", help="through optimize()'s default path")
     parser.add_argument("--inductor", action="store_true", help="inductor compiles the generated graphs")
     args = parser.parse_args()
+    if args.models is None:
+        first = [name for name in third_party.CONFORMANCE_MODELS if name not in third_party.SECOND_SET]
+        args.models = list(third_party.SECOND_SET) if args.second_set else first
     if args.inductor:
         torch._inductor.config.fallback_random = True  # torch's random kernels: eager's dropout masks
     warnings.simplefilter("ignore")
