@@ -32,7 +32,8 @@ def optimize(model: nn.Module, budget: Budget, *, example_inputs: Sequence[Any] 
              plan: Union[str, "os.PathLike[str]", RecomputePlan, None] = None,
              autocast: "torch.dtype | None" = None, tracer: str = "auto",
              loss_fn: "Callable[[Any], torch.Tensor] | None" = None, cost_graph: CostGraph | None = None,
-             compiler: "bool | str" = "auto", **options: Any) -> "RecomputedModule | CompiledRecomputedModule":
+             compiler: "bool | str" = "auto", graph_compiler: str | None = None,
+             **options: Any) -> "RecomputedModule | CompiledRecomputedModule":
     """Return a module that trains like ``model`` with its step's peak memory within ``budget``.
 
     ``budget``: bytes (int), a size string (``"1.5GiB"``, ``"800MB"``) or a float in (0, 1] = that fraction
@@ -79,6 +80,12 @@ def optimize(model: nn.Module, budget: Budget, *, example_inputs: Sequence[Any] 
     ``options`` belong to the executor's graph: with ``compiler=True`` they raise ValueError, with
     ``"auto"`` they choose the executor.
 
+    ``graph_compiler``: on the compiler path, ``"inductor"`` compiles the generated forward and backward
+    graphs with inductor (``inductor_lowering``: its code is measured on the example call and the graph
+    planned again with less budget where that code holds more than the plan); default None, AOTAutograd's
+    boxed interpreter of the generated graphs. The schedule executor has none (ValueError with
+    ``compiler=False``).
+
     Raises ValueError for a bad budget, solver or tracer name, TypeError for an unknown option, TraceError
     when the model cannot be traced and InfeasibleBudgetError (with ``min_budget_bytes``) when nothing
     fits. The user's model is never modified: the returned module shares its parameters and buffers.
@@ -93,6 +100,11 @@ def optimize(model: nn.Module, budget: Budget, *, example_inputs: Sequence[Any] 
     if compiler not in (False, True, "auto"):
         raise ValueError(f"compiler={compiler!r}: use False (the schedule executor), True (torch.compile with "
                          "our partitioner) or 'auto' (the compiler, falling back to the executor)")
+    if graph_compiler not in (None, "inductor"):
+        raise ValueError(f"graph_compiler={graph_compiler!r}: use 'inductor' (inductor compiles the generated "
+                         "graphs) or None (AOTAutograd's interpreter runs them)")
+    if graph_compiler is not None and compiler is False:
+        raise ValueError("graph_compiler belongs to the compiler path: drop it or use compiler=True or 'auto'")
     if compiler == "auto" and saved is not None and not _of_the_joint_graph(saved):
         compiler = False  # a saved plan of the executor's graph runs on the executor
     executor_only = {"cost_graph": cost_graph} if cost_graph is not None else {}
@@ -104,7 +116,7 @@ def optimize(model: nn.Module, budget: Budget, *, example_inputs: Sequence[Any] 
                          "they belong to the schedule executor's graph; drop them or use compiler=False")
     if compiler and not executor_only:
         return _optimize_compiled(model, budget, example_inputs, example_kwargs, solver, autocast, loss_fn,
-                                  fallback=compiler == "auto", saved_plan=saved)
+                                  fallback=compiler == "auto", saved_plan=saved, graph_compiler=graph_compiler)
     graphs = CallGraphs(model, tracer)
 
     def prepare(args: tuple, kwargs: dict) -> PreparedStep:
@@ -130,8 +142,8 @@ def optimize(model: nn.Module, budget: Budget, *, example_inputs: Sequence[Any] 
 
 def _optimize_compiled(model: nn.Module, budget: Budget, example_inputs: Sequence[Any] | None,
                        example_kwargs: dict[str, Any] | None, solver: str, autocast: "torch.dtype | None",
-                       loss_fn: Any, fallback: bool, saved_plan: RecomputePlan | None = None
-                       ) -> "RecomputedModule | CompiledRecomputedModule":
+                       loss_fn: Any, fallback: bool, saved_plan: RecomputePlan | None = None,
+                       graph_compiler: str | None = None) -> "RecomputedModule | CompiledRecomputedModule":
     """``optimize``'s compiler path, planned on the example call when there is one; with ``fallback``,
     the executor's module when the compiler path fails (``CompiledRecomputedModule``'s ``fallback``)."""
     from .compiled_module import CompiledRecomputedModule
@@ -140,7 +152,8 @@ def _optimize_compiled(model: nn.Module, budget: Budget, example_inputs: Sequenc
         return optimize(model, budget, solver=solver, autocast=autocast, loss_fn=loss_fn, plan=saved_plan,
                         compiler=False)
     compiled = CompiledRecomputedModule(model, budget, solver=solver, loss_fn=loss_fn,
-                                        fallback=executor if fallback else None, saved_plan=saved_plan)
+                                        fallback=executor if fallback else None, saved_plan=saved_plan,
+                                        graph_compiler=graph_compiler)
     if example_inputs is not None or example_kwargs is not None:
         args, kwargs = tuple(example_inputs or ()), dict(example_kwargs or {})
         with _autocast_for(autocast, [*args, *kwargs.values()]):

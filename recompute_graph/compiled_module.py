@@ -51,7 +51,8 @@ class CompiledRecomputedModule(SharedModelModule):
 
     ``saved_plan``: a ``RecomputePlan`` (``plan.save(path)`` of an earlier one, or ``plan_for(...,
     compiler=True)`` made on meta tensors) reused instead of solving when the joint cost graph has its
-    structure (``saved_plans.reuse_plan``); ``device_profile``: what times FLOPs in the cost graph.
+    structure (``saved_plans.reuse_plan``); ``device_profile``: what times FLOPs in the cost graph;
+    ``graph_compiler``: ``"inductor"`` to compile the generated graphs with inductor (``budget_backend``).
 
     ``recompute_plan``: the :class:`~recompute_graph.planner.RecomputePlan` of the signature last
     planned or run (None before the first); ``lowerings``: every
@@ -63,11 +64,12 @@ class CompiledRecomputedModule(SharedModelModule):
     def __init__(self, model: nn.Module, budget: Any, *, solver: str = "auto",
                  loss_fn: "Callable[[Any], torch.Tensor] | None" = None, on_infeasible: str = "raise",
                  fallback: "Callable[[], nn.Module] | None" = None, saved_plan: Any = None,
-                 device_profile: Any = "cpu") -> None:
+                 device_profile: Any = "cpu", graph_compiler: str | None = None) -> None:
         super().__init__(model)
         lowerings: list[Lowered] = []
         backend = budget_backend(budget, solver=solver, loss_fn=loss_fn, on_infeasible=on_infeasible,
-                                 on_lowered=lowerings.append, saved_plan=saved_plan, device_profile=device_profile)
+                                 on_lowered=lowerings.append, saved_plan=saved_plan, device_profile=device_profile,
+                                 **({"graph_compiler": graph_compiler} if graph_compiler is not None else {}))
         object.__setattr__(self, "_backend", backend)
         object.__setattr__(self, "_steps", {})  # signature key -> the compiled call for it
         object.__setattr__(self, "_lowerings", lowerings)

@@ -149,3 +149,35 @@ def test_hf_gpt2_compiles_under_inductor_to_eagers_gradients():
     default_training_loss(compiled(*args, **kwargs)).backward()
     assert all(p.grad is not None for p, q in zip(model.parameters(), reference.parameters()) if q.grad is not None)
     assert model_gradient_error(model, reference) <= 1e-4
+
+
+def test_optimize_compiles_the_generated_graphs_with_inductor_on_request():
+    """``optimize(..., graph_compiler="inductor")``: the module ``optimize`` returns trains through
+    inductor's code for the plan (its excess measured at planning time) to eager's gradients within
+    inductor's rounding, the BatchNorm statistics updated once, within the budget; the executor has
+    no graph compiler, and another name is refused."""
+    import recompute_graph as rg
+    torch.manual_seed(0)
+    model, x = _DropoutBatchNormMLP(), torch.randn(512, 64)
+    reference = copy.deepcopy(model)
+
+    def step(module):
+        module.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        module(x).square().mean().backward()
+    step(reference)
+    optimized = rg.optimize(model, 0.6, example_inputs=(x,), graph_compiler="inductor", compiler=True)
+    assert isinstance(optimized, rg.CompiledRecomputedModule)
+    step(optimized)
+    (lowered,) = optimized.lowerings
+    assert isinstance(lowered.inductor_excess_bytes, int) and lowered.recomputed
+    error = max(((p.grad - q.grad).abs().max() / q.grad.abs().max()).item()
+                for p, q in zip(model.parameters(), reference.parameters()))
+    assert error < 1e-4
+    assert torch.equal(model.norm.num_batches_tracked, reference.norm.num_batches_tracked)
+    assert torch.allclose(model.norm.running_mean, reference.norm.running_mean, rtol=1e-5, atol=1e-6)
+    assert allocator_peak_memory(lambda: step(optimized)) <= optimized.recompute_plan.budget_bytes
+    with pytest.raises(ValueError, match="compiler path"):
+        rg.optimize(model, 0.6, example_inputs=(x,), graph_compiler="inductor", compiler=False)
+    with pytest.raises(ValueError, match="graph_compiler='tvm'"):
+        rg.optimize(model, 0.6, graph_compiler="tvm")
