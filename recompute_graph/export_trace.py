@@ -103,6 +103,21 @@ def _differentiable_copies(gm: "torch.fx.GraphModule") -> int:
     return replaced
 
 
+def _views_as_reshapes(gm: "torch.fx.GraphModule") -> int:
+    """Replace every ``aten.view.default`` node by ``aten.reshape.default``, the same view wherever one
+    exists. Export traces with fake kernels, whose result layout may differ from the real kernel's (CPU
+    flash attention in Hugging Face's Swin: the real output, transposed, "cannot be viewed" as the fake
+    one could). Returns how many."""
+    replaced = 0
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.aten.view.default:
+            node.target = torch.ops.aten.reshape.default
+            replaced += 1
+    if replaced:
+        gm.recompile()
+    return replaced
+
+
 def _write_buffers_early(gm: "torch.fx.GraphModule") -> int:
     """Move each buffer write-back ``copy_(buffer, new_value)`` of a functionalized graph (the module
     form puts them all at the end) to right after ``new_value`` is computed, unless the buffer is read
@@ -236,6 +251,7 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict) -> ExportedTrace:
                          module_path="") from error
     graph_module = program.module()
     _differentiable_copies(graph_module)
+    _views_as_reshapes(graph_module)
     _write_buffers_early(graph_module)
     functionalized, unsafe = functionalize(graph_module)
     if unsafe:
