@@ -23,10 +23,11 @@ Pricing (:func:`joint_cost_graph`), bytes from the fake tensors of ``meta["val"]
   first term's unit (the one whose kernel makes it), each later term counted from the backward that
   makes it to the one adding it, with the new sum unless the chain is accumulated in place
   (``gradient_accumulation``);
-  ``backward_aliases_grad``: its backward nodes are only views of the gradient;
-* ``workspace_bytes`` / ``backward_workspace_bytes``: internal storages nobody outside reads, and the
-  storages the backward nodes allocate besides the gradients they pass on, with the returned gradients
-  they make (counted as if alive together), plus the largest kernel temporary of the unit's nodes,
+  ``backward_aliases_grad``: its backward nodes are only views of the gradient (or it has none);
+* ``workspace_bytes`` / ``backward_workspace_bytes``: the most of the internal storages nobody outside
+  reads live at once as its nodes run (``joint_storage.internal_peak_bytes``), and the storages the
+  backward nodes allocate besides the gradients they pass on, with the returned gradients they make
+  (counted as if alive together), plus the largest kernel temporary of the unit's nodes,
   measured by the allocator on one run of the joint graph on real tensors
   (``joint_allocations.kernel_workspace_bytes``);
 * ``backward_steps`` / ``backward_step_workspace_bytes`` / ``tape_release_steps``: the unit's backward
@@ -58,7 +59,7 @@ from .joint_capture import RANDOM_TARGETS, op_name
 from .joint_partition import STATE_READING_TARGETS, _is_tensor
 from .joint_storage import allocates as _allocates
 from .joint_storage import storage_of as _storage
-from .joint_storage import backward_steps
+from .joint_storage import backward_steps, internal_peak_bytes
 from .joint_storage import value_bytes as _value_bytes
 from .joint_units import JointUnits, backward_reads, gradient_readers, is_tangent
 from .meta_flops import meta_flops
@@ -227,6 +228,7 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
         saved_output = saved_buffer = saved_input = 0
         needs: set[int] = set()
         counted: set[int] = set()
+        kept_internal: set[int] = set()
         for value in read_by_backward:
             for key, nbytes in _storage(value):
                 if key in counted or key in primal_keys or key not in owner:
@@ -238,6 +240,7 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
                         needs.add(index)
                     else:  # internal: held by the backward alone (the simulator keeps it with the tape)
                         saved_buffer += nbytes
+                        kept_internal.add(key)
                 else:
                     saved_input += nbytes
                     needs.add(owner[key])
@@ -282,7 +285,8 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
         flops = {n: meta_flops(n, flops_by_signature) for n in (*members, *backward_nodes)}
         forward_flops = sum(flops[n] for n in members)
         backward_flops = sum(flops[b] for b in backward_nodes)
-        internal = sum(nbytes for key, nbytes in own_keys.items() if key not in read_outside)
+        internal = internal_peak_bytes(members, {key: nbytes for key, nbytes in own_keys.items()
+                                                 if key not in read_outside}, kept_internal)
         targets = {op_name(n.target) for n in members if n.op == "call_function"}
         nodes.append(CostNode(
             index=index, name=members[0].name, kind="function", target=op_name(members[0].target),

@@ -28,7 +28,7 @@ import torch
 from torch import fx
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["storage_of", "value_bytes", "allocates", "backward_steps"]
+__all__ = ["storage_of", "value_bytes", "allocates", "backward_steps", "internal_peak_bytes"]
 
 
 def storage_of(node: fx.Node) -> list[tuple[int, int]]:
@@ -52,6 +52,32 @@ def allocates(node: fx.Node) -> bool:
     """Whether the node's value has a storage none of its inputs has (it allocates)."""
     inputs = {key for a in node.all_input_nodes for key, _ in storage_of(a)}
     return any(key not in inputs for key, _ in storage_of(node))
+
+
+def internal_peak_bytes(members: Sequence[fx.Node], internal: dict[int, int], kept: set[int]) -> int:
+    """The most bytes of a unit's ``internal`` storages (``{storage key: bytes}``: made by its forward
+    nodes ``members``, in execution order, and read by no other unit) live at once while the unit runs:
+    each from the node making it to the last member reading it (or to the end, for the ``kept`` ones its
+    backward reads), as the generated forward frees them. A fused chain of pointwise ops (BLOOM's
+    scripted GELU with its backward's coefficient, 16 temporaries of one size under one ``seq_nr``)
+    holds two or three at a time, not all 16."""
+    made: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for k, node in enumerate(members):
+        for key, _ in storage_of(node):
+            if key in internal:
+                made.setdefault(key, k)
+                last[key] = k
+        for a in node.all_input_nodes:
+            for key, _ in storage_of(a):
+                if key in internal:
+                    last[key] = k
+    live = peak = 0
+    for k in range(len(members)):
+        live += sum(internal[key] for key, at in made.items() if at == k)
+        peak = max(peak, live)
+        live -= sum(internal[key] for key, at in last.items() if at == k and key not in kept and key in made)
+    return peak
 
 
 def _gradient_reach(predecessors: Iterable[int], unit_predecessors: Sequence[Sequence[int]],
