@@ -151,6 +151,30 @@ def _torchvision_video(builder: str, frames: int = 8, size: int = 32) -> Callabl
     return factory
 
 
+def _text_and_images(cfg: Any) -> dict:
+    generator = torch.Generator().manual_seed(5)
+    return {"input_ids": torch.randint(1, cfg.text_config.vocab_size, (2, 12), generator=generator),
+            "pixel_values": _images(2, cfg.vision_config.image_size)[0], "return_loss": True}
+
+
+def _vision_hf_labels(cfg: Any) -> dict:
+    return {"pixel_values": _images(2, cfg.image_size)[0], "labels": torch.tensor([1, 3])}
+
+
+def _segmentation_hf(cfg: Any) -> dict:
+    return {"pixel_values": _images(2, 64)[0],
+            "labels": torch.randint(0, cfg.num_labels, (2, 64, 64), generator=torch.Generator().manual_seed(1))}
+
+
+def _torchvision_optical_flow(builder: str, size: int = 64) -> Callable[[], tuple[nn.Module, Call]]:
+    def factory() -> tuple[nn.Module, Call]:
+        models = import_torchvision().models.optical_flow
+        torch.manual_seed(0)
+        return getattr(models, builder)(weights=None), {"image1": _images(1, size)[0],
+                                                       "image2": _images(1, size, seed=1)[0], "num_flow_updates": 3}
+    return factory
+
+
 def _torchvision_segmentation(builder: str, size: int = 64, **kwargs: Any) -> Callable[[], tuple[nn.Module, Call]]:
     def factory() -> tuple[nn.Module, Call]:
         models = import_torchvision().models.segmentation
@@ -163,6 +187,9 @@ def _torchvision_segmentation(builder: str, size: int = 64, **kwargs: Any) -> Ca
 def _audio_hf(cfg: Any) -> dict:
     return {"input_values": torch.randn(2, 1600, generator=torch.Generator().manual_seed(3))}
 
+
+_ENCODER = dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                max_position_embeddings=64)
 
 _DECODER = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0)
@@ -279,10 +306,83 @@ CONFORMANCE_MODELS: dict[str, tuple[str, Callable[[], tuple[nn.Module, Call]]]] 
     "tv_r3d_18": ("torchvision", _torchvision_video("r3d_18")),
     "tv_lraspp": ("torchvision", _torchvision_segmentation("lraspp_mobilenet_v3_large")),
     "tv_deeplabv3_mnv3": ("torchvision", _torchvision_segmentation("deeplabv3_mobilenet_v3_large", aux_loss=False)),
+    # and a third group: ALiBi (BLOOM), multi-query attention (Falcon), recurrences written in Python
+    # (RWKV, timm's Sequencer LSTMs), Fourier mixing (FNet), two-tower contrastive loss (CLIP), pooled
+    # sequences (Funnel), optical flow (RAFT)
+    "hf_clip": ("transformers", _hf("CLIPConfig", "CLIPModel", _text_and_images, projection_dim=16,
+                                    text_config=dict(vocab_size=97, hidden_size=32, num_hidden_layers=2,
+                                                     num_attention_heads=4, intermediate_size=64,
+                                                     max_position_embeddings=16),
+                                    vision_config=dict(image_size=32, patch_size=8, hidden_size=32,
+                                                       num_hidden_layers=2, num_attention_heads=4,
+                                                       intermediate_size=64))),
+    "hf_bloom": ("transformers", _hf("BloomConfig", "BloomForCausalLM", _text, vocab_size=97, hidden_size=32,
+                                     n_layer=2, n_head=4)),
+    "hf_falcon": ("transformers", _hf("FalconConfig", "FalconForCausalLM", _text, vocab_size=97, hidden_size=32,
+                                      num_hidden_layers=2, num_attention_heads=4)),
+    "hf_gptj": ("transformers", _hf("GPTJConfig", "GPTJForCausalLM", _text, vocab_size=97, n_embd=32, n_layer=2,
+                                    n_head=4, rotary_dim=4, n_positions=64)),
+    "hf_codegen": ("transformers", _hf("CodeGenConfig", "CodeGenForCausalLM", _text, vocab_size=97, n_embd=32,
+                                       n_layer=2, n_head=4, rotary_dim=4, n_positions=64, n_ctx=64)),
+    "hf_qwen3": ("transformers", _hf("Qwen3Config", "Qwen3ForCausalLM", _text, head_dim=8, **_DECODER)),
+    "hf_qwen3_moe": ("transformers", _hf("Qwen3MoeConfig", "Qwen3MoeForCausalLM", _text, head_dim=8, num_experts=4,
+                                         num_experts_per_tok=2, moe_intermediate_size=32, **_DECODER)),
+    "hf_modernbert": ("transformers", _hf("ModernBertConfig", "ModernBertForMaskedLM", _text, vocab_size=97,
+                                          hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                          intermediate_size=64, max_position_embeddings=64, pad_token_id=0)),
+    "hf_dinov2": ("transformers", _hf("Dinov2Config", "Dinov2ForImageClassification", _vision_hf_labels,
+                                      image_size=28, patch_size=7, hidden_size=32, num_hidden_layers=2,
+                                      num_attention_heads=4, mlp_ratio=2, num_labels=10, drop_path_rate=0.1)),
+    "hf_segformer": ("transformers", _hf("SegformerConfig", "SegformerForSemanticSegmentation", _segmentation_hf,
+                                         num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32],
+                                         num_attention_heads=[1, 2], decoder_hidden_size=32, num_labels=10,
+                                         strides=[4, 2], patch_sizes=[7, 3], mlp_ratios=[2, 2])),
+    "hf_hubert": ("transformers", _hf("HubertConfig", "HubertModel", _audio_hf, hidden_size=32, num_hidden_layers=2,
+                                      num_attention_heads=4, intermediate_size=64, conv_dim=(16, 16),
+                                      conv_stride=(5, 4), conv_kernel=(10, 4), num_conv_pos_embeddings=16,
+                                      num_conv_pos_embedding_groups=4, mask_time_prob=0.0, layerdrop=0.0)),
+    "hf_pegasus": ("transformers", _hf("PegasusConfig", "PegasusForConditionalGeneration", _seq2seq, vocab_size=97,
+                                       d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                                       decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                                       max_position_embeddings=64, pad_token_id=0, decoder_start_token_id=0)),
+    "hf_electra": ("transformers", _hf("ElectraConfig", "ElectraForMaskedLM", _text, embedding_size=16,
+                                       **_ENCODER)),
+    "hf_mobilebert": ("transformers", _hf("MobileBertConfig", "MobileBertForMaskedLM", _text, vocab_size=97,
+                                          hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                          intermediate_size=64, embedding_size=16, intra_bottleneck_size=16,
+                                          true_hidden_size=16, max_position_embeddings=64,
+                                          num_feedforward_networks=2)),
+    "hf_fnet": ("transformers", _hf("FNetConfig", "FNetForMaskedLM", _text, vocab_size=97, hidden_size=32,
+                                    num_hidden_layers=2, intermediate_size=64, max_position_embeddings=64)),
+    "hf_rwkv": ("transformers", _hf("RwkvConfig", "RwkvForCausalLM", _text, vocab_size=97, hidden_size=32,
+                                    num_hidden_layers=2, attention_hidden_size=32, intermediate_size=64,
+                                    context_length=64)),
+    "hf_xlnet": ("transformers", _hf("XLNetConfig", "XLNetLMHeadModel", _text, vocab_size=97, d_model=32, n_layer=2,
+                                     n_head=4, d_inner=64)),
+    "hf_convbert": ("transformers", _hf("ConvBertConfig", "ConvBertForMaskedLM", _text, embedding_size=32,
+                                        **_ENCODER)),
+    "hf_funnel": ("transformers", _hf("FunnelConfig", "FunnelForMaskedLM", _text, vocab_size=97, d_model=32, n_head=4,
+                                      d_head=8, d_inner=64, block_sizes=[1, 1], num_decoder_layers=1)),
+    "hf_bigbird": ("transformers", _hf("BigBirdConfig", "BigBirdForMaskedLM", _text, attention_type="original_full",
+                                       **_ENCODER)),
+    "timm_cait": ("timm", _timm("cait_xxs24_224", size=64, img_size=64, patch_size=8, depth=2)),
+    "timm_sequencer": ("timm", _timm("sequencer2d_s", size=64, layers=[1, 1, 1, 1])),
+    "timm_gcvit": ("timm", _timm("gcvit_xxtiny", size=64, img_size=64)),
+    "timm_pvt_v2": ("timm", _timm("pvt_v2_b0", size=64)),
+    "timm_efficientvit": ("timm", _timm("efficientvit_m0", size=64)),
+    "timm_fastvit": ("timm", _timm("fastvit_t8", size=64)),
+    "timm_edgenext": ("timm", _timm("edgenext_xx_small", size=64)),
+    "timm_mobileone": ("timm", _timm("mobileone_s0", size=64)),
+    "timm_rexnet": ("timm", _timm("rexnet_100", size=64)),
+    "timm_gmlp": ("timm", _timm("gmlp_ti16_224", size=64, img_size=64)),
+    "timm_crossvit": ("timm", _timm("crossvit_tiny_240", size=64, img_size=[64, 64], patch_size=[8, 16])),
+    "tv_swin_v2_t": ("torchvision", _torchvision("swin_v2_t", size=64)),
+    "tv_s3d": ("torchvision", _torchvision_video("s3d", frames=16, size=64)),
+    "tv_raft_small": ("torchvision", _torchvision_optical_flow("raft_small")),
 }
 
 #: The models added after the first 45 (session 19); the sweep reports them apart (``--second-set``).
-SECOND_SET = tuple(list(CONFORMANCE_MODELS)[-25:])
+SECOND_SET = tuple(list(CONFORMANCE_MODELS)[45:])
 
 #: The CI subset: one or two per family, chosen for the patterns that broke before (ViT shape reads,
 #: EfficientNet in-place dropout on a view, T5's writes through views) and for speed.
