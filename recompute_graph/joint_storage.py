@@ -72,11 +72,15 @@ def internal_peak_bytes(members: Sequence[fx.Node], internal: dict[int, int], ke
             for key, _ in storage_of(a):
                 if key in internal:
                     last[key] = k
+    change = [0] * (len(members) + 1)  # bytes made at k, and let go of after k (at k + 1)
+    for key, at in made.items():
+        change[at] += internal[key]
+        if key not in kept:
+            change[last[key] + 1] -= internal[key]
     live = peak = 0
     for k in range(len(members)):
-        live += sum(internal[key] for key, at in made.items() if at == k)
+        live += change[k]
         peak = max(peak, live)
-        live -= sum(internal[key] for key, at in last.items() if at == k and key not in kept and key in made)
     return peak
 
 
