@@ -137,10 +137,14 @@ def _is_random(node: fx.Node) -> bool:
     return node.op == "call_function" and op_name(node.target) in RANDOM_TARGETS
 
 
+def _device(like: torch.Tensor | torch.device) -> torch.device:
+    return like if isinstance(like, torch.device) else like.device
+
+
 def rng_snapshot(like: torch.Tensor | torch.device) -> torch.Tensor:
     """The state of the generator a random op on ``like``'s device (or on the device ``like``) draws
     from (a node of the forward)."""
-    device = like if isinstance(like, torch.device) else like.device
+    device = _device(like)
     return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
 
 
@@ -148,7 +152,7 @@ def replay_random(state: torch.Tensor, like: torch.Tensor | torch.device, target
                   **kwargs: Any) -> Any:
     """``target(*args, **kwargs)`` drawing from ``state`` (the snapshot taken before the original ran),
     the global generator left as it was: a recomputed dropout reproduces its mask."""
-    device = like if isinstance(like, torch.device) else like.device
+    device = _device(like)
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices, device_type=device.type):
         if device.type == "cuda":
@@ -168,8 +172,7 @@ def _device_of_random(node: fx.Node, read: Callable[[fx.Node], fx.Node]) -> fx.N
 
 def _snapshot_value(like: fx.Node | torch.device) -> torch.Tensor:
     value = like if isinstance(like, torch.device) else like.meta.get("val")
-    device = value if isinstance(value, torch.device) else value.device if isinstance(value, torch.Tensor) else None
-    nbytes = rng_state_bytes(device)
+    nbytes = rng_state_bytes(_device(value) if isinstance(value, (torch.Tensor, torch.device)) else None)
     return torch.empty(nbytes, dtype=torch.uint8, device="meta")
 
 

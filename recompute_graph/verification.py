@@ -33,7 +33,8 @@ from .model_state import preserved_state, training_step
 from .units import format_bytes
 
 __all__ = ["VerifyReport", "verify", "GRADIENT_TOLERANCE", "BUFFER_TOLERANCE", "PREDICTION_TOLERANCE",
-           "parameter_gradient_error", "model_gradient_error", "buffer_mismatches"]
+           "parameter_gradient_error", "model_gradient_error", "buffer_error", "buffer_mismatches",
+           "model_buffer_error"]
 
 #: Largest gradient error (relative to the model's largest gradient) a plan may have.
 GRADIENT_TOLERANCE = 1e-5
@@ -131,18 +132,29 @@ def verify(model: nn.Module, budget: Any = 0.5, *, example_inputs: Sequence[Any]
                         loss_difference=abs(actual_loss - expected_loss), warnings=tuple(warnings))
 
 
+def buffer_error(mine: torch.Tensor, reference: torch.Tensor) -> float:
+    """How far buffer ``mine`` is from ``reference``: a floating-point one's largest difference relative
+    to the reference's largest value; an integer (or empty) one 0.0 when equal, else 1.0; another shape
+    or dtype infinitely far."""
+    if mine.shape != reference.shape or mine.dtype != reference.dtype:
+        return float("inf")
+    if not reference.is_floating_point() or not reference.numel():
+        return 0.0 if torch.equal(mine, reference) else 1.0
+    scale = reference.double().abs().max().item()
+    return (mine.double() - reference.double()).abs().max().item() / max(scale, 1e-12)
+
+
 def buffer_mismatches(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> tuple[str, ...]:
-    """Names of the buffers of ``expected`` that ``actual`` holds otherwise (module docstring): an
-    integer one not equal, a floating-point one off by more than ``BUFFER_TOLERANCE`` of its largest
-    value, or of another shape."""
-    def differs(mine: torch.Tensor, reference: torch.Tensor) -> bool:
-        if mine.shape != reference.shape or mine.dtype != reference.dtype:
-            return True
-        if not reference.is_floating_point() or not reference.numel():
-            return not torch.equal(mine, reference)
-        scale = reference.double().abs().max().item()
-        return (mine.double() - reference.double()).abs().max().item() > BUFFER_TOLERANCE * max(scale, 1e-12)
-    return tuple(name for name, b in expected.items() if name in actual and differs(actual[name], b))
+    """Names of the buffers of ``expected`` that ``actual`` holds otherwise (module docstring): a
+    :func:`buffer_error` over ``BUFFER_TOLERANCE`` (an integer one not equal, a floating-point one off
+    by more than that fraction of its largest value, one of another shape)."""
+    return tuple(name for name, b in expected.items()
+                 if name in actual and buffer_error(actual[name], b) > BUFFER_TOLERANCE)
+
+
+def model_buffer_error(model: nn.Module, reference: nn.Module) -> float:
+    """The largest :func:`buffer_error` over the buffers of ``model`` and ``reference`` (in order)."""
+    return max((buffer_error(a, b) for a, b in zip(model.buffers(), reference.buffers())), default=0.0)
 
 
 def parameter_gradient_error(model: nn.Module, reference: nn.Module) -> float:

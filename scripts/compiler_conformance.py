@@ -45,7 +45,8 @@ from models_zoo.conformance import call_of
 from recompute_graph.losses import default_training_loss
 from recompute_graph.joint_lowering import InfeasibleBudgetWarning
 from recompute_graph.measure import allocator_peak_memory
-from recompute_graph.verification import BUFFER_TOLERANCE, model_gradient_error, parameter_gradient_error
+from recompute_graph.verification import (BUFFER_TOLERANCE, model_buffer_error, model_gradient_error,
+                                          parameter_gradient_error)
 
 
 def row(name: str, fraction: float, inductor: bool = False) -> str:
@@ -87,14 +88,14 @@ def row(name: str, fraction: float, inductor: bool = False) -> str:
     error = model_gradient_error(model, reference) if inductor else parameter_gradient_error(model, reference)
     missing = sum(1 for p, q in zip(model.parameters(), reference.parameters())
                   if (q.grad is None) != (p.grad is None))
-    buffer_error = _buffer_error(model, reference)
+    buffer_error = model_buffer_error(model, reference)
     measured = allocator_peak_memory(lambda: step(model, compiled))
     if inductor:  # after the measurement: a reset would make the planned model compile again
         plain = copy.deepcopy(initial)
         torch._dynamo.reset()
         step(plain, torch.compile(plain, backend="inductor"))
         inductor_error = model_gradient_error(plain, reference)
-        inductor_buffer_error = _buffer_error(plain, reference)
+        inductor_buffer_error = model_buffer_error(plain, reference)
         buffers = buffer_error <= max(1e-5, 1.5 * inductor_buffer_error)
     else:
         buffers = buffer_error <= BUFFER_TOLERANCE
@@ -109,20 +110,6 @@ def row(name: str, fraction: float, inductor: bool = False) -> str:
     return (f"| {name} | {fraction:.0%}{at_floor} | {'pass' if ok else 'FAIL'} | {lowered.plan.solver} | {error:.1e}{own}"
             f"{'' if buffers else ', buffers differ'}{f', {missing} gradients missing' if missing else ''} | "
             f"{predicted:,} | {measured:,} | {ratio} | {seconds:.0f} s |")
-
-
-def _buffer_error(model: torch.nn.Module, reference: torch.nn.Module) -> float:
-    """The largest buffer difference relative to that buffer's largest value (BatchNorm's running
-    statistics); an integer buffer (``num_batches_tracked``) that differs counts as 1."""
-    worst = 0.0
-    for a, b in zip(model.buffers(), reference.buffers()):
-        if not (a.is_floating_point() or a.is_complex()):
-            worst = max(worst, 0.0 if torch.equal(a, b) else 1.0)
-            continue
-        scale = b.double().abs().max().item() if b.numel() else 0.0
-        difference = (a.double() - b.double()).abs().max().item() if b.numel() else 0.0
-        worst = max(worst, difference / scale if scale > 0 else difference)
-    return worst
 
 
 def optimize_row(name: str, fraction: float) -> str:
