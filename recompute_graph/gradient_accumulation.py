@@ -22,9 +22,19 @@ accumulated in place (:func:`in_place_sums`, decided once on the joint graph by 
 
 Invariants: every value is unchanged (only storage nothing else reads is written); a chain is in place
 whole or not at all, so the pricing and the generated graph agree sum by sum.
+
+An activation's gradient is a sum too, one term per forward reader, associated as eager autograd
+happened to add them when AOTAutograd traced: ``add(add(add(conv, v), q), k)`` for ConvBERT's hidden
+states. A schedule that runs the readers' backward in another order makes the terms in another order,
+and each term then waits, alive, for its partner: the query's and key's 4 KB terms lived from the
+linears' backward to the convolution's, 8 KB over a plan that sums each term as it comes.
+:func:`arrival_order_sums` finds the sums the lowering may instead add in the order their terms are
+made (each term read by its ``add`` alone, partial sums read by the tree alone, one shape and dtype):
+the values are the same sums, up to the rounding of another association.
 """
 from __future__ import annotations
 
+from collections import Counter
 from typing import Container, Iterable
 
 import torch
@@ -33,7 +43,8 @@ from torch.utils._pytree import tree_flatten
 
 from .joint_capture import op_name
 
-__all__ = ["ACCUMULATE_IN_PLACE", "sum_terms", "accumulator", "in_place_sums", "accumulate_in_place"]
+__all__ = ["ACCUMULATE_IN_PLACE", "sum_terms", "accumulator", "in_place_sums", "accumulate_in_place",
+           "SumTree", "arrival_order_sums"]
 
 _ADD = torch.ops.aten.add.Tensor
 
@@ -156,3 +167,45 @@ def accumulate_in_place(backward_graph: fx.GraphModule) -> int:
     if marked:
         backward_graph.recompile()
     return len(marked)
+
+
+class SumTree:
+    """A gradient sum the lowering adds in arrival order: its ``root`` (the total), its ``terms`` and its
+    ``sums`` (the ``add`` nodes, the root among them)."""
+
+    def __init__(self, root: fx.Node, terms: list[fx.Node], sums: list[fx.Node]) -> None:
+        self.root, self.terms, self.sums = root, terms, sums
+
+    def __repr__(self) -> str:
+        return f"SumTree({self.root.name}: {len(self.terms)} terms)"
+
+
+def arrival_order_sums(graph: fx.Graph, backward: Container[fx.Node], returned: Iterable[fx.Node]
+                       ) -> list[SumTree]:
+    """The sums of three or more gradient terms (``add`` trees of ``backward`` nodes) whose association
+    the lowering may change (module docstring): not in a ``returned`` gradient's storage (those are
+    priced as traced), every ``add`` an ``aten.add.Tensor`` of two tensors of the root's shape and dtype, every
+    partial sum read by its tree alone, every term by one ``add`` of it and a term of no other tree."""
+    returned_keys = set().union(*(_storage_keys(r) for r in returned))
+    trees = []
+    for node in graph.nodes:
+        if (node.target is not _ADD or node not in backward or _storage_keys(node) & returned_keys
+                or any(u.target is _ADD and u in backward for u in node.users)):
+            continue  # not the root of a tree: a later add reads it
+        terms, sums = sum_terms(node, backward)
+        if len(terms) < 3 or len(set(terms)) != len(terms):
+            continue
+        value = node.meta.get("val")
+        if not isinstance(value, torch.Tensor):
+            continue
+        tree = set(sums)
+
+        def plain(n: fx.Node) -> bool:
+            held = n.meta.get("val")
+            return isinstance(held, torch.Tensor) and (held.shape, held.dtype) == (value.shape, value.dtype)
+        if (all(s.target is _ADD and not s.kwargs and len(s.args) == 2 and plain(s) for s in sums)
+                and all(all(u in tree for u in s.users) for s in sums if s is not node)
+                and all(sum(u in tree for u in t.users) == 1 and plain(t) for t in terms)):
+            trees.append(SumTree(node, terms, sums))
+    in_trees = Counter(t for tree in trees for t in tree.terms)
+    return [tree for tree in trees if all(in_trees[t] == 1 for t in tree.terms)]

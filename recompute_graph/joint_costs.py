@@ -24,10 +24,12 @@ Pricing (:func:`joint_cost_graph`), bytes from the fake tensors of ``meta["val"]
   makes it to the one adding it, with the new sum unless the chain is accumulated in place
   (``gradient_accumulation``);
   ``backward_aliases_grad``: its backward nodes are only views of the gradient (or it has none);
-* ``workspace_bytes`` / ``backward_workspace_bytes``: the most of the internal storages nobody outside
-  reads live at once as its nodes run (``joint_storage.internal_peak_bytes``), and the storages the
-  backward nodes allocate besides the gradients they pass on, with the returned gradients they make
-  (counted as if alive together), plus the largest kernel temporary of the unit's nodes,
+* ``workspace_bytes`` / ``backward_workspace_bytes``: what the unit's nodes hold beyond its outputs at
+  their peak: the most of its storages live at once as its nodes run, the outputs made so far
+  included, less the outputs (``joint_storage.internal_peak_bytes``); and the most of the storages the
+  backward nodes allocate besides the gradients they pass on live at once, with the returned
+  gradients they make (counted as if alive together); each plus the largest kernel temporary of the
+  unit's nodes,
   measured by the allocator on one run of the joint graph on real tensors
   (``joint_allocations.kernel_workspace_bytes``);
 * ``backward_steps`` / ``backward_step_workspace_bytes`` / ``tape_release_steps``: the unit's backward
@@ -285,8 +287,9 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
         flops = {n: meta_flops(n, flops_by_signature) for n in (*members, *backward_nodes)}
         forward_flops = sum(flops[n] for n in members)
         backward_flops = sum(flops[b] for b in backward_nodes)
-        internal = internal_peak_bytes(members, {key: nbytes for key, nbytes in own_keys.items()
-                                                 if key not in read_outside}, kept_internal)
+        # the internal storages live at once beside the outputs made so far (an output made last
+        # overlaps none of them): the workspace is what the unit holds beyond its outputs at its peak
+        internal = internal_peak_bytes(members, own_keys, kept_internal | read_outside) - output_bytes
         targets = {op_name(n.target) for n in members if n.op == "call_function"}
         nodes.append(CostNode(
             index=index, name=members[0].name, kind="function", target=op_name(members[0].target),
@@ -300,7 +303,8 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
             backward_aliases_grad=_passes_gradient_on(backward_nodes),
             # the returned gradients it makes live from their kernel to the end of the step, beside
             # the other storages and the largest kernel temporaries of its backward
-            backward_workspace_bytes=sum(backward_made.values()) + sum(made_gradients[index].values())
+            backward_workspace_bytes=internal_peak_bytes(backward_nodes, backward_made, set())
+            + sum(made_gradients[index].values())
             + returned_gradients.summed_bytes[index]
             + max((workspace.get(b.name, 0) for b in backward_nodes), default=0),
             param_grad_bytes=sum(made_gradients[index].values()),

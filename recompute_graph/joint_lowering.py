@@ -5,7 +5,8 @@ A solver plans on ``joint_costs.joint_cost_graph`` (node ``i`` = unit ``i``) and
 joint graph, then extracting the two graphs AOTAutograd runs with torch's
 ``_extract_fwd_bwd_modules``:
 
-* the forward section keeps the joint graph's forward nodes in order;
+* the forward section computes the units in the order of the schedule's forward ops, each unit's nodes
+  in joint-graph order (``_forward_order``);
 * the backward section follows ``schedule.backward_ops``. ``Forward(u)`` there is a recomputation:
   every node of unit ``u`` is copied (reading the current copies of its inputs), and from then on
   recomputations read the copies; a later ``Forward(u)`` copies it again, so a value recomputed several
@@ -42,7 +43,7 @@ from torch import fx
 
 from .errors import InfeasibleBudgetError
 from .graph import CostGraph
-from .gradient_accumulation import ACCUMULATE_IN_PLACE, accumulate_in_place
+from .gradient_accumulation import ACCUMULATE_IN_PLACE, accumulate_in_place, arrival_order_sums
 from .joint_capture import RANDOM_TARGETS, op_name
 from .joint_allocations import kernel_workspace_bytes, outputs_loss_bytes
 from .joint_costs import joint_cost_graph, rng_state_bytes
@@ -186,7 +187,7 @@ def lower_schedule(joint: fx.GraphModule, units: JointUnits, schedule: Schedule
     current: dict[fx.Node, fx.Node] = {}  # old forward node -> the copy the backward reads now
     recomputed_units = {op.node for op in schedule.backward_ops if isinstance(op, Forward)}
     snapshots: dict[fx.Node, fx.Node] = {}  # random node recomputed later -> its RNG snapshot
-    for node in old.nodes:
+    for node in [n for n in old.nodes if n.op == "placeholder"] + _forward_order(old, units, schedule):
         if node.op == "placeholder" or (node in units.unit_of):
             if node in units.unit_of and units.unit_of[node] in recomputed_units and _is_random(node):
                 like = _device_of_random(node, env.__getitem__)
@@ -218,14 +219,47 @@ def lower_schedule(joint: fx.GraphModule, units: JointUnits, schedule: Schedule
             return read
         return lambda a: env[a] if a in units.backward or a.op == "placeholder" else view.get(a, env[a])
 
+    # activation gradients summed in the order their terms are made (``arrival_order_sums``)
+    output = next(n for n in old.nodes if n.op == "output")
+    sum_trees = arrival_order_sums(old, units.backward, [g for g in output.args[0][units.num_fwd_outputs:]
+                                                         if isinstance(g, fx.Node)])
+    tree_of_term = {t: tree for tree in sum_trees for t in tree.terms}
+    in_trees = {s for tree in sum_trees for s in tree.sums}
+    partial_sum: dict[fx.Node, fx.Node] = {}  # root -> the sum of its terms made so far
+    terms_left = {tree.root: len(tree.terms) for tree in sum_trees}
+
     def release(nodes: Iterable[fx.Node]) -> None:
         for node in nodes:
-            if node in emitted or node in waiting:
+            if node in emitted or node in waiting or node in in_trees:
                 continue
             waiting[node] = sum(1 for a in set(node.all_input_nodes)
                                 if a in units.backward and not is_tangent(a) and a not in emitted)
             if not waiting[node]:
                 heapq.heappush(ready, (position[node], node))
+
+    def made(node: fx.Node) -> None:
+        emitted.add(node)
+        for user in node.users:
+            if user in waiting:
+                waiting[user] -= 1
+                if not waiting[user]:
+                    heapq.heappush(ready, (position[user], user))
+        if node in tree_of_term:
+            add_term(node)
+
+    def add_term(term: fx.Node) -> None:
+        """Add ``term`` to its sum's terms so far; the last one makes the sum."""
+        root = tree_of_term[term].root
+        so_far = partial_sum.get(root)
+        if so_far is None:
+            partial_sum[root] = env[term]
+        else:
+            partial_sum[root] = new.call_function(torch.ops.aten.add.Tensor, (so_far, env[term]))
+            partial_sum[root].meta["val"] = root.meta["val"]
+        terms_left[root] -= 1
+        if not terms_left[root]:
+            env[root] = partial_sum[root]
+            made(root)
 
     def emit_ready() -> None:
         while ready:
@@ -233,19 +267,16 @@ def lower_schedule(joint: fx.GraphModule, units: JointUnits, schedule: Schedule
             env[node] = new.node_copy(node, reader_of(node))
             if node.name in units.in_place_sums:  # names change here; the mark travels with the node
                 env[node].meta[ACCUMULATE_IN_PLACE] = True
-            emitted.add(node)
             del waiting[node]
-            for user in node.users:
-                if user in waiting:
-                    waiting[user] -= 1
-                    if not waiting[user]:
-                        heapq.heappush(ready, (position[user], user))
+            made(node)
 
     # gradient sums are emitted as soon as both terms exist, as autograd accumulates and the simulator
     # prices it: a sum left for the backward that reads it keeps each term's storage alive until then
     # (DenseNet: each feature's gradient is a slice of every later concatenation's gradient; summed
     # late, every concatenation's gradient lived to the end of its block, 5.8 MB over the plan)
     release(n for n in old.nodes if _is_gradient_sum(n, units))
+    for term in [t for t in tree_of_term if t.op == "placeholder"]:  # a tangent is there from the start
+        add_term(term)
     for op in schedule.backward_ops:
         if isinstance(op, Forward):
             for node in units.units[op.node]:
@@ -273,7 +304,6 @@ def lower_schedule(joint: fx.GraphModule, units: JointUnits, schedule: Schedule
         first = min(waiting, key=position.get)
         raise RuntimeError(f"joint lowering: {len(waiting)} backward nodes could not be placed "
                            f"({first.name} first)")
-    output = next(n for n in old.nodes if n.op == "output")
     forward_outputs = list(output.args[0][: units.num_fwd_outputs])
     gradients = list(output.args[0][units.num_fwd_outputs:])
     new.output(tuple(fx.node.map_arg(forward_outputs, lambda a: env[a]))
@@ -292,6 +322,31 @@ def lower_schedule(joint: fx.GraphModule, units: JointUnits, schedule: Schedule
     saved = [n for n in read_from_forward if isinstance(n.meta.get("val"), torch.Tensor)]
     saved_sym = [n for n in read_from_forward if not isinstance(n.meta.get("val"), torch.Tensor)]
     return module, saved, saved_sym, recomputed
+
+
+def _forward_order(graph: fx.Graph, units: JointUnits, schedule: Schedule) -> list[fx.Node]:
+    """The forward section's nodes: the units in the order the schedule's forward ops first compute them,
+    each unit's nodes in joint-graph order, then the units the forward ops never compute, in joint-graph
+    order. The simulator prices that order; the joint graph's can differ: a custom autograd Function's
+    backward coefficient that reads no tangent (BLOOM's scripted GELU) is a forward unit placed after
+    the loss there, which held its input to the end of the forward, 17 KB over the plan. The joint
+    graph's order is kept when the schedule's would draw random numbers in another order (the masks
+    would differ from eager's) or read a value before it is made."""
+    rank: dict[int, int] = {}
+    for op in schedule.forward_ops:
+        if isinstance(op, Forward):
+            rank.setdefault(op.node, len(rank))
+    joint_order = [n for n in graph.nodes if n in units.unit_of]
+    position = {n: i for i, n in enumerate(joint_order)}
+    ordered = sorted(joint_order, key=lambda n: (rank.get(units.unit_of[n], len(rank)), position[n]))
+    if [n for n in ordered if _is_random(n)] != [n for n in joint_order if _is_random(n)]:
+        return joint_order
+    made: set[fx.Node] = set()
+    for node in ordered:
+        if any(a in position and a not in made for a in node.all_input_nodes):
+            return joint_order
+        made.add(node)
+    return ordered
 
 
 def _viewed_base(node: fx.Node, forward_new: set[fx.Node]) -> fx.Node:

@@ -137,6 +137,8 @@ def backward_steps(backward_nodes: Sequence[fx.Node], predecessors: Sequence[int
         readers = {unit_of_backward[u] for h in holders[key] for u in backward_nodes[h].users
                    if u not in own and u in unit_of_backward}
         targets = {p for p, units in reach.items() if units & readers}
+        if len(targets) > 1:  # a predecessor reading it itself, before one passing it on to it
+            targets = (targets & readers) or targets
         if len(targets) == 1 and (p := targets.pop()) not in makes.values() and k not in makes:
             makes[k] = p
     if not makes:
