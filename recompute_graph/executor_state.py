@@ -52,6 +52,7 @@ class StepState:
     output_sources: list[tuple[int | None, int]] = field(default_factory=list)
     autocast: tuple = ()  # the autocast settings of the forward, re-entered to recompute in backward
     external_keys: set = field(default_factory=set)  # storages of the output gradients autograd handed in
+    passed_on: set = field(default_factory=set)  # ids of tensors a node returned as given (an nn.Identity)
 
 
 #: Device types whose autocast state a step records (``autocast_state``).

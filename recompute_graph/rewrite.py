@@ -267,6 +267,8 @@ class ScheduleExecutor:
                         tensor.copy_(saved_value)
         state.computed.add(index)
         state.values[index] = out
+        if isinstance(out, torch.Tensor) and any(out is v for v in inputs.values()):
+            state.passed_on.add(id(out))  # see _held_elsewhere
         if tape:
             flat = pytree_leaves(out)
             positions = [k for k, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -305,12 +307,22 @@ class ScheduleExecutor:
             state.tapes[index] = Tape([leaf], [0], [(source, k, leaf)], [], identity=True)
         return True
 
+    @staticmethod
+    def _held_elsewhere(state: StepState, tensors: Sequence[torch.Tensor]) -> bool:
+        """Whether one of ``tensors`` is itself the value of a live node: one a node handed on as its
+        output (an ``nn.Identity``; timm's RepVGG then adds into it in place), whose ``.data`` must
+        not be emptied when its producer is freed."""
+        if not any(id(t) in state.passed_on for t in tensors):
+            return False
+        live = {id(t) for v in state.values.values() for t in pytree_leaves(v) if isinstance(t, torch.Tensor)}
+        return any(id(t) in live for t in tensors)
+
     def _free(self, state: StepState, index: int) -> None:
         value = state.values.pop(index)
         tape = state.tapes.get(index)
         if tape is not None and tape.freed_shapes is None:
             flat = pytree_leaves(value)
-            if all(any(t is f for f in flat) for t in tape.outputs):
+            if all(any(t is f for f in flat) for t in tape.outputs) and not self._held_elsewhere(state, tape.outputs):
                 tape.freed_shapes = [t.shape for t in tape.outputs]
                 leaves = [leaf for _, _, leaf in tape.leaves]
                 for t in tape.outputs:

@@ -66,6 +66,27 @@ class ClassToken(nn.Module):
         return self.out(self.mlp(x).tanh()).tanh()
 
 
+class IdentityThenInPlaceAdd(nn.Module):
+    """timm's RepVGG block: ``drop_path`` is an ``nn.Identity``, which hands its input on as its output,
+    and the identity branch is then added into it in place (``x += identity``)."""
+
+    def __init__(self, width: int = 32, depth: int = 4):
+        super().__init__()
+        self.a = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.b = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.norms = nn.ModuleList(nn.LayerNorm(width) for _ in range(depth))
+        self.drop_path = nn.Identity()
+
+    def forward(self, x):
+        for a, b, norm in zip(self.a, self.b, self.norms):
+            identity = norm(x)
+            x = a(x) + b(x)
+            x = self.drop_path(x)
+            x += identity
+            x = x.relu()
+        return x
+
+
 def trains_exactly(model, x, budget=0.7, **options):
     reference = copy.deepcopy(model)
     optimized = rg.optimize(model, budget, example_inputs=(x,), timing="flops", **options)
@@ -87,6 +108,17 @@ def test_in_place_dropout_on_a_view_is_functionalized_and_trains_at_store_all_an
     for budget in (1.0, 0.8):
         optimized = trains_exactly(model, x, budget)
     assert optimized.recompute_plan.recomputed_nodes  # at 0.8, something is recomputed
+
+
+def test_an_identity_module_handing_its_input_on_keeps_it_when_the_producer_is_freed():
+    """The schedule executor empties a freed value's ``.data`` while its tape lives on; the tensor an
+    ``nn.Identity`` handed on is the same object, still read (timm's RepVGG failed with a size-0
+    tensor in its in-place add)."""
+    model = IdentityThenInPlaceAdd()
+    x = torch.randn(256, 32)
+    for budget in (1.0, 0.9, 0.8):  # chain_dp's plan at 0.9 frees the sum before the add reads it
+        optimized = trains_exactly(model, x, budget, compiler=False, solver="chain_dp")
+        assert budget == 1.0 or optimized.recompute_plan.recomputed_nodes
 
 
 def test_a_base_read_after_a_write_through_its_view_goes_to_export_or_is_refused_with_its_line():
