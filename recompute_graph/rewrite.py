@@ -21,8 +21,10 @@ For that, a node taped for such a run reads the inputs taped for the *same* run 
 keeps the autograd edge instead of a detached leaf, so the run's local graphs form one graph. The
 ``FreeValue`` ops of the run are executed first (no op of a backward run reads a value), then one call
 back-propagates the whole run. A run is fused only when every edge between its nodes can be connected
-this way and none of its parameters got a gradient earlier in the step (decided once per schedule,
-before execution); otherwise it runs node by node, so fused or not, memory is what the simulator says. Fusion removes
+this way, its ``Backward`` ops come in the reverse order of their tapes (the order autograd's engine
+runs ready nodes in) and none of its parameters got a gradient earlier in the step (decided once per
+schedule, before execution); otherwise it runs node by node, so fused or not, memory is what the
+simulator says. Fusion removes
 the per-node cost of an autograd call (about 0.1 ms on CPU), which dominates on graphs of small nodes.
 
 The per-step state (tapes, gradient buffers, RNG snapshots) and the small autograd tools are in
@@ -125,6 +127,7 @@ class ScheduleExecutor:
         latest_tape: dict[int, int] = {}     # node -> position of the taped Forward whose tape is current
         current: dict[int, int] = {}         # node -> position of the Forward that made its current value
         tape_run: dict[int, int] = {}        # taped Forward position -> run consuming its tape
+        run_tapes: dict[int, list[int]] = {}  # run -> its Backward ops' taped Forward positions, in order
         reads: list[tuple[int, int, int | None]] = []
         for position, op in enumerate(ops):
             if isinstance(op, Forward):
@@ -136,8 +139,17 @@ class ScheduleExecutor:
                 taped = latest_tape.pop(op.node, None)
                 if taped is not None and position in run_of:
                     tape_run[taped] = run_of[position]
+                    run_tapes.setdefault(run_of[position], []).append(taped)
         connections: dict[int, set[int]] = {}
-        broken: set[int] = set()
+        # autograd's engine runs the ready node taped last first: a run whose Backward ops do not follow
+        # their tapes in reverse would run in another order than the simulator's, holding gradients
+        # meanwhile (Mamba's scan: its 16 step slices taped before the steps, each slice's full-size
+        # gradient held until the whole scan had run back, 1.1 MB over a 0.6 MB plan)
+        broken: set[int] = {k for k, tapes in run_tapes.items() if any(a <= b for a, b in zip(tapes, tapes[1:]))}
+        # a value from outside the run read by several of its tapes gets one gradient from each, held
+        # until the fused call returns, where node by node each is summed in as it is made (three or
+        # more hold more than the simulator counts: Mamba's 16 slices of one tensor, 1 MB)
+        outside_readers: Counter[tuple[int, int]] = Counter()
         for position, u, source in reads:
             run = tape_run.get(position)
             if run is None:
@@ -146,6 +158,9 @@ class ScheduleExecutor:
                 connections.setdefault(position, set()).add(u)
             elif u in runs[run][2]:
                 broken.add(run)   # reads a value of a run node that is not the tape the run back-propagates
+            elif self.graph.nodes[u].requires_grad:
+                outside_readers[run, u] += 1
+        broken |= {run for (run, _), count in outside_readers.items() if count >= 3}
         # Parameters with a gradient buffer from an earlier backward op: the fused call would hold its
         # own sum of their gradients next to that buffer (one parameter size more than node by node,
         # which the simulator does not model), so runs using them stay node by node.
