@@ -236,7 +236,7 @@ def fit_plan_to_inductor(lowered: Any, budget_bytes: int, replan: Any) -> Any:
         if excess is None:
             return lowered
         lowered = dataclasses.replace(lowered, inductor_excess_bytes=excess)
-        step = lowered.plan.predicted_step_peak_bytes + max(0, excess)
+        step = lowered.predicted_step_peak_bytes
         if step <= budget_bytes:
             return lowered
         tried.append((step, attempt, lowered))

@@ -72,6 +72,12 @@ class Lowered:
     inductor_excess_bytes: int | None = None
 
     @property
+    def predicted_step_peak_bytes(self) -> int:
+        """The step's predicted peak: the plan's, with what inductor's code holds beyond the generated
+        graphs where it was measured (less where its fusions drop intermediates)."""
+        return self.plan.predicted_step_peak_bytes + (self.inductor_excess_bytes or 0)
+
+    @property
     def backward_code(self) -> str:
         """The generated backward as Python: each recompute node is a forward op before its use."""
         return self.backward_graph.code

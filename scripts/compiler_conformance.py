@@ -100,7 +100,7 @@ def row(name: str, fraction: float, inductor: bool = False) -> str:
     else:
         buffers = buffer_error <= BUFFER_TOLERANCE
     # under inductor: with what its code held beyond the generated graphs at planning time
-    predicted = lowered.plan.predicted_step_peak_bytes + (max(0, lowered.inductor_excess_bytes or 0) if inductor else 0)
+    predicted = lowered.predicted_step_peak_bytes
     ok = error <= (max(1e-4, 1.5 * inductor_error) if inductor else 1e-5) and buffers and not missing
     graphs = len(lowerings)
     ratio = f"{predicted / measured:.3f}" if graphs == 1 else f"(last of {graphs} graphs)"

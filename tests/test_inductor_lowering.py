@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from recompute_graph.joint_capture import RANDOM_TARGETS, op_name
-from recompute_graph.joint_lowering import budget_backend, last_lowering
+from recompute_graph.joint_lowering import Lowered, budget_backend, last_lowering
 from recompute_graph.measure import allocator_peak_memory
 
 pytestmark = pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")),
@@ -80,6 +80,7 @@ def test_a_plan_whose_inductor_code_holds_more_is_planned_again_with_that_taken_
     class FakeLowered:
         plan: SimpleNamespace
         inductor_excess_bytes: int | None = None
+        predicted_step_peak_bytes = Lowered.predicted_step_peak_bytes
 
     def lowering(step: int, schedule: str) -> FakeLowered:
         return FakeLowered(SimpleNamespace(predicted_step_peak_bytes=step, schedule=schedule))
@@ -97,6 +98,11 @@ def test_a_plan_whose_inductor_code_holds_more_is_planned_again_with_that_taken_
     with pytest.warns(InductorBudgetWarning, match="over the budget"):
         fitted = fit_plan_to_inductor(lowering(900, "a"), 500, lambda b: (budgets.append(b), lowering(400, "c"))[1])
     assert budgets == [200, 200] and fitted.plan.schedule == "c"
+    # inductor's code holds less (its fusions drop intermediates): kept, and predicted that much lower
+    excess["d"] = -50
+    budgets.clear()
+    fitted = fit_plan_to_inductor(lowering(900, "d"), 1000, replan)
+    assert budgets == [] and fitted.predicted_step_peak_bytes == 850
 
 
 def test_a_graph_compiler_name_other_than_inductor_is_a_value_error():
