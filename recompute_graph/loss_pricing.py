@@ -47,8 +47,10 @@ def allocator_windows(on_meta: bool, cuda_device: Any = None
     """Record the allocator while the block runs; yields a function giving each node's ``(level at
     start, peak, level at end)`` once the block has ended. CPU: ``torch.profiler`` memory events.
     CUDA (``cuda_device``): the caching allocator's ``memory_allocated`` and ``max_memory_allocated``
-    around each :func:`node_window` (its peak statistic is reset at each window). Meta: nothing."""
-    if on_meta:
+    around each :func:`node_window` (its peak statistic is reset at each window). Meta: nothing; nor on
+    CPU while a profiler is recording already (a user's ``torch.profiler`` session around a step that
+    compiles): a second session would end the user's, whose profile would lose everything after it."""
+    if on_meta or (cuda_device is None and torch.autograd.profiler._is_profiler_enabled):
         yield dict
         return
     if cuda_device is not None:

@@ -89,6 +89,10 @@ def row(name: str, fraction: float, inductor: bool = False) -> str:
     missing = sum(1 for p, q in zip(model.parameters(), reference.parameters())
                   if (q.grad is None) != (p.grad is None))
     buffer_error = model_buffer_error(model, reference)
+    # a first step under the profiler may compile again (HF ViT, two graphs under a user's torch.compile:
+    # a guard fails there), and the backend's own measurement of kernel temporaries then ends the
+    # profiler's session: that step recorded no memory event at all (0 B)
+    allocator_peak_memory(lambda: step(model, compiled))
     measured = allocator_peak_memory(lambda: step(model, compiled))
     if inductor:  # after the measurement: a reset would make the planned model compile again
         plain = copy.deepcopy(initial)

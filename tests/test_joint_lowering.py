@@ -671,3 +671,19 @@ def test_chain_dp_plans_an_lstms_joint_graph_under_the_lower_set_dps_floor_exact
     assert "recomputations" in plan.description and max(plan.schedule.computation_counts().values()) >= 2
     assert floors["chain_dp"] < 0.97 * floors["dp_approx"]
     assert max(errors.values()) < 1e-6
+
+
+def test_planning_inside_a_users_profiler_session_leaves_it_recording():
+    """The backend measures kernel temporaries with ``torch.profiler``; a second session ended the
+    user's, whose profile then held nothing (HF ViT's first profiled step, which compiled again, read
+    0 B). Inside a session it does not measure (the liveness model alone prices the graph)."""
+    from recompute_graph.measure import AllocatorRecorder
+    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 8))
+    x = torch.randn(16, 32)
+    with AllocatorRecorder() as recorder:
+        compiled = torch.compile(model, backend=budget_backend(1.0))
+        compiled(x).sum().backward()
+        with torch.profiler.record_function("user::step"):
+            compiled(x).sum().backward()
+    level, peak, _ = recorder.window_peaks("user::")["step"]
+    assert peak > level  # the user's second step allocated, and the profile saw it
