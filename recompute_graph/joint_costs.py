@@ -63,7 +63,7 @@ from .joint_storage import allocates as _allocates
 from .joint_storage import storage_of as _storage
 from .joint_storage import backward_steps, internal_peak_bytes
 from .joint_storage import value_bytes as _value_bytes
-from .joint_units import JointUnits, backward_reads, gradient_readers, is_tangent
+from .joint_units import JointUnits, backward_reads, gradient_readers, incoming_gradient_sums, is_tangent
 from .meta_flops import meta_flops
 
 __all__ = ["joint_cost_graph", "rng_state_bytes", "JOINT_COST_SOURCE", "is_joint_cost_graph"]
@@ -87,11 +87,13 @@ VIEW_TARGETS = frozenset({"view", "_unsafe_view", "reshape", "t", "transpose", "
                           "as_strided", "narrow", "detach", "chunk"})
 
 
-def _passes_gradient_on(backward_nodes: list[fx.Node]) -> bool:
-    """``backward_aliases_grad``: the unit's backward only reshapes the incoming gradient (views and
-    ``getitem``s: a view's or ``cat``'s backward), or it has no backward nodes at all (an ``expand`` to
-    its own shape, a ``clone``: AOTAutograd hands the gradient on as it is)."""
-    return all(b.target is operator.getitem or op_name(b.target) in VIEW_TARGETS for b in backward_nodes)
+def _passes_gradient_on(backward_nodes: list[fx.Node], incoming_sums: set[fx.Node]) -> bool:
+    """``backward_aliases_grad``: the unit's backward only sums its incoming gradient's terms
+    (``incoming_sums``) and reshapes it (views and ``getitem``s: a view's or ``cat``'s backward), or it
+    has no backward nodes at all (an ``expand`` to its own shape, a ``clone``: AOTAutograd hands the
+    gradient on as it is)."""
+    return all(b.target is operator.getitem or op_name(b.target) in VIEW_TARGETS or b in incoming_sums
+               for b in backward_nodes)
 
 
 def rng_state_bytes(device: torch.device | None) -> int:
@@ -274,9 +276,13 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
         # nodes read (the simulator counts those as the predecessors' grad_bytes)
         passed_keys = {key for b in backward_nodes if b in returned or any(u not in own_backward for u in b.users)
                        for key, _ in _storage(b)}
+        # the sums of the gradient terms other units' backward make are priced where each term is
+        # made (GPT-J's GELU input: three terms, whose two sums were priced again here, 7 % over)
+        incoming_sums = incoming_gradient_sums(backward_nodes, units.backward)
+        summed_keys = {key for b in incoming_sums for key, _ in _storage(b)}
         backward_made = {key: nbytes for b in backward_nodes for key, nbytes in _storage(b)
                          if makers.get(key, (None,))[0] == index and key not in passed_keys
-                         and key not in returned_gradients.accumulation_keys}
+                         and key not in returned_gradients.accumulation_keys and key not in summed_keys}
         # what its backward reads must be live when it runs, to be saved
         predecessors = tuple(sorted(unit_inputs[index] | {r for r in readers_of_gradients[index] if r < index}))
         unit_predecessors.append(predecessors)
@@ -300,7 +306,7 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
             backward_needs=tuple(sorted(needs)),
             workspace_bytes=max(0, internal - saved_buffer) + max((workspace.get(n.name, 0) for n in members),
                                                                  default=0),
-            backward_aliases_grad=_passes_gradient_on(backward_nodes),
+            backward_aliases_grad=_passes_gradient_on(backward_nodes, incoming_sums),
             # the returned gradients it makes live from their kernel to the end of the step, beside
             # the other storages and the largest kernel temporaries of its backward
             backward_workspace_bytes=internal_peak_bytes(backward_nodes, backward_made, set())

@@ -31,7 +31,8 @@ from .gradient_accumulation import in_place_sums
 from .joint_capture import op_name, reachable
 from .joint_partition import _is_tensor
 
-__all__ = ["JointUnits", "joint_units", "is_tangent", "is_gradient_sum", "gradient_readers", "backward_reads"]
+__all__ = ["JointUnits", "joint_units", "is_tangent", "is_gradient_sum", "incoming_gradient_sums", "gradient_readers",
+           "backward_reads"]
 
 
 @dataclass
@@ -114,17 +115,25 @@ def _gradient_sums_out(backward_of: list[list[fx.Node]], backward: set[fx.Node])
     placed with the backward that reads them."""
     taken: list[fx.Node] = []
     for nodes in backward_of:
-        own = set(nodes)
-        sums: set[fx.Node] = set()
-        for b in nodes:
-            inputs = b.all_input_nodes
-            if (op_name(b.target) == "add" and len(inputs) >= 2
-                    and all(a in backward and (a not in own or a in sums) for a in inputs)):
-                sums.add(b)
+        sums = incoming_gradient_sums(nodes, backward)
         if sums:
             nodes[:] = [b for b in nodes if b not in sums]
             taken.extend(sums)
     return taken
+
+
+def incoming_gradient_sums(nodes: list[fx.Node], backward: Container[fx.Node]) -> set[fx.Node]:
+    """The ``add`` nodes among a unit's backward ``nodes`` that sum gradients other units' backward
+    nodes make (or partial sums of those): the accumulation of a value's gradient terms, priced where
+    each term is made (the simulator sums them in as they come), not as the unit's own work."""
+    own = set(nodes)
+    sums: set[fx.Node] = set()
+    for b in nodes:
+        inputs = b.all_input_nodes
+        if (op_name(b.target) == "add" and len(inputs) >= 2
+                and all(a in backward and (a not in own or a in sums) for a in inputs)):
+            sums.add(b)
+    return sums
 
 
 def _place_by_reads(unplaced: list[fx.Node], units: list[list[fx.Node]], unit_of: dict[fx.Node, int],
