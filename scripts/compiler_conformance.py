@@ -1,13 +1,14 @@
 """The conformance models on the compiler path: ``torch.compile(model, backend=rg.backend(f))``.
 
     python scripts/compiler_conformance.py [--models NAME ...] [--fractions 1.0 0.8] [--out FILE]
-    python scripts/compiler_conformance.py --optimize [--second-set] [--fractions 0.8 0.5] [--out FILE]
+    python scripts/compiler_conformance.py --optimize [--executor] [--second-set] [--fractions 0.8 0.5] [--out FILE]
     python scripts/compiler_conformance.py --inductor [--models NAME ...] [--fractions 1.0 0.8]
 
 ``--optimize``: through ``optimize()``'s default path instead (``compiler="auto"``: the compiler path, the
 schedule executor where capture fails), with the conformance checks of ``models_zoo.conformance.check_model``
 (budgets at a fraction of the activation memory, a budget under the floor raised to it), each row saying
-which path ran.
+which path ran. ``--executor`` with it: every model on the schedule executor (``compiler=False``), the
+path ``optimize()`` falls back to.
 
 For every model of ``models_zoo.third_party.CONFORMANCE_MODELS`` and every fraction ``f`` of the
 store-all budget: one seeded step (the README loop's loss, ``losses.default_training_loss``) of the
@@ -116,13 +117,14 @@ def row(name: str, fraction: float, inductor: bool = False) -> str:
             f"{predicted:,} | {measured:,} | {ratio} | {seconds:.0f} s |")
 
 
-def optimize_row(name: str, fraction: float) -> str:
-    """One row of ``optimize()``'s default path (``check_model(..., compiler="auto")``)."""
+def optimize_row(name: str, fraction: float, compiler: "bool | str" = "auto") -> str:
+    """One row of ``optimize()``'s default path (``check_model(..., compiler="auto")``), or of its
+    fallback, the schedule executor (``compiler=False``)."""
     from models_zoo.conformance import check_model
     from recompute_graph.units import format_bytes
     start = time.perf_counter()
     try:
-        (r,) = check_model(name, fractions=(fraction,), solvers=("auto",), compiler="auto")
+        (r,) = check_model(name, fractions=(fraction,), solvers=("auto",), compiler=compiler)
     except Exception as error:  # noqa: BLE001 - a failing model is a row
         return f"| {name} | {fraction:.0%} | | fail | {type(error).__name__}: {str(error).splitlines()[0][:150]} ||||||"
     if r.error or r.skipped:
@@ -145,6 +147,8 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="also write the table to this file")
     parser.add_argument("--optimize", action="store_true", help="through optimize()'s default path")
     parser.add_argument("--inductor", action="store_true", help="inductor compiles the generated graphs")
+    parser.add_argument("--executor", action="store_true",
+                        help="with --optimize: every model on the schedule executor, the fallback path")
     args = parser.parse_args()
     if args.models is None:
         first = [name for name in third_party.CONFORMANCE_MODELS if name not in third_party.SECOND_SET]
@@ -164,7 +168,8 @@ def main() -> None:
         if not third_party.available(name):
             continue
         for fraction in args.fractions:
-            line = optimize_row(name, fraction) if args.optimize else row(name, fraction, args.inductor)
+            line = (optimize_row(name, fraction, False if args.executor else "auto") if args.optimize
+                    else row(name, fraction, args.inductor))
             lines.append(line)
             print(line, flush=True)
     if args.out:
