@@ -16,7 +16,7 @@ Pricing (:func:`joint_cost_graph`), bytes from the fake tensors of ``meta["val"]
   backward nodes read, by who owns them (the unit itself, read by others / only by its backward /
   another unit, which goes into ``backward_needs``); primals (parameters, inputs) are not counted;
 * ``grad_bytes``: the size of the floating-point outputs other units read (a view's gradient is the
-  view's size), when the unit has backward nodes or reads something that requires grad and is read on
+  view's size; the views of one storage together at most its size), when the unit has backward nodes or reads something that requires grad and is read on
   in the forward (a unit without backward nodes that only a backward reads passes no gradient on);
   ``param_grad_bytes``: the primal gradients whose storage its backward nodes allocate (wherever they
   are returned), or, for a sum of terms from several units' backward (a tied or shared weight), the
@@ -262,14 +262,18 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
             (a in trainable) or (a in units.unit_of and requires_grad[units.unit_of[a]]) for a in inputs))
         requires_grad.append(grad)
         # the gradient of the unit's outputs that other forward units read: as large as each tensor (a
-        # view's gradient is the view's size, not its base storage's), once per storage
+        # view's gradient is the view's size, not its base storage's), the views of one storage together
+        # at most its size (the three ``getitem``s of an ``unbind`` get three gradients: ViT's q, k and v,
+        # counted as one, were 400 KB under its attention's backward)
         floating: dict[Any, int] = {}
+        storage_bytes: dict[Any, int] = {}
         for n in members:
             if _is_tensor(n) and n.meta["val"].is_floating_point() and (n in forward_outputs or read_by_other_units(n)):
                 value = n.meta["val"]
-                key = (_storage(n) or [(n, 0)])[0][0]
-                floating[key] = max(floating.get(key, 0), value.numel() * value.element_size())
-        grad_bytes = sum(floating.values()) if grad and not parameter_view else 0
+                key, nbytes = (_storage(n) or [(n, 0)])[0]
+                floating[key] = floating.get(key, 0) + value.numel() * value.element_size()
+                storage_bytes[key] = max(nbytes, value.numel() * value.element_size())
+        grad_bytes = sum(min(b, storage_bytes[k]) for k, b in floating.items()) if grad and not parameter_view else 0
         own_backward = set(backward_nodes)
         returned = [g for g in gradient_outputs if isinstance(g, fx.Node) and g in own_backward]
         # passed on: the returned parameter gradients, and the input gradients other units' backward
