@@ -29,7 +29,7 @@ states. A schedule that runs the readers' backward in another order makes the te
 and each term then waits, alive, for its partner: the query's and key's 4 KB terms lived from the
 linears' backward to the convolution's, 8 KB over a plan that sums each term as it comes.
 :func:`arrival_order_sums` finds the sums the lowering may instead add in the order their terms are
-made (each term read by its ``add`` alone, partial sums read by the tree alone, one shape and dtype):
+made (each term read by one ``add`` of the tree, partial sums by the tree alone, one shape and dtype):
 the values are the same sums, up to the rounding of another association.
 """
 from __future__ import annotations
@@ -184,8 +184,9 @@ def arrival_order_sums(graph: fx.Graph, backward: Container[fx.Node], returned: 
                        ) -> list[SumTree]:
     """The sums of three or more gradient terms (``add`` trees of ``backward`` nodes) whose association
     the lowering may change (module docstring): not in a ``returned`` gradient's storage (those are
-    priced as traced), every ``add`` an ``aten.add.Tensor`` of two tensors of the root's shape and dtype, every
-    partial sum read by its tree alone, every term by one ``add`` of it and a term of no other tree."""
+    priced as traced), every ``add`` an ``aten.add.Tensor`` of two tensors of the root's shape and
+    dtype, every partial sum read by its tree alone, every term by one ``add`` of it and a term of no
+    other tree. A tangent may be a term: the lowering adds it first."""
     returned_keys = set().union(*(_storage_keys(r) for r in returned))
     trees = []
     for node in graph.nodes:
