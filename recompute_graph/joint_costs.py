@@ -17,7 +17,8 @@ Pricing (:func:`joint_cost_graph`), bytes from the fake tensors of ``meta["val"]
   another unit, which goes into ``backward_needs``); primals (parameters, inputs) are not counted;
 * ``grad_bytes``: the size of the floating-point outputs other units read (a view's gradient is the
   view's size; the views of one storage together at most its size), when the unit has backward nodes
-  or reads something that requires grad and is read on in the forward (a unit without backward nodes that only a backward reads passes no gradient on);
+  or reads something that requires grad and is read on in the forward (a unit without backward nodes
+  that only a backward reads passes no gradient on);
   ``param_grad_bytes``: the primal gradients whose storage its backward nodes allocate (wherever they
   are returned), or, for a sum of terms from several units' backward (a tied or shared weight), the
   first term's unit (the one whose kernel makes it), each later term counted from the backward that
