@@ -22,9 +22,10 @@ keeps the autograd edge instead of a detached leaf, so the run's local graphs fo
 ``FreeValue`` ops of the run are executed first (no op of a backward run reads a value), then one call
 back-propagates the whole run. A run is fused only when every edge between its nodes can be connected
 this way, its ``Backward`` ops come in the reverse order of their tapes (the order autograd's engine
-runs ready nodes in) and none of its parameters got a gradient earlier in the step (decided once per
-schedule, before execution); otherwise it runs node by node, so fused or not, memory is what the
-simulator says. Fusion removes
+runs ready nodes in), no value from outside it is read by three or more of its tapes (the call would
+return all their gradients of it at once) and none of its parameters got a gradient earlier in the step
+(decided once per schedule, before execution); otherwise it runs node by node, so fused or not, memory
+is what the simulator says, or less. Fusion removes
 the per-node cost of an autograd call (about 0.1 ms on CPU), which dominates on graphs of small nodes.
 
 The per-step state (tapes, gradient buffers, RNG snapshots) and the small autograd tools are in
@@ -143,8 +144,7 @@ class ScheduleExecutor:
         connections: dict[int, set[int]] = {}
         # autograd's engine runs the ready node taped last first: a run whose Backward ops do not follow
         # their tapes in reverse would run in another order than the simulator's, holding gradients
-        # meanwhile (Mamba's scan: its 16 step slices taped before the steps, each slice's full-size
-        # gradient held until the whole scan had run back, 1.1 MB over a 0.6 MB plan)
+        # meanwhile (a safeguard: no conformance model's plan has such a run)
         broken: set[int] = {k for k, tapes in run_tapes.items() if any(a <= b for a, b in zip(tapes, tapes[1:]))}
         # a value from outside the run read by several of its tapes gets one gradient from each, held
         # until the fused call returns, where node by node each is summed in as it is made (three or
