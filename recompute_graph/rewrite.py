@@ -144,7 +144,7 @@ class ScheduleExecutor:
         connections: dict[int, set[int]] = {}
         # autograd's engine runs the ready node taped last first: a run whose Backward ops do not follow
         # their tapes in reverse would run in another order than the simulator's, holding gradients
-        # meanwhile (a safeguard: no conformance model's plan has such a run)
+        # meanwhile (a safeguard; the run that broke Mamba's budget was in order, its cause is below)
         broken: set[int] = {k for k, tapes in run_tapes.items() if any(a <= b for a, b in zip(tapes, tapes[1:]))}
         # a value from outside the run read by several of its tapes gets one gradient from each, held
         # until the fused call returns, where node by node each is summed in as it is made (three or
