@@ -84,6 +84,11 @@ class CostNode:
     backward_aliases_grad
         The backward passes the output gradient on as its input gradients without allocating (views,
         ``getitem``, ``add``): the gradient buffer changes hands instead of being copied.
+    grad_term_bytes
+        ``(successor, bytes)`` pairs when the output is several views of one storage (``split``,
+        ``unbind``, ``chunk``) whose gradient arrives as one term per view, which the backward
+        concatenates or stacks: each successor's backward adds the bytes of the views it reads beside
+        the terms already made, with no sum (empty: gradients are summed into one ``grad_bytes`` buffer).
     param_grad_bytes
         Bytes of parameter gradients this node's backward allocates. A parameter shared by several
         nodes is charged to the one whose backward runs first (the last user in forward order).
@@ -123,6 +128,7 @@ class CostNode:
     workspace_bytes: int = 0
     backward_workspace_bytes: int = 0
     backward_aliases_grad: bool = False
+    grad_term_bytes: tuple[tuple[int, int], ...] = ()
     param_grad_bytes: int = 0
     forward_cost: float = 0.0
     backward_cost: float = 0.0
@@ -390,6 +396,7 @@ class CostGraph:
             for key in ("predecessors", "backward_needs", "backward_steps", "backward_step_workspace_bytes",
                         "tape_release_steps"):
                 raw[key] = tuple(raw.get(key, ()))
+            raw["grad_term_bytes"] = tuple(tuple(pair) for pair in raw.get("grad_term_bytes", ()))
             nodes.append(CostNode(**raw))
         kwargs = {k: data[k] for k in ("name", "cost_unit", "cost_source", "input_bytes", "parameter_bytes",
                                        "buffer_bytes", "implicit_backward", "source") if k in data}

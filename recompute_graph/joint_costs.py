@@ -25,6 +25,9 @@ Pricing (:func:`joint_cost_graph`), bytes from the fake tensors of ``meta["val"]
   makes it to the one adding it, with the new sum unless the chain is accumulated in place
   (``gradient_accumulation``);
   ``backward_aliases_grad``: its backward nodes are only views of the gradient (or it has none);
+  ``grad_term_bytes``: when its outputs are views of one storage whose gradient terms its backward
+  concatenates or stacks as they were made (a ``split``'s gate and up projections: no sum), the
+  bytes of the views each reader unit reads;
 * ``workspace_bytes`` / ``backward_workspace_bytes``: what the unit's nodes hold beyond its outputs at
   their peak: the most of its storages live at once as its nodes run, the outputs made so far
   included, less the outputs (``joint_storage.internal_peak_bytes``); and the most of the storages the
@@ -50,6 +53,7 @@ of a schedule is the liveness of the graphs it lowers to (``joint_lowering.graph
 from __future__ import annotations
 
 import operator
+from collections.abc import Container
 from dataclasses import dataclass
 
 import torch
@@ -95,6 +99,43 @@ def _passes_gradient_on(backward_nodes: list[fx.Node], incoming_sums: set[fx.Nod
     gradient on as it is)."""
     return all(b.target is operator.getitem or op_name(b.target) in VIEW_TARGETS or b in incoming_sums
                for b in backward_nodes)
+
+
+#: aten ops that assemble a gradient from the terms of its views (a ``split``'s, an ``unbind``'s backward).
+ASSEMBLING_TARGETS = frozenset({"cat", "stack"})
+
+
+def _assembles_view_terms(backward_nodes: list[fx.Node], backward: Container[fx.Node]) -> bool:
+    """The unit's backward concatenates or stacks gradient terms that other units' backward nodes
+    make, each as it was made (no sum of two terms of one view among them; a view given no gradient
+    gets a fill of zeros, which reads no gradient)."""
+    own = set(backward_nodes)
+    assembling = [b for b in backward_nodes if op_name(b.target) in ASSEMBLING_TARGETS]
+    return bool(assembling) and all(
+        a not in own or not any(x in backward for x in a.all_input_nodes)
+        for b in assembling for a in b.all_input_nodes)
+
+
+def _view_term_bytes(members: list[fx.Node], index: int, units: JointUnits, forward_outputs: Container[fx.Node],
+                     backward_nodes: list[fx.Node]) -> tuple[tuple[int, int], ...]:
+    """``grad_term_bytes`` of a unit whose outputs are views of one storage: ``(reader, bytes)``, the
+    bytes of the views each other forward unit reads, when every view is read by one unit at most,
+    none is a model output, and the backward assembles their terms (:func:`_assembles_view_terms`)."""
+    terms: dict[int, int] = {}
+    for n in members:
+        if not (_is_tensor(n) and n.meta["val"].is_floating_point()):
+            continue
+        readers = {units.unit_of[u] for u in n.users if u in units.unit_of} - {index}
+        if not readers:
+            continue
+        if len(readers) > 1 or n in forward_outputs:
+            return ()
+        value = n.meta["val"]
+        reader = readers.pop()
+        terms[reader] = terms.get(reader, 0) + value.numel() * value.element_size()
+    if len(terms) < 2 or not _assembles_view_terms(backward_nodes, units.backward):
+        return ()
+    return tuple(sorted(terms.items()))
 
 
 def rng_state_bytes(device: torch.device | None) -> int:
@@ -268,12 +309,14 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
         # counted as one, were 400 KB under its attention's backward)
         floating: dict[Any, int] = {}
         storage_bytes: dict[Any, int] = {}
+        views_read: dict[Any, int] = {}
         for n in members:
             if _is_tensor(n) and n.meta["val"].is_floating_point() and (n in forward_outputs or read_by_other_units(n)):
                 value = n.meta["val"]
                 key, nbytes = (_storage(n) or [(n, 0)])[0]
                 floating[key] = floating.get(key, 0) + value.numel() * value.element_size()
                 storage_bytes[key] = max(nbytes, value.numel() * value.element_size())
+                views_read[key] = views_read.get(key, 0) + 1
         grad_bytes = sum(min(b, storage_bytes[k]) for k, b in floating.items()) if grad and not parameter_view else 0
         own_backward = set(backward_nodes)
         returned = [g for g in gradient_outputs if isinstance(g, fx.Node) and g in own_backward]
@@ -312,6 +355,8 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
             workspace_bytes=max(0, internal - saved_buffer) + max((workspace.get(n.name, 0) for n in members),
                                                                  default=0),
             backward_aliases_grad=_passes_gradient_on(backward_nodes, incoming_sums),
+            grad_term_bytes=_view_term_bytes(members, index, units, forward_outputs, backward_nodes)
+            if grad and not parameter_view and len(floating) == 1 and max(views_read.values()) > 1 else (),
             # the returned gradients it makes live from their kernel to the end of the step, beside
             # the other storages and the largest kernel temporaries of its backward
             backward_workspace_bytes=internal_peak_bytes(backward_nodes, backward_made, set())

@@ -19,7 +19,8 @@ Memory model (bytes of tensor storage above what was live before the step; see d
   a loss holding more (cross-entropy keeps its log-softmax) needs that much more budget. A ``Backward(v)``
   allocates a gradient buffer (``grad_bytes``) for each predecessor needing one that has none yet, has
   ``backward_workspace_bytes`` live on top while it runs (plus, for predecessors that already have a
-  buffer, the incoming gradient); then, for those, the new sum is made the first time (unless the buffer
+  buffer, the incoming gradient); a gradient assembled from view terms (``grad_term_bytes``) grows
+  by each term as it is made instead, with no sum; then, for those, the new sum is made the first time (unless the buffer
   was handed on by a pass-through backward and nothing else holds it: that one is summed into in place),
   after the node's own output gradient is released when nothing else holds it; keeps its parameter gradients
   (``param_grad_bytes``, to the end of the step), then frees the node's tape and its output gradient
@@ -300,12 +301,23 @@ class _Simulation:
             nonlocal incoming_bytes, first_sum_bytes
             if not graph.nodes[p].requires_grad:
                 return
+            term = dict(graph.nodes[p].grad_term_bytes).get(index)
             if p in fresh:
                 self.grad.add(p)
                 self.grad_storage[p] = (self._ref(handed) if p in shared
-                                        else self._new_storage(graph.nodes[p].grad_bytes))
+                                        else self._new_storage(graph.nodes[p].grad_bytes if term is None else term))
                 if p in shared:
                     self.shared_grads.add(p)
+                return
+            if term is not None:  # one more view's term beside those made: the gradient grows, no sum
+                previous = self.grad_storage[p]
+                if self.storage_refs[previous] == 1:
+                    self.storage_bytes[previous] += term
+                    self._add(term)
+                else:  # a buffer handed on and still held elsewhere: p's own, the terms so far and this
+                    self._unref(previous)
+                    self.grad_storage[p] = self._new_storage(self.storage_bytes[previous] + term)
+                self.shared_grads.discard(p)
                 return
             # adding into an existing buffer: the incoming gradient (unless handed on) and, the first
             # time, a new sum (the buffer may be shared, or a broadcast that cannot be written: mean's

@@ -354,6 +354,24 @@ class _FusedAttention(nn.Module):
         return x
 
 
+class _FusedSwiGLU(nn.Module):
+    """Mixtral's and LLaMA-style experts: one projection makes the gate and the up halves, ``chunk``ed,
+    into ``silu(gate) * up``. The two halves' gradients arrive as separate terms that the ``chunk``'s
+    backward concatenates; priced as a sum into one buffer, the second term and a new sum were counted
+    at the SiLU's backward (Mixtral: 5.6 % over the allocator)."""
+
+    def __init__(self, width: int = 32, hidden: int = 64, depth: int = 3) -> None:
+        super().__init__()
+        self.gate_up = nn.ModuleList(nn.Linear(width, 2 * hidden) for _ in range(depth))
+        self.down = nn.ModuleList(nn.Linear(hidden, width) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for gate_up, down in zip(self.gate_up, self.down):
+            gate, up = gate_up(x).chunk(2, dim=-1)
+            x = x + down(nn.functional.silu(gate) * up)
+        return x
+
+
 class _RMSNormStack(nn.Module):
     """T5's layer norm, ``h * rsqrt(h.pow(2).mean(-1) + eps)``, in residual blocks after linears: the
     pow's backward reads ``2 * h``, which the joint graph computes in the forward as a unit nothing reads
@@ -448,10 +466,12 @@ class _SpanConvMixer(nn.Module):
     (_TanhGeluMLP, (64, 32), 1.0, "dp_exact"), (_BiasedAttention, (4, 48, 64), 0.6, "dp_exact"),
     (_ScriptedGeluMLP, (256, 64), 1.0, "dp_exact"), (_ScriptedGeluMLP, (256, 64), 0.8, "dp_approx"),
     (_SpanConvMixer, (4, 32, 64), 1.0, "dp_approx"), (_SpanConvMixer, (4, 32, 64), 0.8, "dp_approx"),
-    (_ResidualTanhGelu, (64, 32), 0.7, "chain_dp"), (_FusedAttention, (4, 48, 64), 0.8, "dp_approx")],
+    (_ResidualTanhGelu, (64, 32), 0.7, "chain_dp"), (_FusedAttention, (4, 48, 64), 0.8, "dp_approx"),
+    (_FusedSwiGLU, (128, 32), 1.0, "dp_exact"), (_FusedSwiGLU, (128, 32), 0.7, "dp_approx")],
     ids=["dense-concatenations", "wide-classifier", "tanh-gelu", "biased-attention", "scripted-gelu",
          "scripted-gelu-output-made-last", "span-conv-mixer", "span-conv-mixer-recomputed",
-         "residual-tanh-gelu-gradient-sums", "fused-attention-unbind"])
+         "residual-tanh-gelu-gradient-sums", "fused-attention-unbind", "fused-swiglu-chunk",
+         "fused-swiglu-chunk-recomputed"])
 def test_the_simulator_prices_exactly_what_the_lowered_graphs_hold(model, shape, fraction, solver):
     """Gradient sums are emitted as soon as both terms exist (summed late, every concatenation's
     gradient lived to the end of the block: 3.98 MB for a 3.16 MB plan), and a source unit's backward
