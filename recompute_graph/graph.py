@@ -110,6 +110,9 @@ class CostNode:
         made so far, its kernels' workspace), and, for each of ``backward_needs``, the step after
         which the tape lets go of it (``len(backward_steps)``: at the end). Empty: the gradients are made
         before the tape is freed, beside ``backward_workspace_bytes`` (autograd's kernels, the executor).
+    grad_release_step
+        With ``backward_steps``: the step after which the backward has read its output gradient for
+        the last time, which is then let go of unless something else holds it (-1: at the end).
     """
 
     index: int
@@ -143,6 +146,7 @@ class CostNode:
     backward_steps: tuple[int, ...] = ()
     backward_step_workspace_bytes: tuple[int, ...] = ()
     tape_release_steps: tuple[int, ...] = ()
+    grad_release_step: int = -1
 
     @property
     def saved_bytes(self) -> int:

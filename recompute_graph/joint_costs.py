@@ -68,7 +68,8 @@ from .joint_storage import allocates as _allocates
 from .joint_storage import storage_of as _storage
 from .joint_storage import backward_steps, internal_peak_bytes
 from .joint_storage import value_bytes as _value_bytes
-from .joint_units import JointUnits, backward_reads, gradient_readers, incoming_gradient_sums, is_tangent
+from .joint_units import (JointUnits, backward_reads, gradient_readers, incoming_gradient_sums, is_factory,
+                          is_tangent)
 from .meta_flops import meta_flops
 
 __all__ = ["joint_cost_graph", "rng_state_bytes", "JOINT_COST_SOURCE", "is_joint_cost_graph"]
@@ -99,6 +100,13 @@ def _passes_gradient_on(backward_nodes: list[fx.Node], incoming_sums: set[fx.Nod
     gradient on as it is)."""
     return all(b.target is operator.getitem or op_name(b.target) in VIEW_TARGETS or b in incoming_sums
                for b in backward_nodes)
+
+
+def _overwrites(user: fx.Node, value: fx.Node) -> bool:
+    """``user`` is a functional ``copy`` into ``value`` (a functionalized ``value.copy_(src)``): its
+    result holds ``src``'s values, and no gradient flows to ``value``."""
+    return (user.op == "call_function" and op_name(user.target) == "copy" and user.args[0] is value
+            and value not in user.args[1:])
 
 
 #: aten ops that assemble a gradient from the terms of its views (a ``split``'s, an ``unbind``'s backward).
@@ -298,9 +306,12 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
                              for a in inputs) and all(_is_tensor(n) and not _allocates(n) for n in members)
         parameter_views.append(parameter_view)
         # a unit with no backward nodes that only a backward reads (a transpose saved for a ``bmm``'s or
-        # a Conv1D's backward) passes no gradient on: the simulator would sum one into its input
-        read_on = any(n in forward_outputs or read_by_other_units(n) for n in members)
-        grad = bool(backward_nodes) or (read_on and any(
+        # a Conv1D's backward), or only a ``copy`` overwrites (the view an ``out[:, t] = x`` writes
+        # into), or that only makes a tensor of its input's shape (``zeros_like``), passes no gradient
+        # on: the simulator would sum one into its input
+        read_on = any(n in forward_outputs or any(u not in member_set and u not in units.backward and u.op != "output"
+                                                  and not _overwrites(u, n) for u in n.users) for n in members)
+        grad = bool(backward_nodes) or (read_on and not all(is_factory(n) for n in members) and any(
             (a in trainable) or (a in units.unit_of and requires_grad[units.unit_of[a]]) for a in inputs))
         requires_grad.append(grad)
         # the gradient of the unit's outputs that other forward units read: as large as each tensor (a
@@ -334,10 +345,12 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
         # what its backward reads must be live when it runs, to be saved
         predecessors = tuple(sorted(unit_inputs[index] | {r for r in readers_of_gradients[index] if r < index}))
         unit_predecessors.append(predecessors)
-        steps, step_bytes, release_steps = backward_steps(
+        steps, step_bytes, release_steps, grad_release_step = backward_steps(
             backward_nodes, predecessors, sorted(needs), owner, backward_unit, unit_predecessors, has_backward,
             temporaries=backward_made, returned=made_gradients[index],
-            constant_bytes=returned_gradients.summed_bytes[index], kernel_bytes=workspace)
+            constant_bytes=returned_gradients.summed_bytes[index], kernel_bytes=workspace,
+            incoming={a for b in backward_nodes for a in b.all_input_nodes
+                      if a in units.backward and a not in own_backward} | incoming_sums)
         flops = {n: meta_flops(n, flops_by_signature) for n in (*members, *backward_nodes)}
         forward_flops = sum(flops[n] for n in members)
         backward_flops = sum(flops[b] for b in backward_nodes)
@@ -348,7 +361,7 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
         nodes.append(CostNode(
             index=index, name=members[0].name, kind="function", target=op_name(members[0].target),
             predecessors=predecessors, backward_steps=steps, backward_step_workspace_bytes=step_bytes,
-            tape_release_steps=release_steps,
+            tape_release_steps=release_steps, grad_release_step=grad_release_step,
             output_bytes=output_bytes, alias_of=alias_of, grad_bytes=grad_bytes,
             saved_input_bytes=saved_input, saved_output_bytes=saved_output, saved_buffer_bytes=saved_buffer,
             backward_needs=tuple(sorted(needs)),

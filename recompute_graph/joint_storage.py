@@ -18,11 +18,14 @@ Model (unit ``i``, its backward nodes ``B`` in execution order):
   saved value; its bytes are the largest of its nodes': the temporaries ``B`` made and reads later, the
   returned gradients made so far, and the node's kernel workspace;
 * a saved value is let go of after the step holding the last node of ``B`` that reads its storage
-  (directly, or through a view of it).
+  (directly, or through a view of it);
+* the unit's incoming gradient is let go of after the step holding the last node of ``B`` that reads
+  it (a functionalized in-place write's backward copies it first, then makes two gradients from the
+  copy).
 """
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Container, Iterable, Sequence
 
 import torch
 from torch import fx
@@ -106,10 +109,15 @@ def backward_steps(backward_nodes: Sequence[fx.Node], predecessors: Sequence[int
                    owner: dict[int, int], unit_of_backward: dict[fx.Node, int],
                    unit_predecessors: Sequence[Sequence[int]], has_backward: Sequence[bool],
                    temporaries: dict[int, int], returned: dict[int, int], constant_bytes: int,
-                   kernel_bytes: dict[str, int]) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-    """``(backward_steps, backward_step_workspace_bytes, tape_release_steps)`` of a unit whose backward
-    nodes are ``backward_nodes`` (module docstring), or three empty tuples when they make no gradient a
-    predecessor is known to read. ``owner``: storage key -> the forward unit making it;
+                   kernel_bytes: dict[str, int], incoming: Container[fx.Node] = ()
+                   ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], int]:
+    """``(backward_steps, backward_step_workspace_bytes, tape_release_steps, grad_release_step)`` of a
+    unit whose backward nodes are ``backward_nodes`` (module docstring), or three empty tuples and -1
+    when they make no gradient a predecessor is known to read. ``incoming``: the gradients of the
+    unit's value that other units' backward make (or the tangents), and the sums of them made here
+    (``joint_units.incoming_gradient_sums``), read here directly or through views; ``grad_release_step``
+    is the step after which the last node reading them has run (-1: at the end). ``owner``: storage key
+    -> the forward unit making it;
     ``unit_predecessors``/``has_backward``: of the units up to this one. A step's bytes: the
     ``temporaries`` (``{storage key: bytes}``) its backward made and reads later, the ``returned``
     gradients (``{storage key: bytes}``, kept to the end of the step) made so far (from the first step
@@ -121,8 +129,13 @@ def backward_steps(backward_nodes: Sequence[fx.Node], predecessors: Sequence[int
     made_at: dict[int, int] = {}          # storage key made in B -> the position of its maker
     last_use: dict[int, int] = {}         # storage key -> the last position holding or reading it
     last_read: dict[int, int] = {}        # need -> position of the last node of B reading its storage
+    last_gradient_read = -1               # position of the last node of B reading an incoming gradient
+    gradient_keys = {key for b in backward_nodes for a in (b, *b.all_input_nodes) if a in incoming
+                     for key, _ in storage_of(a)}
     for k, b in enumerate(backward_nodes):
         inputs = {key for a in b.all_input_nodes for key, _ in storage_of(a)}
+        if inputs & gradient_keys:  # the gradient, or a view of it
+            last_gradient_read = k
         for key in inputs:
             last_use[key] = k
             if key in owner:  # a saved value, or a view of it (a view shares its base's key)
@@ -142,7 +155,7 @@ def backward_steps(backward_nodes: Sequence[fx.Node], predecessors: Sequence[int
         if len(targets) == 1 and (p := targets.pop()) not in makes.values() and k not in makes:
             makes[k] = p
     if not makes:
-        return (), (), ()
+        return (), (), (), -1
     count = len(backward_nodes)
     workspace = [constant_bytes + kernel_bytes.get(b.name, 0) for b in backward_nodes]
     for key, nbytes in {**temporaries, **returned}.items():
@@ -152,7 +165,7 @@ def backward_steps(backward_nodes: Sequence[fx.Node], predecessors: Sequence[int
             workspace[k] += nbytes
     releases = {q: last_read.get(q, count) for q in needs}
     # merge nodes into steps: a step starts where a gradient is made or after a release
-    released_at = set(releases.values())
+    released_at = set(releases.values()) | {last_gradient_read}
     steps: list[int] = []
     step_bytes: list[int] = []
     step_of: list[int] = []
@@ -163,4 +176,7 @@ def backward_steps(backward_nodes: Sequence[fx.Node], predecessors: Sequence[int
         step_bytes[-1] = max(step_bytes[-1], workspace[k])
         step_of.append(len(steps) - 1)
     release_steps = tuple(step_of[k] if k < count else len(steps) for k in (releases[q] for q in needs))
-    return tuple(steps), tuple(step_bytes), release_steps
+    grad_release_step = step_of[last_gradient_read] if 0 <= last_gradient_read < count - 1 else -1
+    if grad_release_step == len(steps) - 1:
+        grad_release_step = -1
+    return tuple(steps), tuple(step_bytes), release_steps, grad_release_step

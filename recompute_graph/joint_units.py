@@ -57,6 +57,18 @@ class JointUnits:
         return list(output.args[0][self.num_fwd_outputs:])
 
 
+#: aten ops making a new tensor from an input's shape and dtype only: autograd records no node for them,
+#: so they carry the sequence number of the differentiable op before them.
+FACTORY_TARGETS = frozenset({"zeros_like", "ones_like", "empty_like", "full_like", "new_zeros", "new_ones",
+                             "new_empty", "new_full", "new_empty_strided"})
+
+
+def is_factory(node: fx.Node) -> bool:
+    """``node`` makes a tensor from its input's metadata only (``zeros_like``): no gradient flows
+    through it."""
+    return node.op == "call_function" and op_name(node.target) in FACTORY_TARGETS
+
+
 def is_tangent(node: fx.Node) -> bool:
     return node.op == "placeholder" and "tangents" in node.name
 
@@ -74,6 +86,8 @@ def joint_units(joint: fx.GraphModule, num_fwd_outputs: int) -> JointUnits:
         seq = node.meta.get("seq_nr")
         if node.target is operator.getitem:  # an item of a multi-output op: the op's group
             index = next((group_of[a] for a in node.all_input_nodes if a in group_of), None)
+        elif is_factory(node):  # traced under the last differentiable op's number: a group of its own
+            index = None
         else:  # a node without seq_nr is a group of its own
             index = by_seq.get(seq) if seq is not None else None
         if index is None:
@@ -89,6 +103,8 @@ def joint_units(joint: fx.GraphModule, num_fwd_outputs: int) -> JointUnits:
     unit_of = {node: i for i, members in enumerate(units) for node in members}
     candidates: dict[Any, list[int]] = {}
     for index, members in enumerate(units):
+        if all(is_factory(n) for n in members):  # no gradient flows through it: it has no backward
+            continue
         for seq in {n.meta.get("seq_nr") for n in members} - {None}:
             candidates.setdefault(seq, []).append(index)
     by_seq_backward: dict[Any, list[fx.Node]] = {}
@@ -136,6 +152,10 @@ def incoming_gradient_sums(nodes: list[fx.Node], backward: Container[fx.Node]) -
     return sums
 
 
+#: functionalized in-place writes into a view: the base with the view's new values.
+SCATTER_TARGETS = frozenset({"select_scatter", "slice_scatter", "as_strided_scatter", "diagonal_scatter"})
+
+
 def _place_by_reads(unplaced: list[fx.Node], units: list[list[fx.Node]], unit_of: dict[fx.Node, int],
                     backward_of: list[list[fx.Node]]) -> list[fx.Node]:
     """Backward nodes whose seq_nr no forward unit has (an in-place op's backward, functionalized:
@@ -154,9 +174,17 @@ def _place_by_reads(unplaced: list[fx.Node], units: list[list[fx.Node]], unit_of
 
     def read_in_forward(i: int) -> bool:
         return any(u in unit_of and unit_of[u] != i for n in units[i] for u in n.users)
+    # an in-place write into a view, functionalized (``out[:, t] = x``: a ``copy`` and a
+    # ``select_scatter``), gets its backward (autograd's CopySlices) under the next sequence number
+    after_scatter = {seq_of[i] + 1: i for i, members in enumerate(units) if seq_of[i] is not None
+                     and any(n.op == "call_function" and op_name(n.target) in SCATTER_TARGETS for n in members)}
     gradient_only = []
     for b in unplaced:
         read = {unit_of[a] for a in b.all_input_nodes if a in unit_of}
+        if not read and b.meta.get("seq_nr") in after_scatter:
+            placed[b] = after_scatter[b.meta["seq_nr"]]
+            backward_of[placed[b]].append(b)
+            continue
         consumers = {unit_of[u] for i in read for n in units[i] for u in n.users if u in unit_of}
         # and the ops traced beside what it reads: ``silu_`` functionalized is a ``clone`` of its input,
         # kept for the backward, and the ``silu``, under one number; the backward reads the clone and

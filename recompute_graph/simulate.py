@@ -32,7 +32,8 @@ A backward given in steps (``backward_steps``, a joint graph's unit: its generat
 sequence of kernels that frees each value after its last read) makes the gradients its steps name in
 their order, after those no step names, with each step's own bytes (``backward_step_workspace_bytes``)
 on top of what is live then, and lets go of each tape reference after the step that reads it last
-(``tape_release_steps``): GELU's product frees one factor between its two gradients.
+(``tape_release_steps``): GELU's product frees one factor between its two gradients. Its output
+gradient goes after the step that reads it last (``grad_release_step``) when nothing else holds it.
 
 On the compiler path (``output_gradients_held`` False) the training loop has dropped the model's
 outputs, its loss run, when the generated backward takes their gradients: the ``FreeValue`` ops that
@@ -345,6 +346,10 @@ class _Simulation:
             step_peak = max(step_peak, self.live + node.backward_step_workspace_bytes[step])
             if node.tape_release_steps:
                 released_early += self._release_after(node, tape, step)
+            if (step == node.grad_release_step and not released and not held
+                    and self.storage_refs.get(handed) == 1):  # the output gradient read for the last time
+                self._unref(handed)
+                released = True
         # the backward computes the incoming gradients (with its workspace); then its output gradient,
         # read by nothing else, is released before the sums are made, as autograd's engine and the
         # generated backward both do

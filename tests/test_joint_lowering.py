@@ -372,6 +372,29 @@ class _FusedSwiGLU(nn.Module):
         return x
 
 
+class _ScanIntoBuffer(nn.Module):
+    """RWKV's CPU kernel: a loop that writes each step's result into a preallocated output
+    (``out[:, t] = ...``, functionalized as ``copy`` and ``select_scatter``). Each write's backward
+    (autograd's CopySlices) is traced under the next sequence number, which no forward unit has; placed
+    with the first write, the writes were priced as handing their whole output's gradient to each
+    step's value (RWKV: 9.7 % over the allocator)."""
+
+    def __init__(self, width: int = 32, steps: int = 12) -> None:
+        super().__init__()
+        self.steps = steps
+        self.inp = nn.Linear(width, width)
+        self.out = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        out = torch.zeros_like(h)
+        state = torch.zeros_like(h[:, 0])
+        for t in range(self.steps):
+            state = torch.tanh(state + h[:, t])
+            out[:, t] = state * 2.0
+        return self.out(out)
+
+
 class _RMSNormStack(nn.Module):
     """T5's layer norm, ``h * rsqrt(h.pow(2).mean(-1) + eps)``, in residual blocks after linears: the
     pow's backward reads ``2 * h``, which the joint graph computes in the forward as a unit nothing reads
@@ -467,11 +490,12 @@ class _SpanConvMixer(nn.Module):
     (_ScriptedGeluMLP, (256, 64), 1.0, "dp_exact"), (_ScriptedGeluMLP, (256, 64), 0.8, "dp_approx"),
     (_SpanConvMixer, (4, 32, 64), 1.0, "dp_approx"), (_SpanConvMixer, (4, 32, 64), 0.8, "dp_approx"),
     (_ResidualTanhGelu, (64, 32), 0.7, "chain_dp"), (_FusedAttention, (4, 48, 64), 0.8, "dp_approx"),
-    (_FusedSwiGLU, (128, 32), 1.0, "dp_exact"), (_FusedSwiGLU, (128, 32), 0.7, "dp_approx")],
+    (_FusedSwiGLU, (128, 32), 1.0, "dp_exact"), (_FusedSwiGLU, (128, 32), 0.7, "dp_approx"),
+    (_ScanIntoBuffer, (16, 12, 32), 1.0, "dp_approx"), (_ScanIntoBuffer, (16, 12, 32), 0.6, "dp_approx")],
     ids=["dense-concatenations", "wide-classifier", "tanh-gelu", "biased-attention", "scripted-gelu",
          "scripted-gelu-output-made-last", "span-conv-mixer", "span-conv-mixer-recomputed",
          "residual-tanh-gelu-gradient-sums", "fused-attention-unbind", "fused-swiglu-chunk",
-         "fused-swiglu-chunk-recomputed"])
+         "fused-swiglu-chunk-recomputed", "scan-into-buffer", "scan-into-buffer-recomputed"])
 def test_the_simulator_prices_exactly_what_the_lowered_graphs_hold(model, shape, fraction, solver):
     """Gradient sums are emitted as soon as both terms exist (summed late, every concatenation's
     gradient lived to the end of the block: 3.98 MB for a 3.16 MB plan), and a source unit's backward
