@@ -68,8 +68,8 @@ from .joint_storage import allocates as _allocates
 from .joint_storage import storage_of as _storage
 from .joint_storage import backward_steps, internal_peak_bytes
 from .joint_storage import value_bytes as _value_bytes
-from .joint_units import (JointUnits, backward_reads, gradient_readers, incoming_gradient_sums, is_factory,
-                          is_tangent)
+from .joint_units import (JointUnits, backward_reads, gradient_readers, incoming_gradient_sums, is_tangent,
+                          passes_no_gradient)
 from .meta_flops import meta_flops
 
 __all__ = ["joint_cost_graph", "rng_state_bytes", "JOINT_COST_SOURCE", "is_joint_cost_graph"]
@@ -311,7 +311,7 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
         # on: the simulator would sum one into its input
         read_on = any(n in forward_outputs or any(u not in member_set and u not in units.backward and u.op != "output"
                                                   and not _overwrites(u, n) for u in n.users) for n in members)
-        grad = bool(backward_nodes) or (read_on and not all(is_factory(n) for n in members) and any(
+        grad = bool(backward_nodes) or (read_on and not passes_no_gradient(members) and any(
             (a in trainable) or (a in units.unit_of and requires_grad[units.unit_of[a]]) for a in inputs))
         requires_grad.append(grad)
         # the gradient of the unit's outputs that other forward units read: as large as each tensor (a

@@ -193,16 +193,15 @@ def lower_schedule(joint: fx.GraphModule, units: JointUnits, schedule: Schedule
     current: dict[fx.Node, fx.Node] = {}  # old forward node -> the copy the backward reads now
     recomputed_units = {op.node for op in schedule.backward_ops if isinstance(op, Forward)}
     snapshots: dict[fx.Node, fx.Node] = {}  # random node recomputed later -> its RNG snapshot
-    for node in [n for n in old.nodes if n.op == "placeholder"] + _forward_order(old, units, schedule):
-        if node.op == "placeholder" or (node in units.unit_of):
-            if node in units.unit_of and units.unit_of[node] in recomputed_units and _is_random(node):
-                like = _device_of_random(node, env.__getitem__)
-                snapshot = new.call_function(rng_snapshot, (like,))
-                snapshot.meta["val"] = _snapshot_value(like)
-                snapshots[node] = snapshot
-            env[node] = new.node_copy(node, lambda a: env[a])
-    emitted: set[fx.Node] = set()
     position = {n: i for i, n in enumerate(old.nodes)}
+    for node in [n for n in old.nodes if n.op == "placeholder"] + _forward_order(old, units, schedule, position):
+        if node in units.unit_of and units.unit_of[node] in recomputed_units and _is_random(node):
+            like = _device_of_random(node, env.__getitem__)
+            snapshot = new.call_function(rng_snapshot, (like,))
+            snapshot.meta["val"] = _snapshot_value(like)
+            snapshots[node] = snapshot
+        env[node] = new.node_copy(node, lambda a: env[a])
+    emitted: set[fx.Node] = set()
     waiting: dict[fx.Node, int] = {}        # released, not yet emitted -> backward inputs not yet emitted
     ready: list[tuple[int, fx.Node]] = []   # heap by joint-graph position
     recomputed: list[str] = []
@@ -330,26 +329,27 @@ def lower_schedule(joint: fx.GraphModule, units: JointUnits, schedule: Schedule
     return module, saved, saved_sym, recomputed
 
 
-def _forward_order(graph: fx.Graph, units: JointUnits, schedule: Schedule) -> list[fx.Node]:
+def _forward_order(graph: fx.Graph, units: JointUnits, schedule: Schedule, position: dict[fx.Node, int]
+                   ) -> list[fx.Node]:
     """The forward section's nodes: the units in the order the schedule's forward ops first compute them,
     each unit's nodes in joint-graph order, then the units the forward ops never compute, in joint-graph
     order. The simulator prices that order; the joint graph's can differ: a custom autograd Function's
     backward coefficient that reads no tangent (BLOOM's scripted GELU) is a forward unit placed after
     the loss there, which held its input to the end of the forward, 17 KB over the plan. The joint
     graph's order is kept when the schedule's would draw random numbers in another order (the masks
-    would differ from eager's) or read a value before it is made."""
+    would differ from eager's) or read a value before it is made. ``position``: each node's place in
+    the joint graph."""
     rank: dict[int, int] = {}
     for op in schedule.forward_ops:
         if isinstance(op, Forward):
             rank.setdefault(op.node, len(rank))
     joint_order = [n for n in graph.nodes if n in units.unit_of]
-    position = {n: i for i, n in enumerate(joint_order)}
     ordered = sorted(joint_order, key=lambda n: (rank.get(units.unit_of[n], len(rank)), position[n]))
     if [n for n in ordered if _is_random(n)] != [n for n in joint_order if _is_random(n)]:
         return joint_order
     made: set[fx.Node] = set()
     for node in ordered:
-        if any(a in position and a not in made for a in node.all_input_nodes):
+        if any(a in units.unit_of and a not in made for a in node.all_input_nodes):
             return joint_order
         made.add(node)
     return ordered

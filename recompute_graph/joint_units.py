@@ -28,7 +28,7 @@ from typing import Any, Callable, Container, Iterable
 from torch import fx
 
 from .gradient_accumulation import in_place_sums
-from .joint_capture import op_name, reachable
+from .joint_capture import RANDOM_TARGETS, op_name, reachable
 from .joint_partition import _is_tensor
 
 __all__ = ["JointUnits", "joint_units", "is_tangent", "is_gradient_sum", "incoming_gradient_sums", "gradient_readers",
@@ -63,10 +63,21 @@ FACTORY_TARGETS = frozenset({"zeros_like", "ones_like", "empty_like", "full_like
                              "new_empty", "new_full", "new_empty_strided"})
 
 
-def is_factory(node: fx.Node) -> bool:
-    """``node`` makes a tensor from its input's metadata only (``zeros_like``): no gradient flows
-    through it."""
-    return node.op == "call_function" and op_name(node.target) in FACTORY_TARGETS
+def is_factory(node: fx.Node, depth: int = 8) -> bool:
+    """``node`` makes a tensor from its input's metadata only (``zeros_like``), or from constants only
+    (``scalar_tensor``, ``arange``, a lifted ``torch.tensor(...)`` and what is computed from them, looked
+    at ``depth`` nodes back; random draws excepted): no gradient flows through it."""
+    if node.op != "call_function" or op_name(node.target) in RANDOM_TARGETS:
+        return False
+    if op_name(node.target) in FACTORY_TARGETS:
+        return True
+    return depth > 0 and _is_tensor(node) and all(a.op == "get_attr" or is_factory(a, depth - 1)
+                                                  for a in node.all_input_nodes)
+
+
+def passes_no_gradient(members: Iterable[fx.Node]) -> bool:
+    """A unit of constants (``get_attr``) and :func:`is_factory` nodes only: no gradient flows through it."""
+    return all(n.op == "get_attr" or is_factory(n) for n in members)
 
 
 def is_tangent(node: fx.Node) -> bool:
@@ -103,7 +114,7 @@ def joint_units(joint: fx.GraphModule, num_fwd_outputs: int) -> JointUnits:
     unit_of = {node: i for i, members in enumerate(units) for node in members}
     candidates: dict[Any, list[int]] = {}
     for index, members in enumerate(units):
-        if all(is_factory(n) for n in members):  # no gradient flows through it: it has no backward
+        if passes_no_gradient(members):  # it has no backward
             continue
         for seq in {n.meta.get("seq_nr") for n in members} - {None}:
             candidates.setdefault(seq, []).append(index)

@@ -8,7 +8,8 @@ Memory model (bytes of tensor storage above what was live before the step; see d
 
 * A ``Forward(v)`` creates a storage of ``output_bytes(v)``; a view or alias node (``alias_of``) creates
   none and refers to the storage of the predecessor it views. During the op, ``workspace_bytes(v)`` is
-  live on top, and so are its ``saved_buffer_bytes`` when it runs without tape (they die at once).
+  live on top, and so are its ``saved_buffer_bytes`` (made by the kernel; without a tape they die at
+  once).
 * With a tape, the node's internal saved buffers (``saved_buffer_bytes``) are allocated and the tape
   holds references to the storages its backward reads (``backward_needs``: its inputs' and its own).
 * A storage lives while a value or a tape refers to it (reference counting, as in PyTorch).
@@ -172,8 +173,9 @@ class _Simulation:
             sid = self._new_storage(node.output_bytes)
         else:
             sid = self._ref(self._storage_of_owner(op.node, node.alias_of, where, "the node views"))
-        # without a tape, what the node would save (dropout masks, internal copies) is transient
-        transient = node.workspace_bytes + (0 if op.tape else node.saved_buffer_bytes)
+        # what the node would save (dropout masks, internal copies) exists by the kernel's end, beside
+        # its workspace; without a tape it is transient
+        transient = node.workspace_bytes + node.saved_buffer_bytes
         if op.node in self.replayed_random:
             self.computations_left[op.node] -= 1
             if op.node in self.computed:
@@ -182,7 +184,7 @@ class _Simulation:
                 self.rng_snapshot[op.node] = self._new_storage(self.graph.rng_state_bytes)
         self.op_peak = max(self.op_peak, self.live + transient)
         self.peak = max(self.peak, self.op_peak)
-        if op.tape and node.requires_grad and self.graph.implicit_backward:
+        if op.tape and node.requires_grad and self.graph.implicit_backward:  # the saved buffers stay
             refs = [self._new_storage(node.saved_buffer_bytes)]
             for q in node.backward_needs:
                 refs.append(self._ref(sid if q == self.graph.storage_owner(op.node)

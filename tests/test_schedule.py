@@ -53,6 +53,20 @@ def test_parameter_gradients_and_buffers_are_charged():
     assert result.forward_peak_bytes == 3 * 100 + 3 * 10
 
 
+def test_a_taped_forward_holds_its_saved_buffers_beside_its_workspace_while_it_runs():
+    """A dropout's kernel makes its mask while its float noise (the workspace) is still live; the tape
+    then keeps the mask. Counted only after the kernel, the replayed dropouts of DistilBERT and T5 were
+    predicted under the allocator (0.986 and 0.997)."""
+    node = CostNode(0, "dropout", output_bytes=100, grad_bytes=100, saved_buffer_bytes=25, workspace_bytes=100,
+                    forward_cost=1.0, backward_cost=1.0)
+    g = CostGraph("dropout", (node,))
+    result = simulate(g, Schedule((Forward(0),), (Backward(0),)))
+    assert result.forward_peak_bytes == 100 + 100 + 25  # output, workspace and mask at once
+    # recomputed without a tape in backward, then with one: the mask is made both times
+    result = simulate(g, Schedule((Forward(0, tape=False),), (Forward(0), Backward(0))))
+    assert result.forward_peak_bytes == 100 + 100 + 25
+
+
 def test_insert_frees_frees_after_the_last_reader_and_handles_recomputation():
     g = chain(3)
     ops = [Forward(0, tape=False), Forward(1, tape=False), Forward(2, tape=False)]
