@@ -25,6 +25,7 @@ import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Container, Iterable
 
+import torch
 from torch import fx
 
 from .gradient_accumulation import in_place_sums
@@ -75,9 +76,32 @@ def is_factory(node: fx.Node, depth: int = 8) -> bool:
                                                   for a in node.all_input_nodes)
 
 
+def makes_no_gradient(node: fx.Node, depth: int = 8) -> bool:
+    """No gradient flows through ``node``: a constant (``get_attr``), an integer or boolean input, an
+    :func:`is_factory` node, or an op reading only such values (an attention mask built from the input
+    ids: ``where(ids == 0, finfo.min, 0)``), looked at ``depth`` nodes back. Autograd records no node for
+    it, so it carries the sequence number of the differentiable op traced before it."""
+    if node.op == "get_attr":
+        return True
+    if node.op == "placeholder":
+        return not _is_floating(node)
+    if node.op != "call_function" or op_name(node.target) in RANDOM_TARGETS:
+        return False
+    if op_name(node.target) in FACTORY_TARGETS:
+        return True
+    return depth > 0 and all(not _is_floating(a) or makes_no_gradient(a, depth - 1) for a in node.all_input_nodes)
+
+
+def _is_floating(node: fx.Node) -> bool:
+    """``node``'s value, or one of its values (a multi-output op's), is a floating-point tensor."""
+    value = node.meta.get("val")
+    values = value if isinstance(value, (tuple, list)) else (value,)
+    return any(isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()) for v in values)
+
+
 def passes_no_gradient(members: Iterable[fx.Node]) -> bool:
-    """A unit of constants (``get_attr``) and :func:`is_factory` nodes only: no gradient flows through it."""
-    return all(n.op == "get_attr" or is_factory(n) for n in members)
+    """A unit of nodes no gradient flows through (:func:`makes_no_gradient`): it has no backward."""
+    return all(makes_no_gradient(n) for n in members)
 
 
 def is_tangent(node: fx.Node) -> bool:
@@ -95,16 +119,17 @@ def joint_units(joint: fx.GraphModule, num_fwd_outputs: int) -> JointUnits:
     group_of: dict[fx.Node, int] = {}
     for node in forward:
         seq = node.meta.get("seq_nr")
+        factory = is_factory(node)
         if node.target is operator.getitem:  # an item of a multi-output op: the op's group
             index = next((group_of[a] for a in node.all_input_nodes if a in group_of), None)
-        elif is_factory(node):  # traced under the last differentiable op's number: a group of its own
+        elif factory:  # traced under the last differentiable op's number: a group of its own
             index = None
         else:  # a node without seq_nr is a group of its own
             index = by_seq.get(seq) if seq is not None else None
         if index is None:
             index = len(groups)
             groups.append([])
-            if seq is not None:
+            if seq is not None and not factory:  # the number is not the factory's
                 by_seq[seq] = index
         group_of[node] = index
         groups[index].append(node)
