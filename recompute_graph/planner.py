@@ -218,12 +218,9 @@ def run_solver(name: str, graph: CostGraph, budget_bytes: int | None, variant: s
 
     When the schedule does not fit ``budget_bytes`` (or there is no budget: the lowest peak is asked
     for), ``schedule_passes.keep_free_tapes`` gets a try, and its schedule is returned when its peak is
-    lower (or the same, with less recomputation). A schedule that fits is returned as the solver made
-    it: the pass would also save some recomputation, but it takes tapes out of the executor's fused
-    backward runs, which cost more time than it saved on the small ResNet-50 (6–12 % slower,
-    ``scripts/free_tapes_timing.py``). On a joint graph (the compiler path) the pass always gets its
-    try: the generated backward never reads a free tape's recomputed copy, so that copy, and the inputs
-    kept for it, are dead code there, which the simulator would hold (ModernBERT: 8.9 % over)."""
+    lower. A schedule that fits is returned as the solver made it: the pass would also save some
+    recomputation, but it takes tapes out of the executor's fused backward runs, which cost more time
+    than it saved on the small ResNet-50 (6–12 % slower, ``scripts/free_tapes_timing.py``)."""
     function = get_solver(name)
     if variant != "time" and "variant" in inspect.signature(function).parameters:
         solution = function(graph, budget_bytes, variant=variant)
