@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Iterator, Union
 
 from .errors import InfeasibleBudgetError, SolverError
-from .graph import SCALAR_LOSS_BYTES, CostGraph, is_joint_cost_graph
+from .graph import SCALAR_LOSS_BYTES, CostGraph
 from .graph_memo import memoized
 from .schedule import Schedule
 from .schedule_passes import keep_free_tapes
@@ -226,7 +226,7 @@ def run_solver(name: str, graph: CostGraph, budget_bytes: int | None, variant: s
         solution = function(graph, budget_bytes, variant=variant)
     else:
         solution = function(graph, budget_bytes)
-    if budget_bytes is not None and solution.fits(budget_bytes) and not is_joint_cost_graph(graph):
+    if budget_bytes is not None and solution.fits(budget_bytes):
         return solution
     improved = keep_free_tapes(graph, solution.schedule)
     if improved is solution.schedule:
@@ -234,9 +234,7 @@ def run_solver(name: str, graph: CostGraph, budget_bytes: int | None, variant: s
     candidate = Solution.of(solution.solver, graph, improved,
                             f"{solution.description}; free tapes kept" if solution.description else
                             "free tapes kept")
-    better = candidate.peak_bytes < solution.peak_bytes or (
-        candidate.peak_bytes == solution.peak_bytes and candidate.recompute_cost < solution.recompute_cost)
-    return candidate if better else solution
+    return candidate if candidate.peak_bytes < solution.peak_bytes else solution
 
 
 def make_plan(graph: CostGraph, budget: Budget, solver: str = "auto", *, variant: str = "time") -> RecomputePlan:
