@@ -268,8 +268,11 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
     for index, members in enumerate(units.units):
         member_set = set(members)
         own_keys = {key: nbytes for n in members for key, nbytes in _storage(n) if owner.get(key) == index}
-        def read_by_other_units(n: fx.Node) -> bool:  # the output node counts through forward_outputs
-            return any(u not in member_set and u not in units.backward and u.op != "output" for u in n.users)
+        def read_by_other_units(n: fx.Node, overwritten: bool = True) -> bool:
+            """Read by another unit's forward node (the output node counts through forward_outputs);
+            ``overwritten`` False: not counting a ``copy`` into it (:func:`_overwrites`)."""
+            return any(u not in member_set and u not in units.backward and u.op != "output"
+                       and (overwritten or not _overwrites(u, n)) for u in n.users)
         # an output: what the model returns, other units read, or other units' backward reads (the
         # ``clone`` a functionalized ``silu_`` keeps for the ``silu``'s backward lives until then)
         read_outside = {key for n in members if n in forward_outputs or read_by_other_units(n)
@@ -309,8 +312,7 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
         # a Conv1D's backward), or only a ``copy`` overwrites (the view an ``out[:, t] = x`` writes
         # into), or that only makes a tensor of its input's shape (``zeros_like``), passes no gradient
         # on: the simulator would sum one into its input
-        read_on = any(n in forward_outputs or any(u not in member_set and u not in units.backward and u.op != "output"
-                                                  and not _overwrites(u, n) for u in n.users) for n in members)
+        read_on = any(n in forward_outputs or read_by_other_units(n, overwritten=False) for n in members)
         grad = bool(backward_nodes) or (read_on and not passes_no_gradient(members) and any(
             (a in trainable) or (a in units.unit_of and requires_grad[units.unit_of[a]]) for a in inputs))
         requires_grad.append(grad)
@@ -320,14 +322,12 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
         # counted as one, were 400 KB under its attention's backward)
         floating: dict[Any, int] = {}
         storage_bytes: dict[Any, int] = {}
-        views_read: dict[Any, int] = {}
         for n in members:
             if _is_tensor(n) and n.meta["val"].is_floating_point() and (n in forward_outputs or read_by_other_units(n)):
                 value = n.meta["val"]
                 key, nbytes = (_storage(n) or [(n, 0)])[0]
                 floating[key] = floating.get(key, 0) + value.numel() * value.element_size()
                 storage_bytes[key] = max(nbytes, value.numel() * value.element_size())
-                views_read[key] = views_read.get(key, 0) + 1
         grad_bytes = sum(min(b, storage_bytes[k]) for k, b in floating.items()) if grad and not parameter_view else 0
         own_backward = set(backward_nodes)
         returned = [g for g in gradient_outputs if isinstance(g, fx.Node) and g in own_backward]
@@ -369,7 +369,7 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
                                                                  default=0),
             backward_aliases_grad=_passes_gradient_on(backward_nodes, incoming_sums),
             grad_term_bytes=_view_term_bytes(members, index, units, forward_outputs, backward_nodes)
-            if grad and not parameter_view and len(floating) == 1 and max(views_read.values()) > 1 else (),
+            if grad and not parameter_view and len(floating) == 1 else (),
             # the returned gradients it makes live from their kernel to the end of the step, beside
             # the other storages and the largest kernel temporaries of its backward
             backward_workspace_bytes=internal_peak_bytes(backward_nodes, backward_made, set())

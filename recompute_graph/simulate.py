@@ -304,7 +304,7 @@ class _Simulation:
             nonlocal incoming_bytes, first_sum_bytes
             if not graph.nodes[p].requires_grad:
                 return
-            term = dict(graph.nodes[p].grad_term_bytes).get(index)
+            term = next((nbytes for reader, nbytes in graph.nodes[p].grad_term_bytes if reader == index), None)
             if p in fresh:
                 self.grad.add(p)
                 self.grad_storage[p] = (self._ref(handed) if p in shared
