@@ -50,7 +50,7 @@ from .joint_costs import joint_cost_graph, rng_state_bytes
 from .joint_units import JointUnits, is_gradient_sum, is_tangent, joint_units
 from .joint_storage import storage_of as _storage
 from .joint_partition import STATE_READING_TARGETS, boxed_interpreter, extract_graphs
-from .schedule import Backward, Forward, Schedule
+from .schedule import Backward, Forward, Schedule, dead_recomputations
 
 __all__ = ["Lowered", "lower_schedule", "graph_peak_bytes", "budget_backend", "last_lowering",
            "InfeasibleBudgetWarning"]
@@ -183,10 +183,12 @@ def _snapshot_value(like: fx.Node | torch.device) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, device="meta")
 
 
-def lower_schedule(joint: fx.GraphModule, units: JointUnits, schedule: Schedule
+def lower_schedule(joint: fx.GraphModule, units: JointUnits, schedule: Schedule, graph: CostGraph
                    ) -> tuple[fx.GraphModule, list[fx.Node], list[fx.Node], list[str]]:
     """The rewritten joint module, its saved tensor values and symbolic values, and the names of the
-    recompute nodes (module docstring). Pass the first three to ``_extract_fwd_bwd_modules``."""
+    recompute nodes (module docstring). Pass the first three to ``_extract_fwd_bwd_modules``.
+    ``graph``: the units' cost graph, which says which recomputations nothing reads
+    (``schedule.dead_recomputations``): they get no code, as the simulator prices them."""
     old = joint.graph
     new = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}      # old node -> its node in the forward section / backward
@@ -282,8 +284,12 @@ def lower_schedule(joint: fx.GraphModule, units: JointUnits, schedule: Schedule
     release(n for n in old.nodes if _is_gradient_sum(n, units))
     for term in [t for t in tree_of_term if t.op == "placeholder"]:  # a tangent is there from the start
         add_term(term)
-    for op in schedule.backward_ops:
-        if isinstance(op, Forward):
+    dead = dead_recomputations(graph, (*schedule.forward_ops, None, *schedule.backward_ops))
+    for at, op in enumerate(schedule.backward_ops, start=len(schedule.forward_ops) + 1):
+        if isinstance(op, Forward) and at in dead:  # no code: nothing reads the copy
+            if op.tape:
+                tape_view[op.node] = dict(current)
+        elif isinstance(op, Forward):
             for node in units.units[op.node]:
                 if _reads_updated_state(node):
                     continue
@@ -469,7 +475,7 @@ def plan_and_lower(joint: fx.GraphModule, budget: Any, *, num_fwd_outputs: int, 
                       stacklevel=2)
         plan = make_plan(graph, error.min_budget_bytes, solver)
     schedule = schedule_pass(graph, plan.schedule) if schedule_pass is not None else plan.schedule
-    module, saved, saved_sym, recomputed = lower_schedule(joint, units, schedule)
+    module, saved, saved_sym, recomputed = lower_schedule(joint, units, schedule, graph)
     forward_graph, backward_graph = extract_graphs(module, saved, saved_sym, num_fwd_outputs=num_fwd_outputs,
                                                    recomputed=frozenset(recomputed))
     accumulate_in_place(backward_graph)

@@ -32,10 +32,10 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence, Union
 
 from .errors import GraphError
-from .graph import CostGraph
+from .graph import CostGraph, is_joint_cost_graph
 
 __all__ = ["Forward", "FreeValue", "Backward", "Op", "Schedule", "lower_segments", "insert_frees",
-           "store_all_lower_sets", "prefix_lower_sets"]
+           "store_all_lower_sets", "prefix_lower_sets", "dead_recomputations", "tape_only_reads"]
 
 
 @dataclass(frozen=True)
@@ -95,6 +95,66 @@ def _reads(graph: CostGraph, op: Op) -> tuple[int, ...]:
     return graph.nodes[op.node].predecessors if isinstance(op, Forward) else ()
 
 
+def dead_recomputations(graph: CostGraph, sequence: Sequence[Op | None],
+                        outputs: Iterable[int] | None = None) -> frozenset[int]:
+    """Positions in ``sequence`` (the forward ops, ``None`` for the end of the forward, then the backward
+    ops; ``FreeValue`` ops are ignored) of the recomputations a joint graph's lowering emits no code for:
+    nothing reads the value they make before the node is computed again (fx drops such a copy as dead
+    code). Empty for any other graph: the schedule executor runs every op.
+
+    A recomputation with a tape is one of them only when its node's backward reads none of what the
+    computation makes (its own output, or a saved buffer: ``backward_needs`` holds neither the node nor
+    its storage's owner, ``saved_buffer_bytes`` is 0): its tape is then only the values of
+    ``backward_needs`` current at that point, which the lowering's backward reads (chain_dp recomputes a
+    residual addition or a rotary product with a tape that way; the copy, and the inputs it read,
+    were held by the simulator and not by the generated code). First computations, random and stateful
+    nodes are always live. One reverse pass: whether a computation is read depends only on later ops.
+    ``outputs``: what the end of the forward reads (default: the graph's outputs)."""
+    if not (graph.implicit_backward and is_joint_cost_graph(graph)):
+        return frozenset()
+    outputs = tuple(graph.outputs if outputs is None else outputs)
+    first: set[int] = set()
+    seen: set[int] = set()
+    for position, op in enumerate(sequence):
+        if isinstance(op, Forward) and op.node not in seen:
+            seen.add(op.node)
+            first.add(position)
+    needed: set[int] = set()
+    dead: set[int] = set()
+    for position in range(len(sequence) - 1, -1, -1):
+        op = sequence[position]
+        if op is None:
+            needed.update(outputs)
+            continue
+        if not isinstance(op, Forward):
+            continue
+        node = graph.nodes[op.node]
+        taped = op.tape and node.requires_grad
+        live = (position in first or op.node in needed or node.random or node.stateful
+                or (taped and (node.saved_buffer_bytes > 0 or op.node in node.backward_needs
+                               or graph.storage_owner(op.node) in node.backward_needs)))
+        needed.discard(op.node)
+        if live:
+            needed.update(node.predecessors)
+            if taped:
+                needed.update(node.backward_needs)
+        else:
+            dead.add(position)
+            needed.update(tape_only_reads(graph, op))
+    return frozenset(dead)
+
+
+def tape_only_reads(graph: CostGraph, op: Forward) -> tuple[int, ...]:
+    """What a dead recomputation (``dead_recomputations``) reads: with a tape, the nodes its backward
+    needs and the inputs that view their storages (the lowered backward reads those views, as current
+    when the tape was recorded); without, nothing."""
+    node = graph.nodes[op.node]
+    if not (op.tape and node.requires_grad):
+        return ()
+    needs = set(node.backward_needs)
+    return tuple(sorted(needs | {p for p in node.predecessors if graph.storage_owner(p) in needs}))
+
+
 def insert_frees(graph: CostGraph, forward_ops: Sequence[Op], backward_ops: Sequence[Op],
                  outputs: Iterable[int] | None = None) -> Schedule:
     """Add ``FreeValue`` ops so that every value is dropped right after its last reader.
@@ -102,18 +162,21 @@ def insert_frees(graph: CostGraph, forward_ops: Sequence[Op], backward_ops: Sequ
     Readers: a ``Forward`` reads its predecessors; the end of the forward ops reads the model outputs.
     A value that nobody reads before it is recomputed (or before the end) is freed right after it is
     computed; what its backward needs stays alive through the tape. Existing ``FreeValue`` ops in the
-    input are dropped and re-derived.
+    input are dropped and re-derived. On a joint graph a recomputation its lowering drops as dead code
+    (``dead_recomputations``) reads only what its tape holds.
     """
     outputs = tuple(graph.outputs if outputs is None else outputs)
     sequence: list[Op | None] = [op for op in forward_ops if not isinstance(op, FreeValue)]
     boundary = len(sequence)
     sequence.append(None)  # the end of the forward ops: reads the outputs
     sequence += [op for op in backward_ops if not isinstance(op, FreeValue)]
+    dead = dead_recomputations(graph, sequence, outputs)
     current: dict[int, int] = {}          # node -> position of the op that defined its current value
     last_read: dict[int, int] = {}        # defining position -> last position that reads it
     owner_node: dict[int, int] = {}       # defining position -> node
     for position, op in enumerate(sequence):
-        reads = outputs if op is None else _reads(graph, op)
+        reads = (outputs if op is None else tape_only_reads(graph, op) if position in dead  # type: ignore[arg-type]
+                 else _reads(graph, op))
         for node in reads:
             if node in current:
                 last_read[current[node]] = position

@@ -44,6 +44,10 @@ puts them back for a loss that holds the outputs while it makes their gradients)
 Time: ``forward_cost`` for every ``Forward`` and ``backward_cost`` for every ``Backward`` that ran;
 computations beyond the first of a node count as ``recompute_cost``.
 
+A joint graph's recomputation whose value nothing reads (``schedule.dead_recomputations``) is no code
+in its lowering: it reads none of its inputs, costs no time and makes no storage; with a tape it only
+holds the storages its backward needs, current at that point.
+
 Random nodes computed more than once: the first computation keeps a snapshot of the generators
 (``rng_state_bytes``) until the node's last computation, and each recomputation holds the current state
 transiently while it replays the snapshot (the executor's ``replayed_rng``, the compiler path's
@@ -57,7 +61,7 @@ from typing import NamedTuple
 
 from .errors import ScheduleError
 from .graph import CostGraph, CostNode
-from .schedule import Backward, Forward, FreeValue, Op, Schedule
+from .schedule import Backward, Forward, FreeValue, Op, Schedule, dead_recomputations
 
 __all__ = ["ScheduleError", "SimulationResult", "TimelinePoint", "simulate"]
 
@@ -132,6 +136,7 @@ class _Simulation:
         self.replayed_random: set[int] = set()     # random nodes computed more than once
         self.computations_left: Counter[int] = Counter()  # of each replayed random node, after the current one
         self.rng_snapshot: dict[int, int] = {}     # replayed random node -> storage of its generators' snapshot
+        self.dead: frozenset[tuple[str, int]] = frozenset()  # (phase, position) of dead recomputations
 
     # ---------------------------------------------------------------- storages
     def _new_storage(self, nbytes: int) -> int:
@@ -163,6 +168,11 @@ class _Simulation:
     # ---------------------------------------------------------------- ops
     def forward(self, op: Forward, where: "_Where") -> None:
         node = self.graph.nodes[op.node]
+        if (where.phase, where.position) in self.dead:
+            if op.tape and op.node in self.tape:
+                raise ScheduleError(f"{where}: the node already holds a tape; run Backward({op.node}) first")
+            self._tape_only(op, node, where)
+            return
         for p in node.predecessors:
             if p not in self.value:
                 raise ScheduleError(f"{where}: reads node {p} ({self.graph.nodes[p].name!r}), whose value is "
@@ -200,11 +210,23 @@ class _Simulation:
         if op.node in self.rng_snapshot and not self.computations_left[op.node]:
             self._unref(self.rng_snapshot.pop(op.node))  # replayed for the last time
 
+    def _tape_only(self, op: Forward, node: "CostNode", where: "_Where") -> None:
+        """A dead recomputation (module docstring): a tape of what its backward needs, an empty value."""
+        if op.tape and node.requires_grad:
+            refs = [self._new_storage(0)]
+            refs += [self._ref(self._storage_of_owner(op.node, q, where, "its backward needs"))
+                     for q in node.backward_needs]
+            self.tape[op.node] = refs
+        if op.node in self.value:
+            self._unref(self.value[op.node])
+        self.value[op.node] = self._new_storage(0)
+        self.computed.add(op.node)
+
     def _storage_of_owner(self, index: int, owner: int, where: "_Where", why: str) -> int:
         """The live storage of ``owner`` that node ``index`` reaches: through the input it read, else the
         owner's own current value."""
         for p in self.graph.nodes[index].predecessors:
-            if self.graph.storage_owner(p) == owner:
+            if self.graph.storage_owner(p) == owner and p in self.value:
                 return self.value[p]
         if owner in self.value:
             return self.value[owner]
@@ -412,6 +434,9 @@ def simulate(graph: CostGraph, schedule: Schedule) -> SimulationResult:
     computations = Counter(op.node for op in (*schedule.forward_ops, *schedule.backward_ops) if isinstance(op, Forward))
     sim.replayed_random = {v for v, count in computations.items() if count > 1 and graph.nodes[v].random}
     sim.computations_left = Counter({v: computations[v] for v in sim.replayed_random})
+    forward_count = len(schedule.forward_ops)
+    sim.dead = frozenset(("forward", p) if p < forward_count else ("backward", p - forward_count - 1)
+                         for p in dead_recomputations(graph, (*schedule.forward_ops, None, *schedule.backward_ops)))
     for position, op in enumerate(schedule.forward_ops):
         sim.run("forward", position, op)
     forward_peak = sim.peak
