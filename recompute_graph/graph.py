@@ -62,6 +62,11 @@ class CostNode:
         ``NODE_KINDS``; what is called (module path, function or method name).
     predecessors, successors
         Indices of the nodes whose output this node reads / that read this node's output.
+    order_only_predecessors
+        The predecessors whose value the node does not read: edges that only order it (a joint graph's
+        unit whose backward reads a gradient theirs makes). Solvers order by every predecessor; what a
+        ``Forward`` reads (``read_predecessors``: the simulator's and ``schedule.insert_frees``'
+        liveness) leaves these out, as the code lowered from the schedule does.
     output_bytes
         Storage newly allocated for the node's output(s). 0 for views, in-place ops and non-tensors.
     alias_of
@@ -147,6 +152,14 @@ class CostNode:
     backward_step_workspace_bytes: tuple[int, ...] = ()
     tape_release_steps: tuple[int, ...] = ()
     grad_release_step: int = -1
+    order_only_predecessors: tuple[int, ...] = ()
+
+    @property
+    def read_predecessors(self) -> tuple[int, ...]:
+        """The predecessors whose value a computation of the node reads (``order_only_predecessors``)."""
+        if not self.order_only_predecessors:
+            return self.predecessors
+        return tuple(p for p in self.predecessors if p not in self.order_only_predecessors)
 
     @property
     def saved_bytes(self) -> int:
@@ -398,7 +411,7 @@ class CostGraph:
                 raise GraphError(f"saved node {raw.get('name')!r} has unknown fields {sorted(unknown)}")
             raw = dict(raw)
             for key in ("predecessors", "backward_needs", "backward_steps", "backward_step_workspace_bytes",
-                        "tape_release_steps"):
+                        "tape_release_steps", "order_only_predecessors"):
                 raw[key] = tuple(raw.get(key, ()))
             raw["grad_term_bytes"] = tuple(tuple(pair) for pair in raw.get("grad_term_bytes", ()))
             nodes.append(CostNode(**raw))

@@ -360,7 +360,9 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
         targets = {op_name(n.target) for n in members if n.op == "call_function"}
         nodes.append(CostNode(
             index=index, name=members[0].name, kind="function", target=op_name(members[0].target),
-            predecessors=predecessors, backward_steps=steps, backward_step_workspace_bytes=step_bytes,
+            predecessors=predecessors,
+            order_only_predecessors=tuple(p for p in predecessors if p not in unit_inputs[index]),
+            backward_steps=steps, backward_step_workspace_bytes=step_bytes,
             tape_release_steps=release_steps, grad_release_step=grad_release_step,
             output_bytes=output_bytes, alias_of=alias_of, grad_bytes=grad_bytes,
             saved_input_bytes=saved_input, saved_output_bytes=saved_output, saved_buffer_bytes=saved_buffer,

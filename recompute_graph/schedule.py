@@ -92,7 +92,7 @@ class Schedule:
 
 
 def _reads(graph: CostGraph, op: Op) -> tuple[int, ...]:
-    return graph.nodes[op.node].predecessors if isinstance(op, Forward) else ()
+    return graph.nodes[op.node].read_predecessors if isinstance(op, Forward) else ()
 
 
 def dead_recomputations(graph: CostGraph, sequence: Sequence[Op | None],
@@ -135,7 +135,7 @@ def dead_recomputations(graph: CostGraph, sequence: Sequence[Op | None],
                                or graph.storage_owner(op.node) in node.backward_needs)))
         needed.discard(op.node)
         if live:
-            needed.update(node.predecessors)
+            needed.update(node.read_predecessors)
             if taped:
                 needed.update(node.backward_needs)
         else:
@@ -152,7 +152,7 @@ def tape_only_reads(graph: CostGraph, op: Forward) -> tuple[int, ...]:
     if not (op.tape and node.requires_grad):
         return ()
     needs = set(node.backward_needs)
-    return tuple(sorted(needs | {p for p in node.predecessors if graph.storage_owner(p) in needs}))
+    return tuple(sorted(needs | {p for p in node.read_predecessors if graph.storage_owner(p) in needs}))
 
 
 def insert_frees(graph: CostGraph, forward_ops: Sequence[Op], backward_ops: Sequence[Op],

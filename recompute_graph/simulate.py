@@ -173,7 +173,7 @@ class _Simulation:
                 raise ScheduleError(f"{where}: the node already holds a tape; run Backward({op.node}) first")
             self._tape_only(op, node, where)
             return
-        for p in node.predecessors:
+        for p in node.read_predecessors:
             if p not in self.value:
                 raise ScheduleError(f"{where}: reads node {p} ({self.graph.nodes[p].name!r}), whose value is "
                                     "not live: compute it first or do not free it before")

@@ -100,3 +100,15 @@ def test_hf_swin_trains_exactly_on_the_schedule_executor():
     (row,) = check_model("hf_swin", fractions=(0.5,), solvers=("auto",))
     assert row.passed and not row.skipped, describe(row)
     assert row.path == "executor"
+
+
+def test_hf_modernbert_is_predicted_within_five_percent_where_chain_dp_recomputes_residual_adds():
+    """At half its activation memory ModernBERT's plan (chain_dp) recomputes residual additions with a
+    tape that nothing reads: dead code in the generated backward, with the inputs it read. Priced as
+    computations, they made the prediction 8.9 % over the allocator (issue 16 asks for 5 %);
+    ``schedule.dead_recomputations`` prices them as what the lowering emits, nothing."""
+    if not third_party.available("hf_modernbert"):
+        pytest.skip("transformers is not installed")
+    (row,) = check_model("hf_modernbert", fractions=(0.5,), solvers=("auto",), compiler="auto")
+    assert row.passed and not row.skipped and row.path == "compiler", describe(row)
+    assert abs(row.predicted_peak_bytes / row.measured_peak_bytes - 1) <= 0.05, describe(row)
