@@ -136,7 +136,8 @@ class _Simulation:
         self.replayed_random: set[int] = set()     # random nodes computed more than once
         self.computations_left: Counter[int] = Counter()  # of each replayed random node, after the current one
         self.rng_snapshot: dict[int, int] = {}     # replayed random node -> storage of its generators' snapshot
-        self.dead: frozenset[tuple[str, int]] = frozenset()  # (phase, position) of dead recomputations
+        self.dead: dict[str, frozenset[int]] = {"forward": frozenset(), "backward": frozenset()}  # positions
+        # of dead recomputations, by phase
 
     # ---------------------------------------------------------------- storages
     def _new_storage(self, nbytes: int) -> int:
@@ -168,17 +169,15 @@ class _Simulation:
     # ---------------------------------------------------------------- ops
     def forward(self, op: Forward, where: "_Where") -> None:
         node = self.graph.nodes[op.node]
-        if (where.phase, where.position) in self.dead:
-            if op.tape and op.node in self.tape:
-                raise ScheduleError(f"{where}: the node already holds a tape; run Backward({op.node}) first")
+        if op.tape and op.node in self.tape:
+            raise ScheduleError(f"{where}: the node already holds a tape; run Backward({op.node}) first")
+        if where.position in self.dead[where.phase]:
             self._tape_only(op, node, where)
             return
         for p in node.read_predecessors:
             if p not in self.value:
                 raise ScheduleError(f"{where}: reads node {p} ({self.graph.nodes[p].name!r}), whose value is "
                                     "not live: compute it first or do not free it before")
-        if op.tape and op.node in self.tape:
-            raise ScheduleError(f"{where}: the node already holds a tape; run Backward({op.node}) first")
         if node.alias_of is None:
             sid = self._new_storage(node.output_bytes)
         else:
@@ -210,7 +209,7 @@ class _Simulation:
         if op.node in self.rng_snapshot and not self.computations_left[op.node]:
             self._unref(self.rng_snapshot.pop(op.node))  # replayed for the last time
 
-    def _tape_only(self, op: Forward, node: "CostNode", where: "_Where") -> None:
+    def _tape_only(self, op: Forward, node: CostNode, where: "_Where") -> None:
         """A dead recomputation (module docstring): a tape of what its backward needs, an empty value."""
         if op.tape and node.requires_grad:
             refs = [self._new_storage(0)]
@@ -435,8 +434,9 @@ def simulate(graph: CostGraph, schedule: Schedule) -> SimulationResult:
     sim.replayed_random = {v for v, count in computations.items() if count > 1 and graph.nodes[v].random}
     sim.computations_left = Counter({v: computations[v] for v in sim.replayed_random})
     forward_count = len(schedule.forward_ops)
-    sim.dead = frozenset(("forward", p) if p < forward_count else ("backward", p - forward_count - 1)
-                         for p in dead_recomputations(graph, (*schedule.forward_ops, None, *schedule.backward_ops)))
+    dead = dead_recomputations(graph, (*schedule.forward_ops, None, *schedule.backward_ops))
+    sim.dead = {"forward": frozenset(p for p in dead if p < forward_count),
+                "backward": frozenset(p - forward_count - 1 for p in dead if p > forward_count)}
     for position, op in enumerate(schedule.forward_ops):
         sim.run("forward", position, op)
     forward_peak = sim.peak
