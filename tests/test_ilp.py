@@ -137,19 +137,6 @@ def test_an_unknown_backend_is_a_solver_error_naming_the_choices():
         solve_ilp(graph, 100, backend="gurobi")
 
 
-def test_scip_proves_the_segnet_optimum_at_80_percent_that_cp_sat_leaves_open():
-    graph = load_graph(benchmark_dir() / "checkmate2020" / "segnet_32_416x608_train.json")
-    store_all = get_solver("store_all")(graph, None)
-    budget = int(0.8 * store_all.peak_bytes)
-    result = solve_ilp(graph, budget, time_limit=120, backend="scip")
-    assert result.status == "OPTIMAL" and result.gap == 0
-    simulation = simulate(graph, result.schedule)
-    assert simulation.peak_bytes <= budget
-    assert simulation.compute_cost == pytest.approx(result.objective)
-    # recomputation is needed at 80 % and costs little (Moccasin: +0.21 %)
-    assert store_all.simulation.compute_cost < result.objective <= 1.005 * store_all.simulation.compute_cost
-
-
 def test_one_computation_per_stage_is_store_all_and_the_ilp_keeps_it_when_it_fits():
     rng = random.Random(5)
     graph = random_joint_graph(rng, 7)

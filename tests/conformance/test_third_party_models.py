@@ -77,9 +77,10 @@ def test_layerdrop_is_refused_with_the_users_source_line():
 #: patterns of the models added later (``third_party.SECOND_SET``) that broke before their fixes: a
 #: stochastic-depth mask drawn from a shape, recomputed at HF Swin's floor (lowering raised
 #: ``StopIteration``, and the step fell back to the executor); BEiT's relative-position bias on the
-#: attention scores (predicted 17 % over the allocator); DeepLabV3's BatchNorm statistics, 1 ulp off
-#: under AOTAutograd's decompositions as under ``torch.compile(backend="aot_eager")``
-SECOND_SET_CASES = (("hf_swin", 0.5), ("timm_beit", 0.5), ("tv_deeplabv3_mnv3", 0.8))
+#: attention scores (predicted 17 % over the allocator). DeepLabV3 (BatchNorm statistics 1 ulp off
+#: under AOTAutograd's decompositions, tests/test_verify.py) runs in the sweep only, at 50 s the
+#: slowest row here (``python scripts/compiler_conformance.py --optimize --second-set``)
+SECOND_SET_CASES = (("hf_swin", 0.5), ("timm_beit", 0.5))
 
 
 @pytest.mark.parametrize("name,fraction", SECOND_SET_CASES, ids=[name for name, _ in SECOND_SET_CASES])
