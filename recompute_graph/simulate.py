@@ -18,7 +18,8 @@ Memory model (bytes of tensor storage above what was live before the step; see d
   its node's backward, as the compiler path's generated backward drops its tangents). The loss itself
   is modelled as lean: it keeps the outputs until its backward and makes one output-sized gradient (what ``measure.default_loss`` does);
   a loss holding more (cross-entropy keeps its log-softmax) needs that much more budget. A ``Backward(v)``
-  allocates a gradient buffer (``grad_bytes``) for each predecessor needing one that has none yet, has
+  allocates a gradient buffer (``grad_bytes``) for each predecessor needing one that has none yet (a
+  predecessor by an edge that only orders the backward, ``order_only_predecessors``, gets none), has
   ``backward_workspace_bytes`` live on top while it runs (plus, for predecessors that already have a
   buffer, the incoming gradient); a gradient assembled from view terms (``grad_term_bytes``) grows
   by each term as it is made instead, with no sum; then, for those, the new sum is made the first time (unless the buffer
@@ -311,7 +312,8 @@ class _Simulation:
         graph = self.graph
         handed = self.grad_storage.pop(index)
         held = index in graph.outputs and graph.output_gradients_held
-        fresh = [p for p in node.predecessors if graph.nodes[p].requires_grad and p not in self.grad]
+        # an edge that only orders the backward (``order_only_predecessors``) carries no gradient
+        fresh = [p for p in node.read_predecessors if graph.nodes[p].requires_grad and p not in self.grad]
         shared = set(fresh) if node.backward_aliases_grad else set()
         released = False
         if node.backward_aliases_grad and not shared and not held:
@@ -323,7 +325,7 @@ class _Simulation:
 
         def make_gradient(p: int) -> None:
             nonlocal incoming_bytes, first_sum_bytes
-            if not graph.nodes[p].requires_grad:
+            if not graph.nodes[p].requires_grad or p in node.order_only_predecessors:
                 return
             term = next((nbytes for reader, nbytes in graph.nodes[p].grad_term_bytes if reader == index), None)
             if p in fresh:
@@ -358,7 +360,7 @@ class _Simulation:
 
         steps = node.backward_steps if not shared else ()
         named = set(steps)
-        for p in node.predecessors:
+        for p in node.read_predecessors:
             if p not in named:
                 make_gradient(p)
         released_early = 0  # bytes the steps let go of; the transients after them count them live
