@@ -115,6 +115,10 @@ class CostNode:
         made so far, its kernels' workspace), and, for each of ``backward_needs``, the step after
         which the tape lets go of it (``len(backward_steps)``: at the end). Empty: the gradients are made
         before the tape is freed, beside ``backward_workspace_bytes`` (autograd's kernels, the executor).
+    random_op_count
+        Of a random node: how many of its ops draw random numbers (a joint graph's unit may hold two
+        dropouts). A recomputation replays each from its own snapshot of the generators' state, so the
+        snapshots kept for it are ``random_op_count * CostGraph.rng_state_bytes``.
     grad_release_step
         With ``backward_steps``: the step after which the backward has read its output gradient for
         the last time, which is then let go of unless something else holds it (-1: at the end).
@@ -153,6 +157,7 @@ class CostNode:
     tape_release_steps: tuple[int, ...] = ()
     grad_release_step: int = -1
     order_only_predecessors: tuple[int, ...] = ()
+    random_op_count: int = 1
 
     @property
     def read_predecessors(self) -> tuple[int, ...]:

@@ -382,7 +382,9 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
             forward_cost=sum(profile.seconds(flops[n], _moved_bytes(n)) for n in members),
             backward_cost=sum(profile.seconds(flops[b], _moved_bytes(b)) for b in backward_nodes),
             forward_flops=forward_flops, backward_flops=backward_flops, requires_grad=grad,
-            random=bool(targets & RANDOM_TARGETS), stateful=bool(targets & STATE_READING_TARGETS)))
+            random=bool(targets & RANDOM_TARGETS), stateful=bool(targets & STATE_READING_TARGETS),
+            random_op_count=max(1, sum(1 for n in members if n.op == "call_function"
+                                       and op_name(n.target) in RANDOM_TARGETS))))
     outputs = tuple(sorted({units.unit_of[n] for n in forward_outputs if n in units.unit_of}))
     input_bytes = sum(_value_bytes(p) for p in primals if p not in trainable)
     return CostGraph(name=name, nodes=tuple(nodes), cost_unit="seconds", loss_bytes=loss_bytes,

@@ -50,7 +50,7 @@ in its lowering: it reads none of its inputs, costs no time and makes no storage
 holds the storages its backward needs, current at that point.
 
 Random nodes computed more than once: the first computation keeps a snapshot of the generators
-(``rng_state_bytes``) until the node's last computation, and each recomputation holds the current state
+(``rng_state_bytes``, one per random op of the node: ``random_op_count``) until the node's last computation, and each recomputation holds the current state
 transiently while it replays the snapshot (the executor's ``replayed_rng``, the compiler path's
 ``rng_snapshot`` read by ``replay_random``; both let go of the snapshot after its last replay).
 """
@@ -191,7 +191,7 @@ class _Simulation:
             if op.node in self.computed:
                 transient += self.graph.rng_state_bytes  # the generators' state, put back afterwards
             else:  # the snapshot replayed later, kept until the last replay
-                self.rng_snapshot[op.node] = self._new_storage(self.graph.rng_state_bytes)
+                self.rng_snapshot[op.node] = self._new_storage(self.graph.rng_state_bytes * node.random_op_count)
         self.op_peak = max(self.op_peak, self.live + transient)
         self.peak = max(self.peak, self.op_peak)
         if op.tape and node.requires_grad and self.graph.implicit_backward:  # the saved buffers stay
