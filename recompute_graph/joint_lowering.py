@@ -197,7 +197,10 @@ def lower_schedule(joint: fx.GraphModule, units: JointUnits, schedule: Schedule,
     new = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}      # old node -> its node in the forward section / backward
     current: dict[fx.Node, fx.Node] = {}  # old forward node -> the copy the backward reads now
-    recomputed_units = {op.node for op in schedule.backward_ops if isinstance(op, Forward)}
+    dead = dead_recomputations(graph, (*schedule.forward_ops, None, *schedule.backward_ops))
+    # the units the backward recomputes with code (a dead copy replays no random op: no snapshot)
+    recomputed_units = {op.node for at, op in enumerate(schedule.backward_ops, start=len(schedule.forward_ops) + 1)
+                        if isinstance(op, Forward) and at not in dead}
     snapshots: dict[fx.Node, fx.Node] = {}  # random node recomputed later -> its RNG snapshot
     position = {n: i for i, n in enumerate(old.nodes)}
     for node in [n for n in old.nodes if n.op == "placeholder"] + _forward_order(old, units, schedule, position):
@@ -288,7 +291,6 @@ def lower_schedule(joint: fx.GraphModule, units: JointUnits, schedule: Schedule,
     release(n for n in old.nodes if _is_gradient_sum(n, units))
     for term in [t for t in tree_of_term if t.op == "placeholder"]:  # a tangent is there from the start
         add_term(term)
-    dead = dead_recomputations(graph, (*schedule.forward_ops, None, *schedule.backward_ops))
     for at, op in enumerate(schedule.backward_ops, start=len(schedule.forward_ops) + 1):
         if isinstance(op, Forward) and at in dead:  # no code: nothing reads the copy
             if op.tape:

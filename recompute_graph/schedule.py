@@ -107,8 +107,10 @@ def dead_recomputations(graph: CostGraph, sequence: Sequence[Op | None],
     its storage's owner, ``saved_buffer_bytes`` is 0): its tape is then only the values of
     ``backward_needs`` current at that point, which the lowering's backward reads (chain_dp recomputes a
     residual addition or a rotary product with a tape that way; the copy, and the inputs it read,
-    were held by the simulator and not by the generated code). First computations, random and stateful
-    nodes are always live. One reverse pass: whether a computation is read depends only on later ops.
+    were held by the simulator and not by the generated code). First computations and stateful nodes
+    are always live. A random node's recomputation can be dead: its copy replays a snapshot of the
+    generators and puts their state back, so dropping it changes no other draw (the simulator and the
+    lowering then keep no snapshot for it). One reverse pass: whether a computation is read depends only on later ops.
     ``outputs``: what the end of the forward reads (default: the graph's outputs)."""
     if not (graph.implicit_backward and is_joint_cost_graph(graph)):
         return frozenset()
@@ -130,7 +132,7 @@ def dead_recomputations(graph: CostGraph, sequence: Sequence[Op | None],
             continue
         node = graph.nodes[op.node]
         taped = op.tape and node.requires_grad
-        live = (position in first or op.node in needed or node.random or node.stateful
+        live = (position in first or op.node in needed or node.stateful
                 or (taped and (node.saved_buffer_bytes > 0 or op.node in node.backward_needs
                                or graph.storage_owner(op.node) in node.backward_needs)))
         needed.discard(op.node)

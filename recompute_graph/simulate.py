@@ -432,11 +432,13 @@ class _Simulation:
 def simulate(graph: CostGraph, schedule: Schedule) -> SimulationResult:
     """Replay ``schedule`` on ``graph``; raise :class:`ScheduleError` if it cannot run (see module doc)."""
     sim = _Simulation(graph)
-    computations = Counter(op.node for op in (*schedule.forward_ops, *schedule.backward_ops) if isinstance(op, Forward))
+    sequence = (*schedule.forward_ops, None, *schedule.backward_ops)
+    dead = dead_recomputations(graph, sequence)
+    # a dead recomputation replays nothing: the snapshot is kept to the last live one
+    computations = Counter(op.node for at, op in enumerate(sequence) if isinstance(op, Forward) and at not in dead)
     sim.replayed_random = {v for v, count in computations.items() if count > 1 and graph.nodes[v].random}
     sim.computations_left = Counter({v: computations[v] for v in sim.replayed_random})
     forward_count = len(schedule.forward_ops)
-    dead = dead_recomputations(graph, (*schedule.forward_ops, None, *schedule.backward_ops))
     sim.dead = {"forward": frozenset(p for p in dead if p < forward_count),
                 "backward": frozenset(p - forward_count - 1 for p in dead if p > forward_count)}
     for position, op in enumerate(schedule.forward_ops):
