@@ -19,7 +19,8 @@ Memory model (bytes of tensor storage above what was live before the step; see d
   is modelled as lean: it keeps the outputs until its backward and makes one output-sized gradient (what ``measure.default_loss`` does);
   a loss holding more (cross-entropy keeps its log-softmax) needs that much more budget. A ``Backward(v)``
   allocates a gradient buffer (``grad_bytes``) for each predecessor needing one that has none yet (a
-  predecessor by an edge that only orders the backward, ``order_only_predecessors``, gets none), has
+  predecessor by an edge that only orders the backward, ``order_only_predecessors``, adds no term to
+  a buffer it has), has
   ``backward_workspace_bytes`` live on top while it runs (plus, for predecessors that already have a
   buffer, the incoming gradient); a gradient assembled from view terms (``grad_term_bytes``) grows
   by each term as it is made instead, with no sum; then, for those, the new sum is made the first time (unless the buffer
@@ -312,8 +313,10 @@ class _Simulation:
         graph = self.graph
         handed = self.grad_storage.pop(index)
         held = index in graph.outputs and graph.output_gradients_held
-        # an edge that only orders the backward (``order_only_predecessors``) carries no gradient
-        fresh = [p for p in node.read_predecessors if graph.nodes[p].requires_grad and p not in self.grad]
+        # an edge that only orders the backward (``order_only_predecessors``) hands on the gradient the
+        # other backward reads, when that one has none yet (BLOOM's GELU coefficient), and is no term of
+        # a sum when it has (Falcon's projection, which shares its addition's gradient)
+        fresh = [p for p in node.predecessors if graph.nodes[p].requires_grad and p not in self.grad]
         shared = set(fresh) if node.backward_aliases_grad else set()
         released = False
         if node.backward_aliases_grad and not shared and not held:
@@ -325,7 +328,7 @@ class _Simulation:
 
         def make_gradient(p: int) -> None:
             nonlocal incoming_bytes, first_sum_bytes
-            if not graph.nodes[p].requires_grad or p in node.order_only_predecessors:
+            if not graph.nodes[p].requires_grad or (p in node.order_only_predecessors and p not in fresh):
                 return
             term = next((nbytes for reader, nbytes in graph.nodes[p].grad_term_bytes if reader == index), None)
             if p in fresh:
@@ -360,7 +363,7 @@ class _Simulation:
 
         steps = node.backward_steps if not shared else ()
         named = set(steps)
-        for p in node.read_predecessors:
+        for p in node.predecessors:
             if p not in named:
                 make_gradient(p)
         released_early = 0  # bytes the steps let go of; the transients after them count them live
