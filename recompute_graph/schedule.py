@@ -110,7 +110,8 @@ def dead_recomputations(graph: CostGraph, sequence: Sequence[Op | None],
     were held by the simulator and not by the generated code). First computations and stateful nodes
     are always live. A random node's recomputation can be dead: its copy replays a snapshot of the
     generators and puts their state back, so dropping it changes no other draw (the simulator and the
-    lowering then keep no snapshot for it). One reverse pass: whether a computation is read depends only on later ops.
+    lowering then keep no snapshot for it). One reverse pass: whether a computation is read depends
+    only on later ops.
     ``outputs``: what the end of the forward reads (default: the graph's outputs)."""
     if not (graph.implicit_backward and is_joint_cost_graph(graph)):
         return frozenset()

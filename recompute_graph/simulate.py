@@ -51,9 +51,10 @@ in its lowering: it reads none of its inputs, costs no time and makes no storage
 holds the storages its backward needs, current at that point.
 
 Random nodes computed more than once: the first computation keeps a snapshot of the generators
-(``rng_state_bytes``, one per random op of the node: ``random_op_count``) until the node's last computation, and each recomputation holds the current state
-transiently while it replays the snapshot (the executor's ``replayed_rng``, the compiler path's
-``rng_snapshot`` read by ``replay_random``; both let go of the snapshot after its last replay).
+(``rng_state_bytes``, one per random op of the node: ``random_op_count``) until the node's last live
+computation (a dead one replays nothing), and each recomputation holds the current state transiently
+while it replays the snapshot (the executor's ``replayed_rng``, the compiler path's ``rng_snapshot``
+read by ``replay_random``; both let go of the snapshot after its last replay).
 """
 from __future__ import annotations
 
