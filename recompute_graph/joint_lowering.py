@@ -47,7 +47,7 @@ from .gradient_accumulation import ACCUMULATE_IN_PLACE, accumulate_in_place, arr
 from .joint_capture import RANDOM_TARGETS, op_name
 from .joint_allocations import kernel_workspace_bytes, outputs_loss_bytes
 from .joint_costs import joint_cost_graph, rng_state_bytes
-from .joint_units import JointUnits, is_tangent, joint_units
+from .joint_units import JointUnits, is_gradient_sum, is_tangent, joint_units
 from .joint_storage import storage_of as _storage
 from .joint_partition import STATE_READING_TARGETS, boxed_interpreter, extract_graphs
 from .schedule import Backward, Forward, Schedule, dead_recomputations
@@ -139,9 +139,7 @@ def _is_gradient_sum(node: fx.Node, units: JointUnits) -> bool:
     """An ``add`` of two gradients (backward values, no forward value read), a tangent among them: the
     output's gradient plus a branch's term (a residual stream the model returns) is made as soon as the
     branch's term exists, as the simulator sums it."""
-    inputs = node.all_input_nodes
-    return (node in units.backward and node.op == "call_function" and op_name(node.target) == "add"
-            and len(inputs) == 2 and all(a in units.backward for a in inputs))
+    return node in units.backward and is_gradient_sum(node, units.backward, tangent_terms=True)
 
 
 def _is_random(node: fx.Node) -> bool:

@@ -274,11 +274,12 @@ def _consumer_that_reads_it_all(owner: int, backward_nodes: list[fx.Node], units
     return next((c for c in consumers + siblings if read <= inputs_of(c) | {owner}), owner)
 
 
-def is_gradient_sum(node: fx.Node, backward: Container[fx.Node]) -> bool:
-    """An ``add`` of two gradients: both inputs are backward nodes (``backward``), neither a tangent."""
+def is_gradient_sum(node: fx.Node, backward: Container[fx.Node], tangent_terms: bool = False) -> bool:
+    """An ``add`` of two gradients: both inputs are backward nodes (``backward``), neither a tangent
+    unless ``tangent_terms`` (the lowering makes ``tangents_1 + term`` as soon as the term exists)."""
     inputs = node.all_input_nodes
     return (node.op == "call_function" and op_name(node.target) == "add" and len(inputs) == 2
-            and all(a in backward and not is_tangent(a) for a in inputs))
+            and all(a in backward and (tangent_terms or not is_tangent(a)) for a in inputs))
 
 
 def gradient_readers(backward_of: list[list[fx.Node]], predecessors: Callable[[int], Iterable[int]]
