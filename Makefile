@@ -10,7 +10,7 @@ demo: $(STAMP)
 	$(VENV)/bin/python scripts/demo.py
 
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest
+	$(VENV)/bin/python -m pytest -n 2 --dist worksteal
 
 setup: $(STAMP)
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
@@ -9,7 +10,8 @@ import torch
 import models_zoo
 from recompute_graph.costs import profile_model
 
-torch.set_num_threads(2)
+# `make test` runs two pytest-xdist workers on the two cores (one thread each); a plain `pytest` uses both cores
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 try:  # torchvision's CUDA wheel fails to import on CPU torch unless imported this way (third_party.py);
     # transformers and timm import it when it is installed, so it is imported first, once, here
