@@ -17,7 +17,7 @@ from .graph_memo import memoized
 from .schedule import Schedule
 from .schedule_passes import keep_free_tapes
 from .simulate import SimulationResult
-from .solvers import SOLVERS, Solution, get_solver, solvers_for
+from .solvers import SOLVERS, Solution, collecting_plans, get_solver, solvers_for
 from .solvers.chain_dp import chain_of
 from .solvers.lower_set_dp import dp_for
 from .units import format_bytes, parse_bytes
@@ -47,6 +47,10 @@ POOL_FRACTIONS_LARGE = (1.0, 0.8, 0.6, 0.5, 0.4, 0.2)
 LARGE_GRAPH_NODES = 1000
 #: Below the grid the pool goes on geometrically, by this ratio, down to this fraction (``pool_fractions``).
 POOL_BELOW_GRID_RATIO = 0.7
+#: Budgets just above each solver's floor the pool also plans at (fractions above it): the grid's points
+#: can be far apart there, where a little memory buys the most (ResNet-50's joint graph: the chain_dp floor
+#: at 250 MiB and +51 % compute, the next grid point's plan at 275 MiB; at 260 MiB, +42 %)
+POOL_ABOVE_FLOOR = (0.04,)
 POOL_LOWEST_FRACTION = 0.01
 #: Above this many nodes ``solver="auto"`` leaves dp_approx out when chain_dp can plan the graph (an LSTM
 #: unrolled over 1,000 steps has a joint graph of 17,000 units; dp_approx did not finish in 30 minutes).
@@ -283,12 +287,32 @@ def candidate_pool(graph: CostGraph, variant: str = "time") -> tuple[Solution, .
     ``pool_fractions`` of the store-all budget down to its floor. At each fraction a solver plans for the
     budget less the loss allowance and the margin (``usable_bytes_of``), and, when that plan does not fit it,
     for the budget less the margin only (its step may still fit: a language model's loss on its logits
-    is held at the end of the forward, the step's peak lies in the backward). Plans with the same
-    schedule are kept once."""
+    is held at the end of the forward, the step's peak lies in the backward). Each solver also plans
+    at ``POOL_ABOVE_FLOOR`` budgets just above its floor. Every plan the model-based solvers simulate on
+    the way (``solvers.collecting_plans``) joins the pool, and only the plans no other beats in both step
+    peak and recomputation are kept (``_undominated``), each schedule once."""
     return memoized(graph, ("planner.candidate_pool", variant), lambda: _build_pool(graph, variant))
 
 
 def _build_pool(graph: CostGraph, variant: str) -> tuple[Solution, ...]:
+    with collecting_plans() as seen:
+        pool = _grid_pool(graph, variant)
+    for solution in seen:  # the plans the solvers simulated on the way
+        pool.setdefault(solution.schedule, solution)
+    return _undominated(graph, list(pool.values()))
+
+
+def _undominated(graph: CostGraph, plans: list[Solution]) -> tuple[Solution, ...]:
+    """The plans no other beats: each recomputes less than every plan of a lower or equal step peak
+    (``auto`` picks the least recomputing plan that fits, so only these are ever picked)."""
+    kept: list[Solution] = []
+    for plan in sorted(plans, key=lambda s: (step_peak_bytes(graph, s.simulation), s.recompute_cost)):
+        if not kept or plan.recompute_cost < kept[-1].recompute_cost:
+            kept.append(plan)
+    return tuple(kept)
+
+
+def _grid_pool(graph: CostGraph, variant: str) -> dict[Schedule, Solution]:
     store_all = SOLVERS["store_all"](graph, None)
     allowance, margin = loss_allowance_bytes(graph), planning_margin(graph)
     store_all_budget = min_budget_for_peak(store_all.peak_bytes, allowance, margin)
@@ -303,8 +327,10 @@ def _build_pool(graph: CostGraph, variant: str) -> tuple[Solution, ...]:
         else:
             pool.setdefault(floor.schedule, floor)
             floor_budget = min_budget_for_step(graph, floor.simulation)
-        for fraction in pool_fractions(graph):
-            budget_bytes = int(fraction * store_all_budget)
+        above_floor = [int(floor_budget * (1 + step)) for step in POOL_ABOVE_FLOOR] if floor_budget else []
+        budgets = sorted({int(f * store_all_budget) for f in pool_fractions(graph)}.union(above_floor),
+                         reverse=True)
+        for budget_bytes in budgets:
             if budget_bytes < floor_budget:
                 break
             usable = usable_bytes_of(budget_bytes, allowance, margin)
@@ -316,7 +342,7 @@ def _build_pool(graph: CostGraph, variant: str) -> tuple[Solution, ...]:
                 pool.setdefault(solution.schedule, solution)
                 if solution.fits(usable):
                     break
-    return tuple(pool.values())
+    return pool
 
 
 def pool_fractions(graph: CostGraph) -> Iterator[float]:

@@ -11,8 +11,8 @@ from recompute_graph import InfeasibleBudgetError, SolverError
 from recompute_graph.schedule import Forward
 from recompute_graph.simulate import simulate
 from recompute_graph.solvers import SOLVERS
-from recompute_graph.solvers.chain_dp import (Chain, boundary_bytes, chain_cuts, chain_of, discretize, lower_chain_ops,
-                                              optimal_time, solve_chain)
+from recompute_graph.solvers.chain_dp import (Chain, boundary_bytes, chain_cuts, chain_of, discretize,
+                                              gradient_slots, lower_chain_ops, optimal_time, solve_chain)
 from recompute_graph.solvers.chen import split_candidates
 
 from strategies import cost_graphs
@@ -27,21 +27,24 @@ def chains(draw):
                  fw=tuple(float(draw(st.integers(1, 9))) for _ in range(length)),
                  bw=tuple(float(draw(st.integers(1, 9))) for _ in range(length)),
                  cw=(0,) + tuple(draw(sizes) for _ in range(length)),
-                 cbw=(0,) + tuple(draw(sizes) for _ in range(length)), fixed_bytes=0)
+                 cbw=(0,) + tuple(draw(sizes) for _ in range(length)), fixed_bytes=0,
+                 pg=tuple(draw(st.sampled_from((0, 0, 5, 30))) for _ in range(length)))
 
 
-def brute_force(chain, cw, cbw, slots):
+def brute_force(chain, cw, cbw, grads, slots):
     """Minimum time over every recursive strategy (tape stage i, or keep x_j for i < j <= l), by
-    exhaustive recursion without tables."""
+    exhaustive recursion without tables; the parameter gradients of the stages already run backward
+    (``grads[a, b]``: stages a..b-1, in slots) held while the rest runs."""
     def best(i, l, m):
-        single = (chain.fw[i] + chain.bw[i]
-                  if m >= max(cw[i + 1] + cbw[i + 1], cw[i] + cw[i + 1] + cbw[i + 1]) else math.inf)
+        def single(m):
+            return (chain.fw[i] + chain.bw[i]
+                    if m >= max(cw[i + 1] + cbw[i + 1], cw[i] + cw[i + 1] + cbw[i + 1]) + grads[i, i + 1] else math.inf)
         if i == l:
-            return single
-        options = [single + best(i + 1, l, m - cbw[i + 1]) if m >= cbw[i + 1] else math.inf]
+            return single(m)
+        options = [single(m - grads[i + 1, l + 1]) + best(i + 1, l, m - cbw[i + 1]) if m >= cbw[i + 1] else math.inf]
         for j in range(i + 1, l + 1):
             if m >= cw[j]:
-                options.append(sum(chain.fw[i:j]) + best(j, l, m - cw[j]) + best(i, j - 1, m))
+                options.append(sum(chain.fw[i:j]) + best(j, l, m - cw[j]) + best(i, j - 1, m - grads[j, l + 1]))
         return min(options)
     return best(0, len(chain.stages) - 1, slots)
 
@@ -51,7 +54,23 @@ def brute_force(chain, cw, cbw, slots):
 def test_chain_dp_equals_brute_force_on_random_chains(chain, budget):
     slots = 40
     cw, cbw = discretize(chain, budget, slots)
-    assert optimal_time(chain, budget, slots) == pytest.approx(brute_force(chain, cw, cbw, slots))
+    grads = gradient_slots(chain, budget, slots)
+    assert optimal_time(chain, budget, slots) == pytest.approx(brute_force(chain, cw, cbw, grads, slots))
+
+
+def test_parameter_gradients_are_charged_from_the_backward_of_their_stage_on():
+    """Charged up front (as before), parameter gradients took room from the whole schedule; charged from
+    B(s) on, 40 bytes of them in the first stage (whose backward runs last, after every tape is freed)
+    cost nothing at a budget of 80, and in the last stage less than up front at a budget of 100."""
+    stages = dict(stages=((0,), (1,), (2,)), fw=(1.0,) * 3, bw=(1.0,) * 3, cw=(0, 10, 10, 10),
+                  cbw=(0, 20, 20, 20), fixed_bytes=0)
+    none, first, last = (Chain(**stages, pg=pg) for pg in ((0, 0, 0), (40, 0, 0), (0, 0, 40)))
+    up_front = Chain(**{**stages, "fixed_bytes": 40})
+    assert optimal_time(first, 80, 80) == optimal_time(none, 80, 80) == 6.0  # store-all: no recomputation
+    assert optimal_time(up_front, 80, 80) == math.inf
+    assert optimal_time(last, 80, 80) == math.inf  # B(1) and B(0) run beside B(2)'s 40 bytes
+    assert optimal_time(last, 100, 100) == 8.0 < optimal_time(up_front, 100, 100) == 9.0
+    assert solve_chain(last, 100, 100)[:3] == [("Fn", 0), ("Fn", 1), ("Fe", 2)]
 
 
 @settings(max_examples=60, deadline=None)

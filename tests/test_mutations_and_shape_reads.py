@@ -116,7 +116,7 @@ def test_an_identity_module_handing_its_input_on_keeps_it_when_the_producer_is_f
     tensor in its in-place add)."""
     model = IdentityThenInPlaceAdd()
     x = torch.randn(256, 32)
-    for budget in (1.0, 0.9, 0.8):  # chain_dp's plan at 0.9 frees the sum before the add reads it
+    for budget in (1.0, 0.8, 0.7):  # chain_dp's plans at 0.8 and 0.7 free the sum before the add reads it
         optimized = trains_exactly(model, x, budget, compiler=False, solver="chain_dp")
         assert budget == 1.0 or optimized.recompute_plan.recomputed_nodes
 

@@ -168,3 +168,63 @@ def test_the_auto_plans_peak_never_grows_as_the_budget_shrinks(graph, loss_bytes
                 assert plan.predicted_peak_bytes <= previous.predicted_peak_bytes
             assert plan.predicted_compute_overhead >= previous.predicted_compute_overhead
         previous = plan
+
+
+def _fake_solution(peak_bytes: int, recompute_cost: float):
+    from recompute_graph.simulate import SimulationResult
+    from recompute_graph.solvers import Solution
+    return Solution("model", None, SimulationResult(peak_bytes, 0, 10.0 + recompute_cost, recompute_cost, 0, ()))
+
+
+def test_a_plan_that_fits_with_room_to_spare_is_loosened_to_a_cheaper_one_that_still_fits():
+    """A model that over-prices by a quarter: its plan at the budget fits with a fifth to spare. With
+    ``loosen`` (chain_dp's), larger model budgets are tried and the cheapest plan that still fits wins;
+    without it, the plan at the budget is the answer."""
+    from recompute_graph.solvers import simulator_checked
+    tried = []
+
+    def plan(model_budget: float):
+        tried.append(model_budget)
+        return _fake_solution(int(model_budget * 0.8), 1000.0 / model_budget)
+
+    budget = 1000
+    at_budget = simulator_checked(plan, budget, lambda: 100.0)
+    assert at_budget.peak_bytes == 800 and tried == [1000.0]
+    loosened = simulator_checked(plan, budget, lambda: 100.0, loosen=True)
+    assert loosened.fits(budget) and loosened.peak_bytes >= 0.98 * budget
+    assert loosened.recompute_cost < at_budget.recompute_cost
+    assert len(tried) <= 2 + 6  # the plan at the budget, then at most LOOSEN_STEPS more
+
+
+def test_a_model_floor_above_the_budget_is_loosened_from_its_own_plan():
+    """The model finds nothing at the budget (its floor, 1,300, lies above it) but its floor plan fits
+    (peak 650): larger model budgets are tried from the floor's up, not from the budget's."""
+    from recompute_graph.solvers import simulator_checked
+
+    def plan(model_budget: float):
+        if model_budget < 1300:
+            return None
+        return _fake_solution(int(model_budget / 2), 1.0 if model_budget >= 1800 else 5.0)
+
+    assert simulator_checked(plan, 1000, lambda: 1300.0).recompute_cost == 5.0
+    loosened = simulator_checked(plan, 1000, lambda: 1300.0, loosen=True)
+    assert loosened.recompute_cost == 1.0 and loosened.fits(1000)
+
+
+@settings(max_examples=20, deadline=None)
+@given(cost_graphs(max_nodes=12))
+def test_the_pool_holds_only_plans_no_other_beats_and_keeps_the_lowest_peak(graph):
+    """``auto``'s pool keeps every plan the solvers simulated on the way (``collecting_plans``) that no
+    other plan beats in both step peak and recomputation: along rising peaks, falling recomputation,
+    from the lowest peak any solver found to store-all."""
+    from recompute_graph.planner import _grid_pool, candidate_pool, step_peak_bytes
+    pool = candidate_pool(graph)
+    peaks = [step_peak_bytes(graph, s.simulation) for s in pool]
+    costs = [s.recompute_cost for s in pool]
+    assert peaks == sorted(peaks) and all(a > b for a, b in zip(costs, costs[1:]))
+    assert costs[-1] == 0  # store-all, or a plan of lower peak that recomputes nothing either
+    grid = _grid_pool(graph, "time").values()
+    assert peaks[0] <= min(step_peak_bytes(graph, s.simulation) for s in grid)
+    for solution in grid:  # every grid plan is in the pool or beaten by one there
+        peak = step_peak_bytes(graph, solution.simulation)
+        assert any(p <= peak and c <= solution.recompute_cost for p, c in zip(peaks, costs))

@@ -7,15 +7,16 @@ holds that verdict. Callers check ``solution.fits(budget)``.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 from ..graph import CostGraph
 from ..schedule import Schedule
 from ..simulate import SimulationResult, simulate
 
 __all__ = ["Solution", "SOLVERS", "GRAPH_KINDS", "get_solver", "register", "solvers_for", "best_of",
-           "simulator_checked"]
+           "simulator_checked", "collecting_plans"]
 
 
 @dataclass(frozen=True)
@@ -84,8 +85,39 @@ def best_of(solutions: list[Solution], budget_bytes: int | None) -> Solution:
 MIN_PEAK_SEARCH = (1.0, 1.15, 1.35)
 
 
+#: While ``collecting_plans()`` is open: every plan ``simulator_checked`` simulates, for the planner's pool
+_COLLECTED: list[list["Solution"]] = []
+
+
+@contextmanager
+def collecting_plans() -> Iterator[list["Solution"]]:
+    """Gather every plan the model-based solvers simulate on their way to an answer (the plans at the
+    model budgets they try) into the yielded list: ``auto``'s pool keeps those that no other plan beats
+    in both peak and recomputation."""
+    collected: list[Solution] = []
+    _COLLECTED.append(collected)
+    try:
+        yield collected
+    finally:
+        _COLLECTED.pop()
+
+
+def _collected(plan: Callable[[float], "Solution | None"]) -> Callable[[float], "Solution | None"]:
+    if not _COLLECTED:
+        return plan
+    into = _COLLECTED[-1]
+
+    def collecting(model_budget: float) -> "Solution | None":
+        solution = plan(model_budget)
+        if solution is not None:
+            into.append(solution)
+        return solution
+    return collecting
+
+
 def simulator_checked(plan: Callable[[float], "Solution | None"], budget_bytes: int | None,
-                      minimal_model_budget: Callable[[], float], graph: CostGraph | None = None) -> Solution:
+                      minimal_model_budget: Callable[[], float], graph: CostGraph | None = None,
+                      loosen: bool = False) -> Solution:
     """The bridge from a solver's own cost model to the simulator, for the model-based DPs.
 
     ``plan(model_budget)`` solves in the model and returns the simulated plan (None if the model finds
@@ -94,13 +126,19 @@ def simulator_checked(plan: Callable[[float], "Solution | None"], budget_bytes: 
     (or when nothing fits) the lowest simulated peak among the plans at ``MIN_PEAK_SEARCH`` multiples of
     the model's minimal budget is returned; with ``graph``, those plans with
     ``schedule_passes.keep_free_tapes`` applied compete too.
+
+    With ``loosen``, for a model that over-prices (chain_dp's charges a value open across several cuts
+    at each), a plan at the budget that fits with room to spare is not the answer yet: :func:`_loosened`
+    tries larger model budgets and keeps the least recomputing plan that still fits.
     """
+    plan = _collected(plan)
     if budget_bytes is not None:
         candidate = plan(float(budget_bytes))
         if candidate is not None and candidate.fits(budget_bytes):
-            return candidate
+            return _loosened(plan, candidate, budget_bytes) if loosen else candidate
     minimal = minimal_model_budget()
-    tried = [p for p in (plan(minimal * factor) for factor in MIN_PEAK_SEARCH) if p is not None]
+    at_model = [(minimal * factor, plan(minimal * factor)) for factor in MIN_PEAK_SEARCH]
+    tried = [p for _, p in at_model if p is not None]
     smallest = min(tried, key=lambda s: (s.peak_bytes, s.recompute_cost))
     if graph is not None and (budget_bytes is None or not smallest.fits(budget_bytes)):
         # plans of equal peak can differ in what keeping free tapes saves them (the small ResNet-50's
@@ -109,6 +147,9 @@ def simulator_checked(plan: Callable[[float], "Solution | None"], budget_bytes: 
         smallest = min(tried, key=lambda s: (s.peak_bytes, s.recompute_cost))
     if budget_bytes is None or not smallest.fits(budget_bytes):
         return smallest
+    if loosen and budget_bytes <= minimal:  # the model's floor lies above the budget, its plans fit
+        model = next((m for m, p in at_model if p is smallest), None)  # None: the free-tapes pass's plan
+        return smallest if model is None else _loosened(plan, smallest, budget_bytes, model)
     best, low, high = smallest, minimal, float(budget_bytes)
     while high - low > max(1.0, high * 1e-3):
         middle = (low + high) / 2
@@ -117,6 +158,43 @@ def simulator_checked(plan: Callable[[float], "Solution | None"], budget_bytes: 
             best, low = candidate, middle
         else:
             high = middle
+    return best
+
+
+#: At most this many larger model budgets are tried for a plan that fits its budget with room to spare
+LOOSEN_STEPS = 6
+#: ... and none while its simulated peak is within this fraction of the budget
+LOOSEN_SLACK = 0.01
+#: The least growth of the first larger model budget, doubled at each step while plans fit
+LOOSEN_FIRST_STEP = 0.04
+
+
+def _loosened(plan: Callable[[float], "Solution | None"], fitting: Solution, budget_bytes: int,
+              model_budget: float | None = None) -> Solution:
+    """The least recomputing plan that fits ``budget_bytes`` among ``fitting`` (the model's plan at
+    ``model_budget``, by default the budget) and those at up to ``LOOSEN_STEPS`` larger model budgets: each step scales the largest model
+    budget whose plan fits by the room its simulated peak left (budget / peak), by at least
+    ``LOOSEN_FIRST_STEP`` doubled at each step (a model's plans keep the same simulated peak over wide
+    ranges of its budget: ResNet-50's chain_dp floor from 200 to 322 MiB of model budget, at +51 % down to
+    +42 % compute), and, once a step does not fit, bisects between the two."""
+    best, low, high = fitting, float(budget_bytes if model_budget is None else model_budget), None
+    peak = fitting.peak_bytes
+    for step in range(LOOSEN_STEPS):
+        if high is None:
+            if peak >= budget_bytes * (1 - LOOSEN_SLACK):
+                break
+            model = low * max(budget_bytes / max(peak, 1), 1 + LOOSEN_FIRST_STEP * 2 ** step)
+        else:
+            if high - low <= low * LOOSEN_SLACK:
+                break
+            model = (low + high) / 2
+        candidate = plan(model)
+        if candidate is not None and candidate.fits(budget_bytes):
+            low, peak = model, candidate.peak_bytes
+            if (candidate.recompute_cost, candidate.peak_bytes) < (best.recompute_cost, best.peak_bytes):
+                best = candidate
+        else:
+            high = model
     return best
 
 
