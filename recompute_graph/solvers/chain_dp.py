@@ -55,8 +55,8 @@ from ..schedule import Backward, Forward, Op, Schedule, insert_frees
 from . import Solution, register, simulator_checked
 from .chen import open_after, split_candidates
 
-__all__ = ["Chain", "boundary_bytes", "chain_cuts", "chain_of", "discretize", "gradient_slots", "solve_chain", "optimal_time",
-           "lower_chain_ops", "chain_dp", "DEFAULT_MAX_STAGES", "DEFAULT_SLOTS"]
+__all__ = ["Chain", "boundary_bytes", "chain_cuts", "chain_of", "discretize", "gradient_slots", "solve_chain",
+           "optimal_time", "lower_chain_ops", "chain_dp", "DEFAULT_MAX_STAGES", "DEFAULT_SLOTS"]
 
 DEFAULT_MAX_STAGES = 40
 DEFAULT_SLOTS = 400
