@@ -197,7 +197,7 @@ def _tables(chain: Chain, budget: float, slots: int):
         need = max(cw[i + 1] + cbw[i + 1], cw[i] + cw[i + 1] + cbw[i + 1]) + grads[i, i + 1]
         opt[i, i] = np.where(m >= need, chain.fw[i] + chain.bw[i], np.inf)
     prefix = np.concatenate(([0.0], np.cumsum(chain.fw)))
-    cw_index, cbw_index = (m[None, :] - np.asarray(c[:length], dtype=np.int64)[:, None] for c in (cw, cbw))
+    cw, cbw = np.asarray(cw, dtype=np.int64), np.asarray(cbw, dtype=np.int64)
     for span in range(1, length):  # every cell (i, i + span) at once
         first = np.arange(length - span)
         last = first + span
@@ -205,12 +205,12 @@ def _tables(chain: Chain, budget: float, slots: int):
         j = first[:, None] + offsets[None, :]  # (cells, span): the candidate j of each cell
         # tape first: stage i keeps its tape, then i+1..l with cbw[i+1] fewer slots, then B(i) beside the
         # parameter gradients of i+1..l
-        tape_first = (_shifted(opt[first + 1, last], cbw_index[first + 1])
-                      + _shifted(opt[first, first], m[None, :] - grads[first + 1, last + 1][:, None]))
+        tape_first = (_shifted(opt[first + 1, last], cbw[first + 1])
+                      + _shifted(opt[first, first], grads[first + 1, last + 1]))
         # stage i..j-1 run without tapes, j..l with cw[j] fewer slots, then i..j-1 again beside the
         # parameter gradients of j..l
-        rest = _shifted(opt[j, last[:, None]], cw_index[j])
-        again = _shifted(opt[first[:, None], j - 1], m[None, None, :] - grads[j, last[:, None] + 1][:, :, None])
+        rest = _shifted(opt[j, last[:, None]], cw[j])
+        again = _shifted(opt[first[:, None], j - 1], grads[j, last[:, None] + 1])
         leaves = (prefix[j] - prefix[first][:, None])[:, :, None] + rest + again
         candidates = np.concatenate((tape_first[:, None, :], leaves), axis=1)
         best = np.argmin(candidates, axis=1)  # the earliest of equal times, as rotor's loop
@@ -219,9 +219,17 @@ def _tables(chain: Chain, budget: float, slots: int):
     return opt, what, cw, cbw, grads
 
 
-def _shifted(values: np.ndarray, index: np.ndarray) -> np.ndarray:
-    """``values[..., index]`` along the last axis, ∞ where ``index < 0``."""
-    return np.where(index >= 0, np.take_along_axis(values, np.maximum(index, 0), axis=-1), np.inf)
+def _shifted(values: np.ndarray, shift: np.ndarray) -> np.ndarray:
+    """``values[..., m - shift]`` along the last axis (one shift ``>= 0`` per row, ``shift.shape ==
+    values.shape[:-1]``), ∞ where ``m < shift``: one flat gather from the rows padded on the left with ∞
+    (``np.take_along_axis`` with a clipped index and a mask cost twice as much)."""
+    size = values.shape[-1]
+    rows = values.reshape(-1, size)
+    padded = np.empty((rows.shape[0], 2 * size))
+    padded[:, :size] = np.inf
+    padded[:, size:] = rows
+    start = np.arange(rows.shape[0]) * (2 * size) + size - np.minimum(shift.reshape(-1), size)
+    return padded.ravel().take(start[:, None] + np.arange(size)[None, :]).reshape(values.shape)
 
 
 def _rebuild(i: int, l: int, m: int, what: np.ndarray, cw: list[int], cbw: list[int], grads: np.ndarray,
