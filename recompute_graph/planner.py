@@ -289,8 +289,8 @@ def candidate_pool(graph: CostGraph, variant: str = "time") -> tuple[Solution, .
     for the budget less the margin only (its step may still fit: a language model's loss on its logits
     is held at the end of the forward, the step's peak lies in the backward). Each solver also plans
     at ``POOL_ABOVE_FLOOR`` budgets just above its floor. Every plan the model-based solvers simulate on
-    the way (``solvers.collecting_plans``) joins the pool, and only the plans no other beats in both step
-    peak and recomputation are kept (``_undominated``), each schedule once."""
+    the way (``solvers.collecting_plans``) joins the pool, and only the plans no other beats in both least
+    budget and recomputation are kept (``_undominated``), each schedule once."""
     return memoized(graph, ("planner.candidate_pool", variant), lambda: _build_pool(graph, variant))
 
 
@@ -303,10 +303,12 @@ def _build_pool(graph: CostGraph, variant: str) -> tuple[Solution, ...]:
 
 
 def _undominated(graph: CostGraph, plans: list[Solution]) -> tuple[Solution, ...]:
-    """The plans no other beats: each recomputes less than every plan of a lower or equal step peak
-    (``auto`` picks the least recomputing plan that fits, so only these are ever picked)."""
+    """The plans no other beats: each recomputes less than every plan of a smaller or equal least budget
+    (``min_budget_for_step``, the test ``auto`` applies; not the step peak alone, which a plan of lower
+    step peak but higher simulated peak can lose on). ``auto`` picks the least recomputing plan that fits,
+    so only these are ever picked."""
     kept: list[Solution] = []
-    for plan in sorted(plans, key=lambda s: (step_peak_bytes(graph, s.simulation), s.recompute_cost)):
+    for plan in sorted(plans, key=lambda s: (min_budget_for_step(graph, s.simulation), s.recompute_cost)):
         if not kept or plan.recompute_cost < kept[-1].recompute_cost:
             kept.append(plan)
     return tuple(kept)

@@ -215,16 +215,16 @@ def test_a_model_floor_above_the_budget_is_loosened_from_its_own_plan():
 @given(cost_graphs(max_nodes=12))
 def test_the_pool_holds_only_plans_no_other_beats_and_keeps_the_lowest_peak(graph):
     """``auto``'s pool keeps every plan the solvers simulated on the way (``collecting_plans``) that no
-    other plan beats in both step peak and recomputation: along rising peaks, falling recomputation,
-    from the lowest peak any solver found to store-all."""
-    from recompute_graph.planner import _grid_pool, candidate_pool, step_peak_bytes
+    other plan beats in both least budget (``min_budget_for_step``) and recomputation: along rising
+    budgets, falling recomputation, from the lowest any solver found to store-all."""
+    from recompute_graph.planner import _grid_pool, candidate_pool, min_budget_for_step
     pool = candidate_pool(graph)
-    peaks = [step_peak_bytes(graph, s.simulation) for s in pool]
+    peaks = [min_budget_for_step(graph, s.simulation) for s in pool]  # what auto's fit test compares
     costs = [s.recompute_cost for s in pool]
     assert peaks == sorted(peaks) and all(a > b for a, b in zip(costs, costs[1:]))
     assert costs[-1] == 0  # store-all, or a plan of lower peak that recomputes nothing either
     grid = _grid_pool(graph, "time").values()
-    assert peaks[0] <= min(step_peak_bytes(graph, s.simulation) for s in grid)
+    assert peaks[0] <= min(min_budget_for_step(graph, s.simulation) for s in grid)
     for solution in grid:  # every grid plan is in the pool or beaten by one there
-        peak = step_peak_bytes(graph, solution.simulation)
+        peak = min_budget_for_step(graph, solution.simulation)
         assert any(p <= peak and c <= solution.recompute_cost for p, c in zip(peaks, costs))
