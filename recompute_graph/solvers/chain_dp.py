@@ -38,8 +38,8 @@ stages do not exist yet, as if they did: on its joint graph, B=8 at 224², the f
 simulated, cost +55.6 % compute; now +50.8 %.) Like the lower-set DP this
 ranks plans in its own model; the simulator decides and the DP budget is tightened until the simulated
 plan fits, or, where it fits with room to spare, loosened (``simulator_checked(loosen=True)``: a plan of
-the same simulated peak at +42.3 %). Exact for its model in the space of stage-level multi-recompute schedules; time
-``O(L³ · slots)`` with numpy over the memory axis.
+the same simulated peak at +42.3 %). Exact for its model in the space of stage-level multi-recompute
+schedules; time ``O(L³ · slots)`` with numpy over the memory axis.
 """
 from __future__ import annotations
 
