@@ -37,11 +37,12 @@ def brute_force(chain, cw, cbw, grads, slots):
     (``grads[a, b]``: stages a..b-1, in slots) held while the rest runs."""
     def best(i, l, m):
         def single(m):
-            return (chain.fw[i] + chain.bw[i]
-                    if m >= max(cw[i + 1] + cbw[i + 1], cw[i] + cw[i + 1] + cbw[i + 1]) + grads[i, i + 1] else math.inf)
+            need = max(cw[i + 1] + cbw[i + 1], cw[i] + cw[i + 1] + cbw[i + 1]) + grads[i, i + 1]
+            return chain.fw[i] + chain.bw[i] if m >= need else math.inf
         if i == l:
             return single(m)
-        options = [single(m - grads[i + 1, l + 1]) + best(i + 1, l, m - cbw[i + 1]) if m >= cbw[i + 1] else math.inf]
+        options = [single(m - grads[i + 1, l + 1]) + best(i + 1, l, m - cbw[i + 1])
+                   if m >= cbw[i + 1] else math.inf]
         for j in range(i + 1, l + 1):
             if m >= cw[j]:
                 options.append(sum(chain.fw[i:j]) + best(j, l, m - cw[j]) + best(i, j - 1, m - grads[j, l + 1]))

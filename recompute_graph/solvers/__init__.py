@@ -174,10 +174,9 @@ def _loosened(plan: Callable[[float], "Solution | None"], fitting: Solution, bud
     """The least recomputing plan that fits ``budget_bytes`` among ``fitting`` (the model's plan at
     ``model_budget``, by default the budget) and those at up to ``LOOSEN_STEPS`` larger model budgets:
     each step scales the largest model budget whose plan fits by the room its simulated peak left
-    (budget / peak), by at least
-    ``LOOSEN_FIRST_STEP`` doubled at each step (a model's plans keep the same simulated peak over wide
-    ranges of its budget: ResNet-50's chain_dp floor from 200 to 322 MiB of model budget, at +51 % down to
-    +42 % compute), and, once a step does not fit, bisects between the two."""
+    (budget / peak), by at least ``LOOSEN_FIRST_STEP`` doubled at each step (a model's plans keep the same
+    simulated peak over wide ranges of its budget: ResNet-50's chain_dp floor from 200 to 322 MiB of model
+    budget, at +51 % down to +42 % compute), and, once a step does not fit, bisects between the two."""
     best, low, high = fitting, float(budget_bytes if model_budget is None else model_budget), None
     peak = fitting.peak_bytes
     for step in range(LOOSEN_STEPS):

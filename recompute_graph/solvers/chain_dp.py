@@ -74,10 +74,6 @@ class Chain:
     fixed_bytes: int        # held output gradients and the largest backward workspace, charged up front
     pg: tuple[int, ...] = ()  # pg[s]: parameter gradient bytes B(s) allocates (empty: none)
 
-    def gradient_bytes(self, first: int, last: int) -> int:
-        """``P(first, last)``: the parameter gradient bytes of stages ``first..last`` (0 when empty)."""
-        return sum(self.pg[first:last + 1]) if self.pg else 0
-
 
 def boundary_bytes(graph: CostGraph) -> list[int]:
     """``b[i]``: the output bytes of the nodes at positions ``0..i`` that a node after ``i`` reads (the
@@ -232,7 +228,7 @@ def _shifted(values: np.ndarray, shift: np.ndarray) -> np.ndarray:
     return padded.ravel().take(start[:, None] + np.arange(size)[None, :]).reshape(values.shape)
 
 
-def _rebuild(i: int, l: int, m: int, what: np.ndarray, cw: list[int], cbw: list[int], grads: np.ndarray,
+def _rebuild(i: int, l: int, m: int, what: np.ndarray, cw: np.ndarray, cbw: np.ndarray, grads: np.ndarray,
              ops: list) -> None:
     if i == l:
         ops += [("Fe", i), ("B", i)]
@@ -282,8 +278,7 @@ def chain_dp(graph: CostGraph, budget_bytes: int | None = None, *, max_stages: i
                            f"{len(chain.stages)} stages, {recomputed} stage recomputations")
 
     def minimal_model_budget() -> float:
-        high = float(chain.fixed_bytes + chain.gradient_bytes(0, len(chain.stages)) + sum(chain.cw)
-                     + sum(chain.cbw)) * 2 + 1
+        high = float(chain.fixed_bytes + sum(chain.pg) + sum(chain.cw) + sum(chain.cbw)) * 2 + 1
         while solve_chain(chain, high, slots) is None:
             high *= 2
         low = float(chain.fixed_bytes)

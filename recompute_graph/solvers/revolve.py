@@ -88,8 +88,7 @@ def revolve(graph: CostGraph, budget_bytes: int | None = None, *, max_slots: int
     tape_bytes = max(chain.cbw[1:], default=0) + chain.cw[-1]
     most = min(max_slots, length)
     if budget_bytes is not None:
-        most = max(1, min(most, int((budget_bytes - chain.fixed_bytes - chain.gradient_bytes(0, length) - tape_bytes)
-                                  // slot_bytes)))
+        most = max(1, min(most, int((budget_bytes - chain.fixed_bytes - sum(chain.pg) - tape_bytes) // slot_bytes)))
 
     def plan(slots: int) -> Solution:
         stage_ops = revolve_schedule(length, slots)
