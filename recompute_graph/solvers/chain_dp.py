@@ -178,7 +178,11 @@ def _tables(chain: Chain, budget: float, slots: int):
     """Rotor's tables: ``opt[i, l, m]``, the least time of stages ``i..l`` with ``m`` slots, and
     ``what[i, l, m]``, the first stage ``j`` run without tapes after a checkpoint (-1: stage ``i`` runs with
     its tape first). The candidates of a cell are compared at once over ``j`` and ``m``; ties go to the
-    earliest, as in rotor's loop. The last item is :func:`gradient_slots`."""
+    earliest, as in rotor's loop. The last item is :func:`gradient_slots`.
+
+    ``opt`` is stored padded: each row ``opt[i, l]`` is ``2 * (slots + 1)`` long, its left half ∞, so that
+    ``Opt[i][l](m - s)`` for every ``m`` is one slice of it starting at ``slots + 1 - s`` (∞ where
+    ``m < s``), gathered for all cells of a span at once (:func:`_gather`)."""
     sizes = discretize(chain, budget, slots)
     if sizes is None:
         return None
@@ -187,45 +191,44 @@ def _tables(chain: Chain, budget: float, slots: int):
     length = len(chain.stages)
     size = slots + 1
     m = np.arange(size)
-    opt = np.full((length, length, size), np.inf)
+    padded = np.full((length, length, 2 * size), np.inf)
+    opt = padded[:, :, size:]  # a view: opt[i, l, m]
     what = np.full((length, length, size), -1, dtype=np.int64)
     for i in range(length):
         need = max(cw[i + 1] + cbw[i + 1], cw[i] + cw[i + 1] + cbw[i + 1]) + grads[i, i + 1]
         opt[i, i] = np.where(m >= need, chain.fw[i] + chain.bw[i], np.inf)
     prefix = np.concatenate(([0.0], np.cumsum(chain.fw)))
     cw, cbw = np.asarray(cw, dtype=np.int64), np.asarray(cbw, dtype=np.int64)
+    windows = np.lib.stride_tricks.sliding_window_view(padded.reshape(length * length, 2 * size), size, axis=1)
     for span in range(1, length):  # every cell (i, i + span) at once
         first = np.arange(length - span)
         last = first + span
-        offsets = np.arange(1, span + 1)
-        j = first[:, None] + offsets[None, :]  # (cells, span): the candidate j of each cell
+        j = first[:, None] + np.arange(1, span + 1)[None, :]  # (cells, span): the candidate j of each cell
         # tape first: stage i keeps its tape, then i+1..l with cbw[i+1] fewer slots, then B(i) beside the
         # parameter gradients of i+1..l
-        tape_first = (_shifted(opt[first + 1, last], cbw[first + 1])
-                      + _shifted(opt[first, first], grads[first + 1, last + 1]))
+        tape_first = _gather(windows, length, size, first + 1, last, cbw[first + 1])
+        tape_first += _gather(windows, length, size, first, first, grads[first + 1, last + 1])
         # stage i..j-1 run without tapes, j..l with cw[j] fewer slots, then i..j-1 again beside the
         # parameter gradients of j..l
-        rest = _shifted(opt[j, last[:, None]], cw[j])
-        again = _shifted(opt[first[:, None], j - 1], grads[j, last[:, None] + 1])
-        leaves = (prefix[j] - prefix[first][:, None])[:, :, None] + rest + again
-        candidates = np.concatenate((tape_first[:, None, :], leaves), axis=1)
-        best = np.argmin(candidates, axis=1)  # the earliest of equal times, as rotor's loop
-        opt[first, last] = np.take_along_axis(candidates, best[:, None, :], axis=1)[:, 0, :]
-        what[first, last] = np.where(best == 0, -1, best + first[:, None])
+        last_j = np.broadcast_to(last[:, None], j.shape)
+        leaves = _gather(windows, length, size, j, last_j, cw[j])
+        leaves += (prefix[j] - prefix[first][:, None])[:, :, None]  # (rotor's order of the sums: equal ties)
+        leaves += _gather(windows, length, size, np.broadcast_to(first[:, None], j.shape), j - 1, grads[j, last_j + 1])
+        best_leaf = np.argmin(leaves, axis=1)  # the earliest of equal times, as rotor's loop
+        leaf_time = np.take_along_axis(leaves, best_leaf[:, None, :], axis=1)[:, 0, :]
+        tape = tape_first <= leaf_time  # the tape-first candidate comes first, so it wins ties
+        opt[first, last] = np.where(tape, tape_first, leaf_time)
+        what[first, last] = np.where(tape, -1, best_leaf + 1 + first[:, None])
     return opt, what, cw, cbw, grads
 
 
-def _shifted(values: np.ndarray, shift: np.ndarray) -> np.ndarray:
-    """``values[..., m - shift]`` along the last axis (one shift ``>= 0`` per row, ``shift.shape ==
-    values.shape[:-1]``), ∞ where ``m < shift``: one flat gather from the rows padded on the left with ∞
-    (``np.take_along_axis`` with a clipped index and a mask cost twice as much)."""
-    size = values.shape[-1]
-    rows = values.reshape(-1, size)
-    padded = np.empty((rows.shape[0], 2 * size))
-    padded[:, :size] = np.inf
-    padded[:, size:] = rows
-    start = np.arange(rows.shape[0]) * (2 * size) + size - np.minimum(shift.reshape(-1), size)
-    return padded.ravel().take(start[:, None] + np.arange(size)[None, :]).reshape(values.shape)
+def _gather(windows: np.ndarray, length: int, size: int, rows: np.ndarray, columns: np.ndarray,
+            shift: np.ndarray) -> np.ndarray:
+    """``opt[rows, columns, m - shift]`` for every ``m`` (∞ where ``m < shift``), from ``windows``, the
+    padded table's sliding windows (``windows[r, k]``: row ``r`` of the padded table from ``k`` on);
+    ``rows``, ``columns`` and ``shift`` have one shape, the result that shape plus ``(size,)``. A shift
+    beyond the table reads the padding only."""
+    return windows[rows * length + columns, size - np.minimum(shift, size)]
 
 
 def _rebuild(i: int, l: int, m: int, what: np.ndarray, cw: np.ndarray, cbw: np.ndarray, grads: np.ndarray,
