@@ -31,7 +31,7 @@ _LAZY = {
     "TraceResult": ("trace", "TraceResult"),
     "profile_model": ("costs", "profile_model"),
     "profile_graph": ("costs", "profile_graph"),
-    "DeviceProfile": ("costs", "DeviceProfile"),
+    "DeviceProfile": ("device_profiles", "DeviceProfile"),
     "peak_memory": ("measure", "peak_memory"),
     "time_step": ("measure", "time_step"),
     "load_graph": ("benchmark_graphs", "load_graph"),

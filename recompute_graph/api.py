@@ -184,7 +184,7 @@ def plan_for(build: "Callable[[], tuple[nn.Module, Any]]", budget: Budget, *, so
     ``torch.device("meta")`` and returns ``(model, example_inputs)``, where ``example_inputs`` is a
     sequence of positional inputs or a dict of keyword arguments (``{"input_ids": ..., "labels": ...}``
     for a ``transformers`` model); inputs are moved to ``meta``. The model is priced on meta tensors with
-    FLOP-based times for ``device_profile`` (``costs.DEVICE_PROFILES``: "cpu", "h100", "h200", ...) and
+    FLOP-based times for ``device_profile`` (``device_profiles.DEVICE_PROFILES``: "cpu", "h100", "h200", ...) and
     planned at ``budget``. Save the plan (``plan.save(path)``) and apply it to the real model later with
     ``optimize(model, budget, example_inputs=..., plan=path)``: the graph of the real model has the same
     structure fingerprint, so the plan is reused as is. ``tracer`` and ``loss_fn`` as in ``optimize()``.

@@ -15,8 +15,8 @@ Passes over the traced graph, with the model in its current train/eval mode:
    ``FlopCounterMode``; the isolated backward again, apart, under both meters for
    ``backward_workspace_bytes`` (FlopCounterMode decomposes some: silu, 5x). It computes the gradients the
    step's backward computes: of the parameters and of inputs produced by nodes that require grad.
-3. With ``timing="measure"``, a third pass times each node on the model's device (warm-up, ``repeats``
-   runs, median), without the profiler.
+3. With ``timing="measure"``, a third pass times each node on the model's device (``warmup`` runs, then
+   ``repeats`` runs or three once they took 10 ms, median), without the profiler or the meters.
 
 ``timing="flops"`` (forced on the ``meta`` device) prices time from FLOPs and bytes moved with a
 :class:`DeviceProfile` roofline: ``seconds = max(flops / flops_per_second, bytes / bytes_per_second)``.
@@ -37,6 +37,7 @@ from torch import fx, nn
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
+from .device_profiles import DEVICE_PROFILES, DeviceProfile
 from .errors import ProfileError
 from .graph import CostGraph, CostNode
 from .loss_pricing import (LossPrice, allocator_windows, gradient_seeds, incoming_gradient_layouts, node_window,
@@ -57,29 +58,8 @@ RANDOM_OPS = frozenset({
 })
 
 
-@dataclass(frozen=True)
-class DeviceProfile:
-    """Throughput of a device for FLOP-based time estimates (roofline: compute- or memory-bound)."""
-
-    name: str
-    flops_per_second: float
-    bytes_per_second: float
-
-    def seconds(self, flops: int, bytes_moved: int) -> float:
-        return max(flops / self.flops_per_second, bytes_moved / self.bytes_per_second)
-
-
-DEVICE_PROFILES = {
-    # Sustained (not peak) rates, rough: good enough to rank recomputation choices.
-    "cpu": DeviceProfile("cpu", 5.0e10, 1.0e10),
-    "a100": DeviceProfile("a100", 1.5e14, 1.5e12),
-    "h100": DeviceProfile("h100", 4.0e14, 2.5e12),
-    "h200": DeviceProfile("h200", 4.0e14, 3.6e12),
-}
-
-
 def profile_model(model: nn.Module, example_inputs: Sequence[Any], *, timing: str = "measure",
-                  repeats: int = 5, warmup: int = 2, device_profile: DeviceProfile | str = "cpu",
+                  repeats: int = 5, warmup: int = 1, device_profile: DeviceProfile | str = "cpu",
                   name: str | None = None, progress: bool = False) -> tuple[TraceResult, CostGraph]:
     """Trace ``model`` and price every node on ``example_inputs``; see :func:`profile_graph`."""
     traced = trace(model)
@@ -89,7 +69,7 @@ def profile_model(model: nn.Module, example_inputs: Sequence[Any], *, timing: st
 
 
 def profile_graph(traced: TraceResult, example_inputs: Sequence[Any], *, timing: str = "measure",
-                  repeats: int = 5, warmup: int = 2, device_profile: DeviceProfile | str = "cpu",
+                  repeats: int = 5, warmup: int = 1, device_profile: DeviceProfile | str = "cpu",
                   name: str | None = None, progress: bool = False, loss_fn: "LossFunction | None" = None,
                   output_of: "Callable[[Any], Any] | None" = None) -> CostGraph:
     """Price the nodes of a traced model on ``example_inputs`` (see the module docstring).
@@ -335,7 +315,8 @@ class _NodeCompute:
 
 
 class _ComputePass(fx.Interpreter):
-    """Runs each node alone, forward and backward, counting FLOPs and (optionally) timing it."""
+    """Runs each node alone, forward and backward: counting its FLOPs and workspace (``timing="flops"``), or
+    timing it (``timing="measure"``, the third pass)."""
 
     def __init__(self, gm: fx.GraphModule, timing: str, repeats: int, warmup: int, grad_nodes: set[str],
                  layouts: dict) -> None:
@@ -426,9 +407,11 @@ class _ComputePass(fx.Interpreter):
                 if a.op == "get_attr" and isinstance(self.env.get(a), nn.Parameter)]
 
     def _measure(self, n: fx.Node, args: Any, kwargs: Any) -> _NodeCompute:
+        trainable_ids = self._trainable_argument_ids(n)
+        if self.timing == "measure":  # the timing pass only times (the counting pass counted)
+            return self._timed(n, args, kwargs, trainable_ids)
         record = _NodeCompute()
         record.forward_bytes_moved = sum(t.numel() * t.element_size() for t in _tensors((args, kwargs)))
-        trainable_ids = self._trainable_argument_ids(n)
         fresh_args, fresh_kwargs, leaves = self._fresh_inputs(args, kwargs, trainable_ids)
         with FlopCounterMode(display=False) as counter:
             out = self._forward(n, fresh_args, fresh_kwargs)
@@ -466,27 +449,40 @@ class _ComputePass(fx.Interpreter):
                                                                 for g in passed)
         del input_grads, seeds
         del out, leaves
-        if self.timing == "measure":
-            device = next((t.device for t in _tensors((args, kwargs))), torch.device("cpu"))
-            forward_times, total_times = [], []
-            for i in range(self.warmup + self.repeats):
-                fresh_args, fresh_kwargs, leaves = self._fresh_inputs(args, kwargs, trainable_ids)
-                _synchronize(device)
-                start = time.perf_counter()
-                out = self._forward(n, fresh_args, fresh_kwargs)
-                _synchronize(device)
-                middle = time.perf_counter()
-                if has_backward:
-                    self._backward(n, out, leaves)
-                    _synchronize(device)
-                end = time.perf_counter()
-                if i >= self.warmup:
-                    forward_times.append(middle - start)
-                    total_times.append(end - middle)
-                del out, leaves, fresh_args, fresh_kwargs
-            record.forward_seconds = statistics.median(forward_times)
-            record.backward_seconds = statistics.median(total_times) if has_backward else 0.0
         return record
+
+    def _timed(self, n: fx.Node, args: Any, kwargs: Any, trainable_ids: set[int]) -> _NodeCompute:
+        """Median wall-clock seconds of the node's forward and of its isolated backward, after ``warmup``
+        runs, over ``repeats`` runs on fresh inputs each, or over ``TIMED_ENOUGH_RUNS`` once these took
+        ``TIMED_ENOUGH_SECONDS`` (a heavy node's median of three is as steady as a light node's of five)."""
+        record = _NodeCompute()
+        device = next((t.device for t in _tensors((args, kwargs))), torch.device("cpu"))
+        forward_times, backward_times = [], []
+        for i in range(self.warmup + self.repeats):
+            fresh_args, fresh_kwargs, leaves = self._fresh_inputs(args, kwargs, trainable_ids)
+            _synchronize(device)
+            start = time.perf_counter()
+            out = self._forward(n, fresh_args, fresh_kwargs)
+            _synchronize(device)
+            middle = time.perf_counter()
+            record.has_backward = self._backward(n, out, leaves) is not None
+            _synchronize(device)
+            end = time.perf_counter()
+            del out, leaves, fresh_args, fresh_kwargs
+            if i >= self.warmup:
+                forward_times.append(middle - start)
+                backward_times.append(end - middle)
+                if (len(forward_times) >= TIMED_ENOUGH_RUNS
+                        and sum(forward_times) + sum(backward_times) >= TIMED_ENOUGH_SECONDS):
+                    break
+        record.forward_seconds = statistics.median(forward_times)
+        record.backward_seconds = statistics.median(backward_times) if record.has_backward else 0.0
+        return record
+
+
+#: The timing pass stops a node's runs at this many once they took ``TIMED_ENOUGH_SECONDS`` in all
+TIMED_ENOUGH_RUNS = 3
+TIMED_ENOUGH_SECONDS = 0.01
 
 
 def _synchronize(device: torch.device) -> None:

@@ -43,7 +43,7 @@ Pricing (:func:`joint_cost_graph`), bytes from the fake tensors of ``meta["val"]
 * the loss the training loop computes on the outputs, priced on their shapes
   (``joint_allocations.outputs_loss_bytes``) as ``CostGraph.loss_bytes``;
 * costs: FLOPs of each node run on meta tensors under ``FlopCounterMode``, turned into seconds by a
-  ``costs.DeviceProfile`` with the bytes the node reads and writes.
+  ``device_profiles.DeviceProfile`` with the bytes the node reads and writes.
 
 A unit holding a random op (dropout) is ``random``, one reading state the step updates (BatchNorm)
 ``stateful``; ``joint_lowering`` replays a recomputed random op from an RNG snapshot and recomputes a
@@ -59,7 +59,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from .costs import DEVICE_PROFILES, DeviceProfile
+from .device_profiles import DEVICE_PROFILES, DeviceProfile
 from .gradient_accumulation import sum_terms
 from .graph import JOINT_COST_SOURCE, CostGraph, CostNode, is_joint_cost_graph
 from .joint_capture import RANDOM_TARGETS, op_name

@@ -460,7 +460,7 @@ def plan_and_lower(joint: fx.GraphModule, budget: Any, *, num_fwd_outputs: int, 
     ``schedule_pass(graph, schedule)`` when given (a hook to lower other valid schedules).
     ``saved_plan``: a ``RecomputePlan`` to reuse instead of solving when its cost graph has the joint
     cost graph's structure and fits the budget (``saved_plans.reuse_plan``; a ``PlanMismatchWarning``
-    says why not otherwise). ``device_profile``: what times FLOPs (``costs.DEVICE_PROFILES``)."""
+    says why not otherwise). ``device_profile``: what times FLOPs (``device_profiles.DEVICE_PROFILES``)."""
     from .planner import make_plan
     from .saved_plans import reuse_plan
     units = joint_units(joint, num_fwd_outputs)

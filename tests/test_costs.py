@@ -79,6 +79,29 @@ def test_measured_timing_is_positive_and_flop_timing_is_deterministic():
     assert later_linear.backward_flops == 2 * later_linear.forward_flops
 
 
+
+def test_the_timing_pass_runs_a_node_three_times_once_those_took_long_enough(monkeypatch):
+    from recompute_graph import costs
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    runs = []
+    forward = costs._ComputePass._forward
+
+    def counted(self, n, *args):
+        if self.timing == "measure" and n.target == "0":
+            runs.append(n.name)
+        return forward(self, n, *args)
+    monkeypatch.setattr(costs._ComputePass, "_forward", counted)
+
+    def timed_runs(enough_seconds: float) -> int:
+        monkeypatch.setattr(costs, "TIMED_ENOUGH_SECONDS", enough_seconds)
+        runs.clear()
+        profile_model(model, (torch.randn(4, 8),), timing="measure", repeats=5, warmup=1)
+        return len(runs)
+
+    assert timed_runs(float("inf")) == 1 + 5
+    assert timed_runs(0.0) == 1 + costs.TIMED_ENOUGH_RUNS == 4
+
+
 @pytest.mark.parametrize("name", ["resnet50", "gpt2", "unet", "rnn"])
 def test_meta_tensors_give_the_same_sizes_and_flops_without_allocating(name):
     _, _, _, real = profiled_tiny(name)
