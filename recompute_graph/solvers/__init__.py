@@ -162,7 +162,7 @@ def simulator_checked(plan: Callable[[float], "Solution | None"], budget_bytes: 
 
 
 #: At most this many larger model budgets are tried for a plan that fits its budget with room to spare
-LOOSEN_STEPS = 6
+LOOSEN_STEPS = 3
 #: ... and none while its simulated peak is within this fraction of the budget
 LOOSEN_SLACK = 0.01
 #: The least growth of the first larger model budget, doubled at each step while plans fit
