@@ -5,7 +5,9 @@
 For each zoo model and budget fraction: ``optimize(model, f, example_inputs=...)`` with
 ``compiler=False`` (trace, profile with measured times, the planner's pool, the executor) and
 ``compiler=True`` (Dynamo and AOTAutograd capture, pricing with the allocator's kernel workspace, the
-pool, lowering and the trial step), timed end to end on one torch thread; prints the plans.
+pool, lowering and the trial step), timed end to end on one torch thread; prints the plans. Beside them,
+the floor of the compiler path that is not ours: ``torch.compile(model, backend="aot_eager")`` and its
+first forward (Dynamo, AOTAutograd's capture and its own partitioner), in the same process.
 """
 from __future__ import annotations
 
@@ -37,6 +39,12 @@ def main() -> None:
             seconds = time.perf_counter() - start
             print(f"| {name} ({args.preset}) | {float(fraction):.0%} | {'compiler' if compiler else 'executor'} | "
                   f"{seconds:.1f} | {optimized.recompute_plan.one_line()} |", flush=True)
+        model, inputs = models_zoo.get_model(name, args.preset)
+        torch._dynamo.reset()
+        start = time.perf_counter()
+        torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=False)(*inputs)
+        print(f"| {name} ({args.preset}) | - | torch.compile aot_eager, no plan | {time.perf_counter() - start:.1f} "
+              "| (torch's own partitioner) |", flush=True)
 
 
 if __name__ == "__main__":
