@@ -7,11 +7,16 @@ For each zoo model and budget fraction: ``optimize(model, f, example_inputs=...)
 ``compiler=True`` (Dynamo and AOTAutograd capture, pricing with the allocator's kernel workspace, the
 pool, lowering and the trial step), timed end to end on one torch thread; prints the plans. Beside them,
 the floor of the compiler path that is not ours: ``torch.compile(model, backend="aot_eager")`` and its
-first forward (Dynamo, AOTAutograd's capture and its own partitioner), in the same process.
+first forward (Dynamo, AOTAutograd's capture and its own partitioner), in the same process. The plan
+column ends with where the seconds went: the profiling passes (executor), the kernel-workspace run and
+the pricing of the joint graph (compiler), and the planner's pool (both).
 """
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
+import functools
 import time
 import warnings
 
@@ -19,6 +24,35 @@ import torch
 
 import models_zoo
 import recompute_graph as rg
+from recompute_graph import costs, joint_lowering, planner
+
+#: (module, function, label): the phases timed inside optimize()
+PHASES = ((costs, "_run_counted", "profiling passes"), (joint_lowering, "kernel_workspace_bytes", "workspace run"),
+          (joint_lowering, "joint_cost_graph", "joint pricing"), (planner, "_build_pool", "pool"))
+
+
+@contextlib.contextmanager
+def timed_phases():
+    """Seconds spent in each of ``PHASES`` while the block runs (a Counter by label)."""
+    seconds: collections.Counter = collections.Counter()
+    originals = [(module, name, getattr(module, name)) for module, name, _ in PHASES]
+
+    def timing(function, label):
+        @functools.wraps(function)
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                seconds[label] += time.perf_counter() - start
+        return timed
+    for (module, name, label), (_, _, function) in zip(PHASES, originals):
+        setattr(module, name, timing(function, label))
+    try:
+        yield seconds
+    finally:
+        for module, name, function in originals:
+            setattr(module, name, function)
 
 
 def main() -> None:
@@ -34,11 +68,13 @@ def main() -> None:
         for compiler in (False, True):
             model, inputs = models_zoo.get_model(name, args.preset)
             torch._dynamo.reset()
-            start = time.perf_counter()
-            optimized = rg.optimize(model, float(fraction), example_inputs=inputs, compiler=compiler)
-            seconds = time.perf_counter() - start
+            with timed_phases() as phases:
+                start = time.perf_counter()
+                optimized = rg.optimize(model, float(fraction), example_inputs=inputs, compiler=compiler)
+                seconds = time.perf_counter() - start
+            spent = ", ".join(f"{label} {phases[label]:.1f} s" for _, _, label in PHASES if phases[label])
             print(f"| {name} ({args.preset}) | {float(fraction):.0%} | {'compiler' if compiler else 'executor'} | "
-                  f"{seconds:.1f} | {optimized.recompute_plan.one_line()} |", flush=True)
+                  f"{seconds:.1f} | {optimized.recompute_plan.one_line()} ({spent}) |", flush=True)
         model, inputs = models_zoo.get_model(name, args.preset)
         torch._dynamo.reset()
         start = time.perf_counter()
