@@ -62,6 +62,9 @@ def test_bench_measures_our_plans_and_the_peers_against_store_all(capsys):
     assert rows["torch.utils.checkpoint per block"]["peak_ratio"] < 1.0
     assert rows["torch.compile budget 60%"]["peak_bytes"] is not None
     assert "Rockmate 2" in rows
+    for row in result["rows"]:  # each row timed in turn with the original: its ratio is to that timing
+        if row["peak_bytes"] is not None:
+            assert row["original_seconds"] > 0 and row["time_ratio"] == row["seconds"] / row["original_seconds"]
 
 
 def test_bench_measures_our_compiler_path_with_its_prediction(capsys):

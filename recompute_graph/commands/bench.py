@@ -28,7 +28,8 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--peers", action="store_true", help="also measure the peer systems")
     parser.add_argument("--compiled", action="store_true",
                         help="also measure our compiler path: torch.compile(model, backend=rg.backend(f))")
-    parser.add_argument("--repeats", type=int, default=3, help="timed steps per row (median; default 3)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timing rounds per row, its step in turn with the original's (medians; default 3)")
     add_output_flags(parser)
     parser.set_defaults(run=run)
 
@@ -44,13 +45,15 @@ def _training_step(module: Any, inputs: tuple) -> Callable[[], None]:
 
 def run(args: argparse.Namespace) -> int:
     from ..errors import InfeasibleBudgetError, SolverError
-    from ..measure import default_loss, profiler_peak_memory, time_step
+    from ..measure import default_loss, profiler_peak_memory, time_step, time_steps_in_turn
     from ..optimized_module import run_schedule
     from ..planner import make_plan
     from ..progress import progress_bar
     from ..rewrite import ScheduleExecutor
     model, inputs, label, traced, graph = profile_positional_model(args, "bench", args.solvers)
     rows: list[dict[str, Any]] = []
+
+    original_step = _training_step(model, inputs)
 
     def measure(row_label: str, step: Callable[[], None], predicted: int | None = None, note: str = "",
                 module: Any = model) -> None:
@@ -59,14 +62,18 @@ def run(args: argparse.Namespace) -> int:
         # their release, which shifts its baseline, so the step starts without them
         module.zero_grad(set_to_none=True)
         peak = profiler_peak_memory(step)
-        seconds = time_step(step, repeats=args.repeats, warmup=0).median_seconds
+        if step is original_step:
+            seconds = original_seconds = time_step(step, repeats=args.repeats, warmup=0).median_seconds
+        else:  # in turn with the original, so that a slow spell of the machine hits both alike
+            original, this = time_steps_in_turn([original_step, step], rounds=args.repeats, warmup=0)
+            seconds, original_seconds = this.median_seconds, original.median_seconds
         rows.append({"label": row_label, "peak_bytes": peak, "seconds": seconds, "predicted_peak_bytes": predicted,
-                     "note": note})
+                     "note": note, "original_seconds": original_seconds, "time_ratio": seconds / original_seconds})
 
     runs = (1 + len(args.solvers) * len(args.fractions) + (3 + len(args.fractions) if args.peers else 0)
             + (len(args.fractions) if args.compiled else 0))
     with progress_bar(runs, f"benchmarking {label}", not args.quiet, unit="run") as bar:
-        measure("original (store-all autograd)", _training_step(model, inputs))
+        measure("original (store-all autograd)", original_step)
         bar.update()
         for solver in args.solvers:
             for fraction in args.fractions:
@@ -93,7 +100,6 @@ def run(args: argparse.Namespace) -> int:
     for row in rows:
         if row["peak_bytes"] is not None:
             row["peak_ratio"] = row["peak_bytes"] / base["peak_bytes"]
-            row["time_ratio"] = row["seconds"] / base["seconds"]
     if args.json:
         print_json({"model": label, "preset": args.preset, "nodes": len(graph), "rows": rows})
         return 0
