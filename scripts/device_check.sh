@@ -1,22 +1,34 @@
 #!/usr/bin/env bash
-# Every GPU check, for a session that is lent a device (docs/benchmarks.md, "On CUDA"), in two calls that
-# each fit the device tool's 600 s limit:
-#     run(command="bash scripts/device_check.sh executor", timeout_s=560)
-#     run(command="bash scripts/device_check.sh compiler", timeout_s=560)
-# (no argument: both, one after the other, for a machine without that limit). Uses the device machine's
-# own python3 (PyTorch with CUDA) and imports this working tree. Each check has its own time limit so that
-# one slow check leaves the others their turn; outputs also go to $OUT.
+# Every GPU check, for a session that is lent a device (docs/benchmarks.md, "On CUDA"). A session has
+# 15 minutes of device time in all (start-up included), so the checks come in parts, the first the one
+# that matters most, sized to leave time for a second call:
+#     run(command="bash scripts/device_check.sh short", timeout_s=420)     # first: about 6.5 min at most
+#     run(command="bash scripts/device_check.sh executor", timeout_s=540)  # if time is left
+# short: exact gradients, max_memory_allocated against the prediction and step-time ratios on the zoo
+# (cuda_check.py), then the Gruslys target on the compiler path. executor: the Gruslys check on
+# the executor, the executor's cost per op, the store-all step ratios. compiler: the old second call
+# (Gruslys on the compiler path with the full capture time, store-all step ratios). No argument: all, one
+# after the other, for a machine without those limits. Uses the device machine's own python3 (PyTorch
+# with CUDA) and imports this working tree. Each check has its own time limit so that one slow check
+# leaves the others their turn; outputs also go to $OUT.
 set -uo pipefail
 part="${1:-all}"
 out="${OUT:-/tmp/device_check}"
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())" 2>&1 | tee "$out/device.txt"
+if [[ $part == short ]]; then
+    timeout 150 python3 scripts/cuda_check.py 2>&1 | tee "$out/cuda_check.md"
+    timeout 240 python3 scripts/bptt_gruslys.py --device cuda --steps 1000 --batch 512 --hidden 2048 --input 512 \
+        --memory 0.05 --compiler 2>&1 | tee "$out/gruslys_cuda_compiler.md"
+fi
 if [[ $part == all || $part == executor ]]; then
     timeout 200 python3 scripts/cuda_check.py 2>&1 | tee "$out/cuda_check.md"
     timeout 100 python3 scripts/executor_overhead.py --device cuda --rounds 10 2>&1 | tee "$out/executor_overhead_cuda.md"
     timeout 220 python3 scripts/bptt_gruslys.py --device cuda --steps 1000 --batch 512 --hidden 2048 --input 512 \
         --memory 0.05 2>&1 | tee "$out/gruslys_cuda.md"
+    timeout 90 python3 scripts/store_all_step.py --device cuda --models resnet50 gpt2 --rounds 5 2>&1 \
+        | tee "$out/store_all_step_cuda.md"
 fi
 if [[ $part == all || $part == compiler ]]; then
     # the Gruslys target on the compiler path: >= 95 % of the activations saved at <= x1.33,
