@@ -2,7 +2,7 @@
 # Every GPU check, for a session that is lent a device (docs/benchmarks.md, "On CUDA"). A session has
 # 15 minutes of device time in all (start-up included), so the checks come in parts, the first the one
 # that matters most, sized to leave time for a second call:
-#     run(command="bash scripts/device_check.sh short", timeout_s=420)     # first: about 6.5 min at most
+#     run(command="bash scripts/device_check.sh short", timeout_s=450)     # first: 7.2 min at most
 #     run(command="bash scripts/device_check.sh executor", timeout_s=540)  # if time is left
 # short: exact gradients, max_memory_allocated against the prediction and step-time ratios on the zoo
 # (cuda_check.py), then the Gruslys target on the compiler path. executor: the Gruslys check on
@@ -18,8 +18,8 @@ mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())" 2>&1 | tee "$out/device.txt"
 if [[ $part == short ]]; then
-    timeout 150 python3 scripts/cuda_check.py 2>&1 | tee "$out/cuda_check.md"
-    timeout 240 python3 scripts/bptt_gruslys.py --device cuda --steps 1000 --batch 512 --hidden 2048 --input 512 \
+    timeout 130 python3 scripts/cuda_check.py 2>&1 | tee "$out/cuda_check.md"
+    timeout 300 python3 scripts/bptt_gruslys.py --device cuda --steps 1000 --batch 512 --hidden 2048 --input 512 \
         --memory 0.05 --compiler 2>&1 | tee "$out/gruslys_cuda_compiler.md"
 fi
 if [[ $part == all || $part == executor ]]; then
