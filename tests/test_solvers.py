@@ -228,3 +228,28 @@ def test_the_pool_holds_only_plans_no_other_beats_and_keeps_the_lowest_peak(grap
     for solution in grid:  # every grid plan is in the pool or beaten by one there
         peak = min_budget_for_step(graph, solution.simulation)
         assert any(p <= peak and c <= solution.recompute_cost for p, c in zip(peaks, costs))
+
+
+def test_the_pool_leaves_the_collector_as_it_found_it(monkeypatch):
+    """The pool is built with the older objects frozen out of the collector's passes (``gc.freeze``),
+    then hands them back; objects a caller froze before stay frozen."""
+    import gc
+    from recompute_graph import planner
+    from test_schedule import chain
+    assert gc.get_freeze_count() == 0
+    frozen_while_planning = []
+    grid_pool = planner._grid_pool
+
+    def watched(graph, variant):
+        frozen_while_planning.append(gc.get_freeze_count())
+        return grid_pool(graph, variant)
+    monkeypatch.setattr(planner, "_grid_pool", watched)
+    planner._build_pool(chain(8), "time")
+    assert frozen_while_planning[0] > 0 and gc.get_freeze_count() == 0  # frozen while it ran, handed back
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        planner._build_pool(chain(8), "time")
+        assert frozen_while_planning[1] == frozen and gc.get_freeze_count() == frozen  # the caller's stay
+    finally:
+        gc.unfreeze()
