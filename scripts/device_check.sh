@@ -3,11 +3,11 @@
 # 15 minutes of device time in all (start-up included), so the checks come in parts, the first the one
 # that matters most, sized to leave time for a second call:
 #     run(command="bash scripts/device_check.sh short", timeout_s=450)     # first: 7.2 min at most
-#     run(command="bash scripts/device_check.sh executor", timeout_s=540)  # if time is left
+#     run(command="bash scripts/device_check.sh executor", timeout_s=450)  # if time is left: 6.8 min at most
 # short: exact gradients, max_memory_allocated against the prediction and step-time ratios on the zoo
-# (cuda_check.py), then the Gruslys target on the compiler path. executor: the Gruslys check on
-# the executor, the executor's cost per op, the store-all step ratios. compiler: the old second call
-# (Gruslys on the compiler path with the full capture time, store-all step ratios). No argument: all, one
+# (cuda_check.py), then the Gruslys target on the compiler path. executor: the rest, the Gruslys
+# check on the executor, the executor's cost per op, the store-all step ratios. compiler: the Gruslys check
+# on the compiler path with a longer capture limit. No argument: cuda_check, executor and compiler, one
 # after the other, for a machine without those limits. Uses the device machine's own python3 (PyTorch
 # with CUDA) and imports this working tree. Each check has its own time limit so that one slow check
 # leaves the others their turn; outputs also go to $OUT.
@@ -22,8 +22,10 @@ if [[ $part == short ]]; then
     timeout 300 python3 scripts/bptt_gruslys.py --device cuda --steps 1000 --batch 512 --hidden 2048 --input 512 \
         --memory 0.05 --compiler 2>&1 | tee "$out/gruslys_cuda_compiler.md"
 fi
-if [[ $part == all || $part == executor ]]; then
+if [[ $part == all ]]; then
     timeout 200 python3 scripts/cuda_check.py 2>&1 | tee "$out/cuda_check.md"
+fi
+if [[ $part == all || $part == executor ]]; then
     timeout 100 python3 scripts/executor_overhead.py --device cuda --rounds 10 2>&1 | tee "$out/executor_overhead_cuda.md"
     timeout 220 python3 scripts/bptt_gruslys.py --device cuda --steps 1000 --batch 512 --hidden 2048 --input 512 \
         --memory 0.05 2>&1 | tee "$out/gruslys_cuda.md"
@@ -35,6 +37,4 @@ if [[ $part == all || $part == compiler ]]; then
     # max_memory_allocated within 5 % of the prediction (capture of the 17,000-unit graph: minutes)
     timeout 420 python3 scripts/bptt_gruslys.py --device cuda --steps 1000 --batch 512 --hidden 2048 --input 512 \
         --memory 0.05 --compiler 2>&1 | tee "$out/gruslys_cuda_compiler.md"
-    timeout 120 python3 scripts/store_all_step.py --device cuda --models resnet50 gpt2 --rounds 5 2>&1 \
-        | tee "$out/store_all_step_cuda.md"
 fi
