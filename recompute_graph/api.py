@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from .collector import full_collections_deferred
 from .costs import profile_graph
 from .call_graphs import CallGraphs, profile_call, training_mode
 from .optimized_module import PreparedStep, RecomputedModule
@@ -120,6 +121,10 @@ def optimize(model: nn.Module, budget: Budget, *, example_inputs: Sequence[Any] 
     graphs = CallGraphs(model, tracer)
 
     def prepare(args: tuple, kwargs: dict) -> PreparedStep:
+        with full_collections_deferred():
+            return _prepare(args, kwargs)
+
+    def _prepare(args: tuple, kwargs: dict) -> PreparedStep:
         call = graphs.graph_for(args, kwargs)
         graph = cost_graph
         if graph is None:

@@ -37,6 +37,7 @@ from torch._dynamo.exc import TorchDynamoException
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten
 
+from .collector import full_collections_deferred
 from .errors import CompilerFallbackWarning, InfeasibleBudgetError, RecomputeError
 from .joint_capture import CaptureError
 from .joint_lowering import Lowered, budget_backend
@@ -150,7 +151,7 @@ class CompiledRecomputedModule(SharedModelModule):
         was_training = self.training
         self.train(True)
         try:
-            with preserved_state(self._original, rng=True), torch.enable_grad():
+            with preserved_state(self._original, rng=True), torch.enable_grad(), full_collections_deferred():
                 self._step_for(key)(*args, **kwargs)
         except TorchDynamoException as error:
             raise _library_error(error, self._original_class) from error

@@ -6,13 +6,12 @@ predicted peak plus the planning margin), so that ``1.0`` always fits.
 """
 from __future__ import annotations
 
-import contextlib
-import gc
 import inspect
 import math
 from dataclasses import dataclass, field
 from typing import Iterator, Union
 
+from .collector import full_collections_deferred
 from .errors import InfeasibleBudgetError, SolverError
 from .graph import SCALAR_LOSS_BYTES, CostGraph
 from .graph_memo import memoized
@@ -297,28 +296,11 @@ def candidate_pool(graph: CostGraph, variant: str = "time") -> tuple[Solution, .
 
 
 def _build_pool(graph: CostGraph, variant: str) -> tuple[Solution, ...]:
-    with _older_objects_frozen(), collecting_plans() as seen:
+    with full_collections_deferred(), collecting_plans() as seen:
         pool = _grid_pool(graph, variant)
     for solution in seen:  # the plans the solvers simulated on the way
         pool.setdefault(solution.schedule, solution)
     return _undominated(graph, list(pool.values()))
-
-
-@contextlib.contextmanager
-def _older_objects_frozen() -> Iterator[None]:
-    """The objects alive before the block left out of the garbage collector's passes while it runs
-    (``gc.freeze``), then handed back: the pool makes millions of short-lived objects, and each full
-    collection they trigger walks every object of the process. Inside ``torch.compile`` that is the
-    captured graphs' 850,000 (ResNet-152's pool: three full collections, 1.3 s). Left alone when the
-    caller has frozen objects already (unfreezing would hand theirs back too)."""
-    if gc.get_freeze_count():
-        yield
-        return
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
 
 
 def _undominated(graph: CostGraph, plans: list[Solution]) -> tuple[Solution, ...]:

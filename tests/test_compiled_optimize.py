@@ -290,3 +290,26 @@ def test_many_models_of_one_class_and_many_shapes_of_one_model_are_each_compiled
         assert parameter_gradient_error(model, reference) == 0.0
     _step(lazy, (x[:510],))  # a signature seen before is not planned again
     assert len(lazy.lowerings) == 9 and isinstance(lazy, rg.CompiledRecomputedModule)
+
+
+
+@pytest.mark.parametrize("compiler", [True, False])
+def test_planning_runs_with_full_collections_deferred_and_hands_the_collector_back(compiler, monkeypatch):
+    """Both paths capture, price and plan with the older objects frozen out of the collector and full
+    collections held back (``collector.full_collections_deferred``): ``make_plan`` runs before the pool,
+    so what it sees is the planning call's setting, not the pool's own."""
+    import gc
+    from recompute_graph import api, planner
+    from recompute_graph.collector import DEFERRED_FULL_COLLECTION_THRESHOLD
+    torch._dynamo.reset()
+    thresholds, seen, make_plan = gc.get_threshold(), [], planner.make_plan
+
+    def watched(*args, **kwargs):
+        seen.append((gc.get_freeze_count(), gc.get_threshold()[2]))
+        return make_plan(*args, **kwargs)
+    # the compiler path imports make_plan from the planner when it plans, the executor's at import
+    monkeypatch.setattr(planner if compiler else api, "make_plan", watched)
+    model, inputs = models_zoo.get_model("mlp", "tiny")
+    rg.optimize(model, 0.9, example_inputs=inputs, compiler=compiler)
+    assert seen and seen[0][0] > 0 and seen[0][1] == DEFERRED_FULL_COLLECTION_THRESHOLD
+    assert gc.get_freeze_count() == 0 and gc.get_threshold() == thresholds

@@ -231,25 +231,37 @@ def test_the_pool_holds_only_plans_no_other_beats_and_keeps_the_lowest_peak(grap
 
 
 def test_the_pool_leaves_the_collector_as_it_found_it(monkeypatch):
-    """The pool is built with the older objects frozen out of the collector's passes (``gc.freeze``),
-    then hands them back; objects a caller froze before stay frozen."""
+    """The pool is built with the older objects frozen out of the collector's passes (``gc.freeze``) and
+    full collections held back (``threshold2`` raised), then hands both back, also after an error;
+    objects a caller froze before stay frozen, and a nested block changes nothing."""
     import gc
     from recompute_graph import planner
+    from recompute_graph.collector import DEFERRED_FULL_COLLECTION_THRESHOLD, full_collections_deferred
     from test_schedule import chain
     assert gc.get_freeze_count() == 0
-    frozen_while_planning = []
+    thresholds = gc.get_threshold()
+    assert thresholds[2] < DEFERRED_FULL_COLLECTION_THRESHOLD
+    while_planning = []
     grid_pool = planner._grid_pool
 
     def watched(graph, variant):
-        frozen_while_planning.append(gc.get_freeze_count())
+        while_planning.append((gc.get_freeze_count(), gc.get_threshold()))
         return grid_pool(graph, variant)
     monkeypatch.setattr(planner, "_grid_pool", watched)
     planner._build_pool(chain(8), "time")
-    assert frozen_while_planning[0] > 0 and gc.get_freeze_count() == 0  # frozen while it ran, handed back
+    frozen, during = while_planning[0]
+    assert frozen > 0 and during == (*thresholds[:2], DEFERRED_FULL_COLLECTION_THRESHOLD)
+    assert gc.get_freeze_count() == 0 and gc.get_threshold() == thresholds  # handed back
+    with pytest.raises(RuntimeError), full_collections_deferred():
+        raise RuntimeError("a failure while planning")
+    assert gc.get_freeze_count() == 0 and gc.get_threshold() == thresholds
     gc.freeze()
     try:
         frozen = gc.get_freeze_count()
-        planner._build_pool(chain(8), "time")
-        assert frozen_while_planning[1] == frozen and gc.get_freeze_count() == frozen  # the caller's stay
+        with full_collections_deferred():
+            planner._build_pool(chain(8), "time")  # nested: the inner block leaves the outer's settings
+            assert gc.get_threshold()[2] == DEFERRED_FULL_COLLECTION_THRESHOLD
+        assert while_planning[1][0] == frozen and gc.get_freeze_count() == frozen  # the caller's stay
+        assert gc.get_threshold() == thresholds
     finally:
         gc.unfreeze()
