@@ -6,6 +6,7 @@ predicted peak plus the planning margin), so that ``1.0`` always fits.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from dataclasses import dataclass, field
@@ -13,6 +14,7 @@ from typing import Iterator, Union
 
 from .collector import full_collections_deferred
 from .errors import InfeasibleBudgetError, SolverError
+from .forked_work import available_workers, run_forked
 from .graph import SCALAR_LOSS_BYTES, CostGraph
 from .graph_memo import memoized
 from .schedule import Schedule
@@ -296,11 +298,67 @@ def candidate_pool(graph: CostGraph, variant: str = "time") -> tuple[Solution, .
 
 
 def _build_pool(graph: CostGraph, variant: str) -> tuple[Solution, ...]:
-    with full_collections_deferred(), collecting_plans() as seen:
-        pool = _grid_pool(graph, variant)
-    for solution in seen:  # the plans the solvers simulated on the way
-        pool.setdefault(solution.schedule, solution)
+    """The pool, the solvers split between processes when the graph is large (``_solver_groups``,
+    ``forked_work.run_forked``); the same plans as one process makes, in the same order: each group keeps
+    what no plan of its own beats (``_group_pool``), and what a group drops no plan of the whole pool
+    would keep either."""
+    store_all = SOLVERS["store_all"](graph, None)
+    names = [name for name in auto_solvers(graph) if name != "store_all"]
+    with full_collections_deferred():
+        parts = run_forked([functools.partial(_group_pool, graph, group, variant)
+                            for group in _solver_groups(graph, names)])
+    by_solver = {name: part for group in parts for name, part in group.items()}
+    pool = {store_all.schedule: store_all}
+    for index in (0, 1):  # each solver's plans at the grid's budgets, then those simulated on the way
+        for name in names:
+            for solution in by_solver[name][index]:
+                pool.setdefault(solution.schedule, solution)
     return _undominated(graph, list(pool.values()))
+
+
+#: Rough relative seconds of a solver's share of a large graph's pool (others: 0.5), to balance
+#: ``_solver_groups`` (ResNet-152's joint graph: dp_approx 2.5 s, chain_dp 2.8, chen_greedy 1.0, chen_sqrt 0.2)
+POOL_SOLVER_WEIGHTS = {"dp_exact": 3.0, "dp_approx": 3.0, "chain_dp": 3.0, "chen_greedy": 1.0}
+#: Graphs of fewer nodes build their pool in one process (a fork and the plans' pickling cost more than
+#: the solvers take)
+POOL_FORK_NODES = 100
+
+
+def _solver_groups(graph: CostGraph, names: list[str]) -> list[list[str]]:
+    """``names`` split into at most ``forked_work.available_workers()`` groups of about equal weight
+    (``POOL_SOLVER_WEIGHTS``, heaviest first onto the lightest group), each in ``names``' order; one
+    group below ``POOL_FORK_NODES`` nodes."""
+    workers = min(available_workers(), len(names)) if len(graph) >= POOL_FORK_NODES else 1
+    if workers <= 1:
+        return [names]
+    groups: list[list[str]] = [[] for _ in range(workers)]
+    weights = [0.0] * workers
+    for name in sorted(names, key=lambda n: -POOL_SOLVER_WEIGHTS.get(n, 0.5)):
+        lightest = weights.index(min(weights))
+        groups[lightest].append(name)
+        weights[lightest] += POOL_SOLVER_WEIGHTS.get(name, 0.5)
+    return [sorted(group, key=names.index) for group in groups if group]
+
+
+def _group_pool(graph: CostGraph, names: list[str], variant: str
+                ) -> dict[str, tuple[list[Solution], list[Solution]]]:
+    """Each solver of ``names``: its plans at the grid's budgets (``_solver_grid``) and those it simulated
+    on the way (``collecting_plans``), less the plans another plan of the group beats (``_undominated``):
+    a plan beaten within the group is beaten in the whole pool."""
+    parts: dict[str, tuple[list[Solution], list[Solution]]] = {}
+    with collecting_plans() as seen:
+        for name in names:
+            start = len(seen)
+            grid = list(_solver_grid(graph, name, variant).values())
+            parts[name] = (grid, seen[start:])
+    merged: dict[Schedule, Solution] = {}
+    for index in (0, 1):
+        for name in names:
+            for solution in parts[name][index]:
+                merged.setdefault(solution.schedule, solution)
+    kept = {solution.schedule for solution in _undominated(graph, list(merged.values()))}
+    return {name: ([s for s in grid if s.schedule in kept], [s for s in seen_by if s.schedule in kept])
+            for name, (grid, seen_by) in parts.items()}
 
 
 def _undominated(graph: CostGraph, plans: list[Solution]) -> tuple[Solution, ...]:
@@ -315,36 +373,34 @@ def _undominated(graph: CostGraph, plans: list[Solution]) -> tuple[Solution, ...
     return tuple(kept)
 
 
-def _grid_pool(graph: CostGraph, variant: str) -> dict[Schedule, Solution]:
+def _solver_grid(graph: CostGraph, name: str, variant: str) -> dict[Schedule, Solution]:
+    """Solver ``name``'s plans at its floor and at the grid's budgets down to it (``candidate_pool``)."""
     store_all = SOLVERS["store_all"](graph, None)
     allowance, margin = loss_allowance_bytes(graph), planning_margin(graph)
     store_all_budget = min_budget_for_peak(store_all.peak_bytes, allowance, margin)
-    pool = {store_all.schedule: store_all}
-    for name in auto_solvers(graph):
-        if name == "store_all":
-            continue
-        try:
-            floor = run_solver(name, graph, None, variant)
-        except SolverError:  # a heuristic that finds nothing without a budget: try each budget
-            floor_budget = 0
-        else:
-            pool.setdefault(floor.schedule, floor)
-            floor_budget = min_budget_for_step(graph, floor.simulation)
-        above_floor = [int(floor_budget * (1 + step)) for step in POOL_ABOVE_FLOOR] if floor_budget else []
-        budgets = sorted({int(f * store_all_budget) for f in pool_fractions(graph)}.union(above_floor),
-                         reverse=True)
-        for budget_bytes in budgets:
-            if budget_bytes < floor_budget:
+    pool: dict[Schedule, Solution] = {}
+    try:
+        floor = run_solver(name, graph, None, variant)
+    except SolverError:  # a heuristic that finds nothing without a budget: try each budget
+        floor_budget = 0
+    else:
+        pool.setdefault(floor.schedule, floor)
+        floor_budget = min_budget_for_step(graph, floor.simulation)
+    above_floor = [int(floor_budget * (1 + step)) for step in POOL_ABOVE_FLOOR] if floor_budget else []
+    budgets = sorted({int(f * store_all_budget) for f in pool_fractions(graph)}.union(above_floor),
+                     reverse=True)
+    for budget_bytes in budgets:
+        if budget_bytes < floor_budget:
+            break
+        usable = usable_bytes_of(budget_bytes, allowance, margin)
+        for solver_budget in dict.fromkeys((usable, usable_bytes_of(budget_bytes, 0, margin))):
+            try:
+                solution = run_solver(name, graph, solver_budget, variant)
+            except SolverError:
                 break
-            usable = usable_bytes_of(budget_bytes, allowance, margin)
-            for solver_budget in dict.fromkeys((usable, usable_bytes_of(budget_bytes, 0, margin))):
-                try:
-                    solution = run_solver(name, graph, solver_budget, variant)
-                except SolverError:
-                    break
-                pool.setdefault(solution.schedule, solution)
-                if solution.fits(usable):
-                    break
+            pool.setdefault(solution.schedule, solution)
+            if solution.fits(usable):
+                break
     return pool
 
 

@@ -73,6 +73,15 @@ class Schedule:
     forward_ops: tuple[Op, ...]
     backward_ops: tuple[Op, ...] = ()
 
+    def __hash__(self) -> int:
+        """The ops' hash, computed once (a pool hashes each of its schedules of thousands of ops several
+        times; equal schedules still compare op by op)."""
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash((self.forward_ops, self.backward_ops))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
     @property
     def ops(self) -> tuple[Op, ...]:
         return self.forward_ops + self.backward_ops

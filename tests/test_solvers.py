@@ -217,13 +217,14 @@ def test_the_pool_holds_only_plans_no_other_beats_and_keeps_the_lowest_peak(grap
     """``auto``'s pool keeps every plan the solvers simulated on the way (``collecting_plans``) that no
     other plan beats in both least budget (``min_budget_for_step``) and recomputation: along rising
     budgets, falling recomputation, from the lowest any solver found to store-all."""
-    from recompute_graph.planner import _grid_pool, candidate_pool, min_budget_for_step
+    from recompute_graph.planner import _solver_grid, auto_solvers, candidate_pool, min_budget_for_step
     pool = candidate_pool(graph)
     peaks = [min_budget_for_step(graph, s.simulation) for s in pool]  # what auto's fit test compares
     costs = [s.recompute_cost for s in pool]
     assert peaks == sorted(peaks) and all(a > b for a, b in zip(costs, costs[1:]))
     assert costs[-1] == 0  # store-all, or a plan of lower peak that recomputes nothing either
-    grid = _grid_pool(graph, "time").values()
+    grid = [solution for name in auto_solvers(graph) if name != "store_all"
+            for solution in _solver_grid(graph, name, "time").values()]
     assert peaks[0] <= min(min_budget_for_step(graph, s.simulation) for s in grid)
     for solution in grid:  # every grid plan is in the pool or beaten by one there
         peak = min_budget_for_step(graph, solution.simulation)
@@ -242,12 +243,12 @@ def test_the_pool_leaves_the_collector_as_it_found_it(monkeypatch):
     thresholds = gc.get_threshold()
     assert thresholds[2] < DEFERRED_FULL_COLLECTION_THRESHOLD
     while_planning = []
-    grid_pool = planner._grid_pool
+    group_pool = planner._group_pool
 
-    def watched(graph, variant):
+    def watched(graph, names, variant):
         while_planning.append((gc.get_freeze_count(), gc.get_threshold()))
-        return grid_pool(graph, variant)
-    monkeypatch.setattr(planner, "_grid_pool", watched)
+        return group_pool(graph, names, variant)
+    monkeypatch.setattr(planner, "_group_pool", watched)
     planner._build_pool(chain(8), "time")
     frozen, during = while_planning[0]
     assert frozen > 0 and during == (*thresholds[:2], DEFERRED_FULL_COLLECTION_THRESHOLD)

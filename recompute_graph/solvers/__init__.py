@@ -7,13 +7,14 @@ holds that verdict. Callers check ``solution.fits(budget)``.
 """
 from __future__ import annotations
 
+from array import array
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from ..graph import CostGraph
-from ..schedule import Schedule
-from ..simulate import SimulationResult, simulate
+from ..schedule import Backward, Forward, FreeValue, Op, Schedule
+from ..simulate import SimulationResult, TimelinePoint, simulate
 
 __all__ = ["Solution", "SOLVERS", "GRAPH_KINDS", "get_solver", "register", "solvers_for", "best_of",
            "simulator_checked", "collecting_plans"]
@@ -30,7 +31,16 @@ class Solution:
 
     @classmethod
     def of(cls, solver: str, graph: CostGraph, schedule: Schedule, description: str = "") -> "Solution":
-        return cls(solver, schedule, simulate(graph, schedule), description)
+        """``schedule`` and its simulation on ``graph``; while ``collecting_plans()`` is open, a schedule
+        simulated before on the same graph reuses that simulation (the pool's solvers meet the same
+        schedule at neighbouring budgets: 27 of ResNet-152's 110 simulations)."""
+        if not _SIMULATED:
+            return cls(solver, schedule, simulate(graph, schedule), description)
+        simulations = _SIMULATED[-1]
+        key = (id(graph), schedule)
+        if key not in simulations:
+            simulations[key] = (graph, simulate(graph, schedule))  # the graph held: its id stays its own
+        return cls(solver, schedule, simulations[key][1], description)
 
     @property
     def peak_bytes(self) -> int:
@@ -42,6 +52,51 @@ class Solution:
 
     def fits(self, budget_bytes: int | None) -> bool:
         return budget_bytes is None or self.simulation.peak_bytes <= budget_bytes
+
+    def __reduce__(self) -> tuple:
+        """Pickled compactly: the planner's pool sends its plans from one process to another
+        (``forked_work``), and a generic pickle of a plan's thousands of ops and timeline points took
+        0.4 s for ResNet-152's. The ops go as integer codes, the timeline as arrays of its numbers; when
+        loaded, its points refer to the schedule's ops again, as the simulator made them."""
+        simulation = self.simulation
+        timeline = simulation.timeline
+        numbers = (simulation.peak_bytes, simulation.forward_peak_bytes, simulation.compute_cost,
+                   simulation.recompute_cost, simulation.final_bytes, simulation.outputs_dropped_bytes)
+        return (_unpacked_solution, (self.solver, self.description, _packed_ops(self.schedule.forward_ops),
+                                     _packed_ops(self.schedule.backward_ops), numbers,
+                                     bytes(point.phase == "forward" for point in timeline),
+                                     array("q", [point.position for point in timeline]),
+                                     array("q", [point.live_bytes for point in timeline]),
+                                     array("q", [point.peak_bytes for point in timeline])))
+
+
+_OP_KINDS = 4  # an op's code: node * _OP_KINDS + (0 Forward, 1 Forward without tape, 2 FreeValue, 3 Backward)
+
+
+def _packed_ops(ops: tuple[Op, ...]) -> array:
+    return array("q", [op.node * _OP_KINDS + (2 if isinstance(op, FreeValue) else 3 if isinstance(op, Backward)
+                                              else 0 if op.tape else 1) for op in ops])
+
+
+def _unpacked_ops(codes: array) -> tuple[Op, ...]:
+    makers = (Forward, lambda node: Forward(node, tape=False), FreeValue, Backward)
+    return tuple(makers[code % _OP_KINDS](code // _OP_KINDS) for code in codes)
+
+
+def _unpacked_solution(solver: str, description: str, forward_codes: array, backward_codes: array,
+                       numbers: tuple, forward_phase: bytes, positions: array, live: array, peaks: array
+                       ) -> Solution:
+    schedule = Schedule(_unpacked_ops(forward_codes), _unpacked_ops(backward_codes))
+    timeline = tuple(TimelinePoint("forward", position, schedule.forward_ops[position], live_bytes, peak)
+                     if forward else
+                     TimelinePoint("backward", position, schedule.backward_ops[position] if position >= 0 else None,
+                                   live_bytes, peak)
+                     for forward, position, live_bytes, peak in zip(forward_phase, positions, live, peaks))
+    peak_bytes, forward_peak_bytes, compute_cost, recompute_cost, final_bytes, dropped = numbers
+    simulation = SimulationResult(peak_bytes=peak_bytes, forward_peak_bytes=forward_peak_bytes,
+                                  compute_cost=compute_cost, recompute_cost=recompute_cost,
+                                  final_bytes=final_bytes, timeline=timeline, outputs_dropped_bytes=dropped)
+    return Solution(solver, schedule, simulation, description)
 
 
 SolverFunction = Callable[[CostGraph, "int | None"], Solution]
@@ -87,19 +142,24 @@ MIN_PEAK_SEARCH = (1.0, 1.15, 1.35)
 
 #: While ``collecting_plans()`` is open: every plan ``simulator_checked`` simulates, for the planner's pool
 _COLLECTED: list[list["Solution"]] = []
+#: ... and the simulations made, by graph and schedule (``Solution.of``)
+_SIMULATED: list[dict[tuple[int, Schedule], tuple[CostGraph, SimulationResult]]] = []
 
 
 @contextmanager
 def collecting_plans() -> Iterator[list["Solution"]]:
     """Gather every plan the model-based solvers simulate on their way to an answer (the plans at the
     model budgets they try) into the yielded list: ``auto``'s pool keeps those that no other plan beats
-    in both peak and recomputation."""
+    in both peak and recomputation. A schedule simulated twice in the block is simulated once
+    (``Solution.of``)."""
     collected: list[Solution] = []
     _COLLECTED.append(collected)
+    _SIMULATED.append({})
     try:
         yield collected
     finally:
         _COLLECTED.pop()
+        _SIMULATED.pop()
 
 
 def _collected(plan: Callable[[float], "Solution | None"]) -> Callable[[float], "Solution | None"]:

@@ -1,0 +1,138 @@
+"""Pure-Python work spread over the cores: the first task in this process, the others in forked children.
+
+The planner's pool runs several solvers over one cost graph, each on its own (solvers are pure Python
+and never touch torch). On a large graph that is seconds per solver, and the cores beside the one
+planning are idle. :func:`run_forked` forks one child per task after the first (``os.fork``: the
+child starts with the parent's objects, the cost graph included, without pickling them), runs the first
+task here, and reads each child's result back through a pipe (pickled). A child that fails, dies or
+takes far longer than the parent's own task (``CHILD_TIMEOUT_*``) is killed and its task run here
+instead, so an error surfaces as it would without children, from this process.
+
+The children run no torch code: only what the tasks call. Where ``os.fork`` does not exist, with one
+core available (``os.sched_getaffinity``), or with ``RECOMPUTE_GRAPH_WORKERS=1``, every task runs here
+in turn. The results are the same either way; only the seconds differ.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import select
+import signal
+import time
+import warnings
+from typing import Callable, Sequence, TypeVar
+
+__all__ = ["available_workers", "run_forked", "WORKERS_VARIABLE", "CHILD_TIMEOUT_SECONDS",
+           "CHILD_TIMEOUT_FACTOR"]
+
+T = TypeVar("T")
+
+#: The environment variable that caps the processes (``1``: no children)
+WORKERS_VARIABLE = "RECOMPUTE_GRAPH_WORKERS"
+#: A child still running this long after the parent finished its own task, and ...
+CHILD_TIMEOUT_SECONDS = 60.0
+#: ... this many times the parent's task's seconds, is killed and its task run in the parent
+CHILD_TIMEOUT_FACTOR = 10.0
+
+
+def available_workers() -> int:
+    """The processes :func:`run_forked` may use: the cores this process may run on, at most
+    ``RECOMPUTE_GRAPH_WORKERS`` when set; 1 where ``os.fork`` does not exist."""
+    if not hasattr(os, "fork"):
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cap = os.environ.get(WORKERS_VARIABLE, "").strip()
+    if cap:
+        try:
+            cores = min(cores, max(1, int(cap)))
+        except ValueError:
+            raise ValueError(f"{WORKERS_VARIABLE}={cap!r}: give a whole number of processes (1: no children)")
+    return max(1, cores)
+
+
+def run_forked(tasks: Sequence[Callable[[], T]]) -> list[T]:
+    """``[task() for task in tasks]``, the tasks after the first in forked children when
+    ``available_workers()`` allows (one child per task, so pass at most that many tasks). Each result
+    must pickle. A child's failure runs its task here, where its error is raised as usual."""
+    if len(tasks) <= 1 or available_workers() < 2:
+        return [task() for task in tasks]
+    children = [_fork(task) for task in tasks[1:]]
+    start = time.perf_counter()
+    try:
+        first = tasks[0]()
+    except BaseException:
+        for child in children:
+            if child is not None:
+                _kill(child)
+                os.close(child[1])
+        raise
+    timeout = max(CHILD_TIMEOUT_SECONDS, CHILD_TIMEOUT_FACTOR * (time.perf_counter() - start))
+    results: list[T] = [first]
+    for task, child in zip(tasks[1:], children):
+        outcome = _read(child, timeout) if child is not None else None
+        results.append(outcome[0] if outcome is not None else task())
+    return results
+
+
+def _fork(task: Callable[[], T]) -> tuple[int, int] | None:
+    """A child running ``task``: (pid, read end of its pipe); None when the fork failed."""
+    read_end, write_end = os.pipe()
+    try:
+        with warnings.catch_warnings():  # Python 3.12+ warns of fork in a process with threads
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+    except OSError:
+        os.close(read_end)
+        os.close(write_end)
+        return None
+    if pid == 0:  # the child: run, write, leave without the parent's exit handlers or buffers
+        status = 1
+        try:
+            os.close(read_end)
+            payload = pickle.dumps(("ok", task()), protocol=pickle.HIGHEST_PROTOCOL)
+            with os.fdopen(write_end, "wb") as pipe:
+                pipe.write(payload)
+            status = 0
+        except BaseException:
+            pass
+        finally:
+            os._exit(status)
+    os.close(write_end)
+    return pid, read_end
+
+
+def _read(child: tuple[int, int], timeout_seconds: float) -> tuple[T] | None:
+    """The child's result as a 1-tuple, or None when it failed, died or ran past ``timeout_seconds``."""
+    pid, read_end = child
+    chunks: list[bytes] = []
+    deadline = time.monotonic() + timeout_seconds
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([read_end], [], [], left)[0]:
+                _kill(child)
+                return None
+            chunk = os.read(read_end, 1 << 20)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        os.close(read_end)
+    _, status = os.waitpid(pid, 0)
+    if status != 0 or not chunks:
+        return None
+    try:
+        kind, result = pickle.loads(b"".join(chunks))
+    except Exception:
+        return None
+    return (result,) if kind == "ok" else None
+
+
+def _kill(child: tuple[int, int]) -> None:
+    """Stop the child and reap it (its pipe is the caller's to close)."""
+    pid, _ = child
+    try:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    except (ProcessLookupError, ChildProcessError):
+        pass

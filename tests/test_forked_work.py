@@ -1,0 +1,139 @@
+"""``forked_work.run_forked``: tasks after the first run in forked children, with the same results as in
+one process; a child that fails, dies or hangs has its task run in the parent; and the planner's pool
+built that way holds the same plans, in the same order, as one process builds."""
+import os
+import pickle
+import time
+
+import pytest
+from hypothesis import given, settings
+
+from recompute_graph import forked_work, planner
+from recompute_graph.solvers import chain_dp
+from strategies import cost_graphs
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork on this platform")
+
+
+@pytest.fixture
+def two_workers(monkeypatch):
+    monkeypatch.setattr(forked_work, "available_workers", lambda: 2)
+
+
+def test_children_run_the_later_tasks_and_their_results_come_back_in_order(two_workers):
+    parent = os.getpid()
+    results = forked_work.run_forked([lambda: ("first", os.getpid()), lambda: ("second", os.getpid()),
+                                      lambda: ("third", [1, 2, 3])])
+    assert results[0] == ("first", parent)
+    assert results[1][0] == "second" and results[1][1] != parent  # ran in a child
+    assert results[2] == ("third", [1, 2, 3])
+
+
+def test_a_task_that_fails_in_its_child_runs_in_the_parent(two_workers):
+    parent = os.getpid()
+
+    def fails_in_a_child():
+        if os.getpid() != parent:
+            raise RuntimeError("only in the child")
+        return "ran here"
+
+    def dies_in_a_child():
+        if os.getpid() != parent:
+            os._exit(3)
+        return "ran here too"
+    assert forked_work.run_forked([lambda: 0, fails_in_a_child, dies_in_a_child]) == [0, "ran here",
+                                                                                        "ran here too"]
+
+
+def test_a_child_past_its_time_is_stopped_and_its_task_run_in_the_parent(two_workers, monkeypatch):
+    monkeypatch.setattr(forked_work, "CHILD_TIMEOUT_SECONDS", 0.5)
+    parent = os.getpid()
+
+    def hangs_in_a_child():
+        if os.getpid() != parent:
+            time.sleep(60)
+        return "ran here"
+    start = time.perf_counter()
+    assert forked_work.run_forked([lambda: 0, hangs_in_a_child]) == [0, "ran here"]
+    assert time.perf_counter() - start < 30
+
+
+def test_an_error_everywhere_is_raised_from_the_parent(two_workers):
+    def fails():
+        raise ValueError("a task's own error")
+    with pytest.raises(ValueError, match="a task's own error"):
+        forked_work.run_forked([lambda: 0, fails])
+    with pytest.raises(ValueError, match="a task's own error"):
+        forked_work.run_forked([fails, lambda: 0])  # the parent's task fails: its children are stopped
+
+
+def test_the_workers_variable_caps_the_processes(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    monkeypatch.setenv(forked_work.WORKERS_VARIABLE, "1")
+    assert forked_work.available_workers() == 1
+    parent = os.getpid()
+    assert forked_work.run_forked([os.getpid, os.getpid]) == [parent, parent]
+    monkeypatch.setenv(forked_work.WORKERS_VARIABLE, "3")
+    assert forked_work.available_workers() == 3
+    monkeypatch.delenv(forked_work.WORKERS_VARIABLE)
+    assert forked_work.available_workers() == 4
+    monkeypatch.setenv(forked_work.WORKERS_VARIABLE, "many")
+    with pytest.raises(ValueError, match="RECOMPUTE_GRAPH_WORKERS='many'"):
+        forked_work.available_workers()
+
+
+def _pool_signature(pool):
+    return [(s.solver, s.description, s.schedule, s.simulation) for s in pool]
+
+
+@settings(max_examples=15, deadline=None)
+@given(cost_graphs(max_nodes=12))
+def test_the_pool_built_in_several_processes_is_the_pool_one_process_builds(graph):
+    """Each group of solvers keeps what no plan of its own beats; merged in the solvers' order, the pool
+    is the one a single process builds: the same plans, the same order, the same simulations."""
+    def workers(count):  # the planner's split and run_forked's forks
+        forked_work.available_workers = planner.available_workers = lambda: count
+    original, threshold, read = forked_work.available_workers, planner.POOL_FORK_NODES, forked_work._read
+    outcomes = []
+
+    def watched_read(child, timeout_seconds):
+        outcomes.append(read(child, timeout_seconds))
+        return outcomes[-1]
+    forked_work._read = watched_read
+    try:
+        workers(1)
+        alone = planner._build_pool(graph, "time")
+        workers(3)
+        planner.POOL_FORK_NODES = 0
+        names = [n for n in planner.auto_solvers(graph) if n != "store_all"]
+        assert len(planner._solver_groups(graph, names)) == min(3, len(names))
+        together = planner._build_pool(graph, "time")
+    finally:
+        forked_work.available_workers = planner.available_workers = original
+        planner.POOL_FORK_NODES, forked_work._read = threshold, read
+    assert outcomes and all(outcome is not None for outcome in outcomes)  # the children's plans came back
+    assert _pool_signature(together) == _pool_signature(alone)
+
+
+def test_the_solvers_are_split_by_weight_and_small_graphs_stay_in_one_process(monkeypatch):
+    from test_schedule import chain
+    monkeypatch.setattr(planner, "available_workers", lambda: 2)
+    names = ["chen_greedy", "chen_sqrt", "dp_approx", "chain_dp"]
+    big = chain(planner.POOL_FORK_NODES)
+    assert planner._solver_groups(big, names) == [["chen_greedy", "dp_approx"], ["chen_sqrt", "chain_dp"]]
+    assert planner._solver_groups(chain(8), names) == [names]
+    monkeypatch.setattr(planner, "available_workers", lambda: 8)
+    assert sorted(map(tuple, planner._solver_groups(big, names))) == sorted((n,) for n in names)
+
+
+def test_a_plan_pickles_compactly_and_comes_back_equal():
+    from test_schedule import chain
+    graph = chain(40)
+    plan = chain_dp.chain_dp(graph, None)
+    back = pickle.loads(pickle.dumps(plan))
+    assert (back.solver, back.description, back.schedule, back.simulation) == (
+        plan.solver, plan.description, plan.schedule, plan.simulation)
+    ops = {"forward": back.schedule.forward_ops, "backward": back.schedule.backward_ops}
+    assert all(point.op is None or point.op is ops[point.phase][point.position]
+               for point in back.simulation.timeline)  # the timeline's ops are the schedule's own again
+    assert any(point.op is None for point in back.simulation.timeline)
