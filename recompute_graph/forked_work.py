@@ -8,7 +8,8 @@ task here, and reads each child's result back through a pipe (pickled). A child 
 takes far longer than the parent's own task (``CHILD_TIMEOUT_*``) is killed and its task run here
 instead, so an error surfaces as it would without children, from this process.
 
-The children run no torch code: only what the tasks call. Where ``os.fork`` does not exist, with one
+The children run no torch code: only what the tasks call. Outside Linux (Windows has no ``os.fork``;
+macOS's system libraries are not safe to use in a child forked from a process with threads), with one
 core available (``os.sched_getaffinity``), or with ``RECOMPUTE_GRAPH_WORKERS=1``, every task runs here
 in turn. The results are the same either way; only the seconds differ.
 """
@@ -18,6 +19,7 @@ import os
 import pickle
 import select
 import signal
+import sys
 import time
 import warnings
 from typing import Callable, Sequence, TypeVar
@@ -37,16 +39,17 @@ CHILD_TIMEOUT_FACTOR = 10.0
 
 def available_workers() -> int:
     """The processes :func:`run_forked` may use: the cores this process may run on, at most
-    ``RECOMPUTE_GRAPH_WORKERS`` when set; 1 where ``os.fork`` does not exist."""
-    if not hasattr(os, "fork"):
+    ``RECOMPUTE_GRAPH_WORKERS`` when set; 1 outside Linux (module docstring)."""
+    if not (sys.platform.startswith("linux") and hasattr(os, "fork") and hasattr(os, "sched_getaffinity")):
         return 1
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = len(os.sched_getaffinity(0))
     cap = os.environ.get(WORKERS_VARIABLE, "").strip()
     if cap:
         try:
             cores = min(cores, max(1, int(cap)))
         except ValueError:
-            raise ValueError(f"{WORKERS_VARIABLE}={cap!r}: give a whole number of processes (1: no children)")
+            raise ValueError(f"{WORKERS_VARIABLE}={cap!r}: give a whole number of processes (1: no children)"
+                             ) from None
     return max(1, cores)
 
 
