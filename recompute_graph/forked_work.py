@@ -60,21 +60,22 @@ def run_forked(tasks: Sequence[Callable[[], T]]) -> list[T]:
     if len(tasks) <= 1 or available_workers() < 2:
         return [task() for task in tasks]
     children = [_fork(task) for task in tasks[1:]]
-    start = time.perf_counter()
+    pending = [child for child in children if child is not None]
     try:
-        first = tasks[0]()
-    except BaseException:
-        for child in children:
+        start = time.perf_counter()
+        results: list[T] = [tasks[0]()]
+        timeout = max(CHILD_TIMEOUT_SECONDS, CHILD_TIMEOUT_FACTOR * (time.perf_counter() - start))
+        for task, child in zip(tasks[1:], children):
+            outcome = None
             if child is not None:
-                _kill(child)
-                os.close(child[1])
-        raise
-    timeout = max(CHILD_TIMEOUT_SECONDS, CHILD_TIMEOUT_FACTOR * (time.perf_counter() - start))
-    results: list[T] = [first]
-    for task, child in zip(tasks[1:], children):
-        outcome = _read(child, timeout) if child is not None else None
-        results.append(outcome[0] if outcome is not None else task())
-    return results
+                pending.remove(child)
+                outcome = _read(child, timeout)
+            results.append(outcome[0] if outcome is not None else task())
+        return results
+    finally:  # after an error or an interrupt here, the children not read yet are stopped
+        for child in pending:
+            _kill(child)
+            os.close(child[1])
 
 
 def _fork(task: Callable[[], T]) -> tuple[int, int] | None:
@@ -119,6 +120,9 @@ def _read(child: tuple[int, int], timeout_seconds: float) -> tuple[T] | None:
             if not chunk:
                 break
             chunks.append(chunk)
+    except BaseException:  # an interrupt while waiting: the child goes too
+        _kill(child)
+        raise
     finally:
         os.close(read_end)
     _, status = os.waitpid(pid, 0)

@@ -59,13 +59,31 @@ def test_a_child_past_its_time_is_stopped_and_its_task_run_in_the_parent(two_wor
     assert time.perf_counter() - start < 30
 
 
-def test_an_error_everywhere_is_raised_from_the_parent(two_workers):
+def test_an_error_everywhere_is_raised_from_the_parent(two_workers, monkeypatch):
+    forked, fork = [], forked_work._fork
+
+    def recorded_fork(task):
+        child = fork(task)
+        forked.append(child[0])
+        return child
+    monkeypatch.setattr(forked_work, "_fork", recorded_fork)
     def fails():
         raise ValueError("a task's own error")
     with pytest.raises(ValueError, match="a task's own error"):
         forked_work.run_forked([lambda: 0, fails])
+    parent = os.getpid()
+
+    def hangs_in_a_child():
+        if os.getpid() != parent:
+            time.sleep(60)
+        return 0
+    start = time.perf_counter()
     with pytest.raises(ValueError, match="a task's own error"):
-        forked_work.run_forked([fails, lambda: 0])  # the parent's task fails: its children are stopped
+        forked_work.run_forked([fails, hangs_in_a_child])  # the parent's task fails: its child is stopped
+    assert time.perf_counter() - start < 30
+    for pid in forked:
+        with pytest.raises(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)  # every child is stopped and reaped
 
 
 def test_the_workers_variable_caps_the_processes(monkeypatch):
