@@ -150,7 +150,7 @@ def test_bad_budgets_raise_value_error_before_any_work(budget):
 
 def test_unknown_solver_and_option_are_rejected():
     model, inputs = models_zoo.get_model("mlp", "tiny")
-    with pytest.raises(ValueError, match="available: chain_dp, chen_greedy"):
+    with pytest.raises(ValueError, match="available: chain_dp, chain_dp_fine, chen_greedy"):
         rg.optimize(model, 0.5, solver="magic")
     with pytest.raises(TypeError, match="unknown options \\['colour'\\]"):
         rg.optimize(model, 0.5, colour="red")

@@ -223,3 +223,26 @@ def test_narrow_cuts_of_random_joint_graphs_keep_the_split_candidates_and_plan_v
     assert simulate(joint, solution.schedule) == solution.simulation
     if solution.fits(budget):
         assert solution.peak_bytes <= budget
+
+
+@settings(max_examples=25, deadline=None)
+@given(cost_graphs(max_nodes=30), st.floats(0.3, 1.0))
+def test_the_finer_chain_cuts_at_every_split_candidate_and_more_and_plans_validly(graph, fraction):
+    """chain_dp_fine cuts a joint graph at every split candidate when there are few enough, and at narrow
+    positions inside every stage wider than a twentieth of the graph (a quarter for chain_dp); its plan is
+    valid and the simulator's."""
+    from recompute_graph.solvers.chain_dp import FINE_MAX_STAGES, FINE_REFINE_ABOVE
+    joint = dataclasses.replace(graph, cost_source=JOINT_COST_SOURCE)
+    fine = chain_of(joint, FINE_MAX_STAGES, FINE_REFINE_ABOVE)
+    assert [v for stage in fine.stages for v in stage] == list(range(len(joint)))
+    if len(split_candidates(joint)) + 1 <= FINE_MAX_STAGES:
+        assert set(split_candidates(joint)) <= {stage[-1] for stage in fine.stages}
+    budget = int(fraction * SOLVERS["store_all"](joint, None).peak_bytes)
+    try:
+        solution = SOLVERS["chain_dp_fine"](joint, budget)
+    except (InfeasibleBudgetError, SolverError):
+        return
+    assert solution.solver == "chain_dp_fine" and f"{len(fine.stages)} stages" in solution.description
+    assert simulate(joint, solution.schedule) == solution.simulation
+    if solution.fits(budget):
+        assert solution.peak_bytes <= budget

@@ -90,7 +90,7 @@ def test_greedy_rule_cuts_when_the_running_sum_exceeds_the_segment_budget():
 
 
 def test_unknown_solver_lists_the_registered_ones():
-    with pytest.raises(ValueError, match="available: chain_dp, chen_greedy, chen_sqrt, dp_approx, dp_exact, evict, ilp, revolve, shave, store_all"):
+    with pytest.raises(ValueError, match="available: chain_dp, chain_dp_fine, chen_greedy, chen_sqrt, dp_approx, dp_exact, evict, ilp, revolve, shave, store_all"):
         get_solver("magic")
 
 
