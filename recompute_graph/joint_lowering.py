@@ -142,6 +142,25 @@ def _is_gradient_sum(node: fx.Node, units: JointUnits) -> bool:
     return node in units.backward and is_gradient_sum(node, units.backward, tangent_terms=True)
 
 
+def _term_views(sums: list[fx.Node], units: JointUnits) -> list[fx.Node]:
+    """The backward nodes between a gradient sum and the kernel that made one of its terms that only
+    view it (a linear weight's gradient ``t(mm(...))``: the ``t`` belongs to the backward of the weight's
+    transpose unit, the ``mm`` to the step's): emitted as soon as the term exists, with the sum, as the
+    simulator prices it. Left with their unit, they waited for its ``Backward`` op, and a schedule that
+    recomputes between the two backward ops held the weight-sized term through the recomputation (an
+    unrolled LSTM's ``weight_hh`` gradient, 4 KB over the prediction for five of a step's recomputations)."""
+    views: list[fx.Node] = []
+    stack = [a for s in sums for a in s.all_input_nodes]
+    while stack:
+        node = stack.pop()
+        inputs = [a for a in node.all_input_nodes if a in units.backward]
+        if (node in units.backward and len(inputs) == 1 and node not in views
+                and {key for key, _ in _storage(node)} <= {key for key, _ in _storage(inputs[0])}):
+            views.append(node)
+            stack.append(inputs[0])
+    return views
+
+
 def _is_random(node: fx.Node) -> bool:
     return node.op == "call_function" and op_name(node.target) in RANDOM_TARGETS
 
@@ -286,7 +305,9 @@ def lower_schedule(joint: fx.GraphModule, units: JointUnits, schedule: Schedule,
     # prices it: a sum left for the backward that reads it keeps each term's storage alive until then
     # (DenseNet: each feature's gradient is a slice of every later concatenation's gradient; summed
     # late, every concatenation's gradient lived to the end of its block, 5.8 MB over the plan)
-    release(n for n in old.nodes if _is_gradient_sum(n, units))
+    sums = [n for n in old.nodes if _is_gradient_sum(n, units)]
+    release(_term_views(sums, units))
+    release(sums)
     for term in [t for t in tree_of_term if t.op == "placeholder"]:  # a tangent is there from the start
         add_term(term)
     for at, op in enumerate(schedule.backward_ops, start=len(schedule.forward_ops) + 1):

@@ -75,10 +75,11 @@ def test_an_lstms_shared_weight_gradients_accumulate_in_place_exactly_and_priced
     assert liveness <= predicted <= 1.01 * liveness
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="known: chain_dp_fine's plan of the tiny LSTM at 40 % simulates 14,248 "
-                   "bytes, its generated graphs' liveness is 14,632 (docs/solvers/chain_dp.md); why it keeps "
-                   "chain_dp_fine out of auto. Strict: when the simulator is mended this fails, so mark it passing")
 def test_chain_dp_fines_plan_of_an_lstm_is_predicted_at_or_above_its_generated_graphs_liveness():
+    """chain_dp_fine cuts between a step's ``addmm`` unit and its weight-transpose unit, and recomputes
+    between their two backward ops. The ``t`` that views the weight's gradient term belongs to the second:
+    left with it, the term (4 KB) was held through five recomputations, 2.6 % over the prediction. Views of
+    a gradient sum's terms are now emitted with the term (``joint_lowering._term_views``)."""
     torch.manual_seed(0)
     model, inputs = models_zoo.get_model("rnn", "tiny", steps=12, batch=2, input_size=8, hidden_size=16)
     torch._dynamo.reset()
@@ -88,4 +89,4 @@ def test_chain_dp_fines_plan_of_an_lstm_is_predicted_at_or_above_its_generated_g
     lowered = last_lowering()
     assert lowered.plan.solver == "chain_dp_fine"
     liveness = graph_peak_bytes(lowered.forward_graph, lowered.backward_graph)
-    assert simulate(lowered.graph, lowered.plan.schedule).peak_bytes >= liveness
+    assert liveness <= simulate(lowered.graph, lowered.plan.schedule).peak_bytes <= 1.01 * liveness
