@@ -149,16 +149,16 @@ def _term_views(sums: list[fx.Node], units: JointUnits) -> list[fx.Node]:
     simulator prices it. Left with their unit, they waited for its ``Backward`` op, and a schedule that
     recomputes between the two backward ops held the weight-sized term through the recomputation (an
     unrolled LSTM's ``weight_hh`` gradient, 4 KB over the prediction for five of a step's recomputations)."""
-    views: list[fx.Node] = []
+    views: dict[fx.Node, None] = {}  # ordered, for a deterministic emission order
     stack = [a for s in sums for a in s.all_input_nodes]
     while stack:
         node = stack.pop()
         inputs = [a for a in node.all_input_nodes if a in units.backward]
         if (node in units.backward and len(inputs) == 1 and node not in views
                 and {key for key, _ in _storage(node)} <= {key for key, _ in _storage(inputs[0])}):
-            views.append(node)
+            views[node] = None
             stack.append(inputs[0])
-    return views
+    return list(views)
 
 
 def _is_random(node: fx.Node) -> bool:
