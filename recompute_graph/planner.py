@@ -21,7 +21,7 @@ from .schedule import Schedule
 from .schedule_passes import keep_free_tapes
 from .simulate import SimulationResult
 from .solvers import SOLVERS, Solution, collecting_plans, get_solver, solvers_for
-from .solvers.chain_dp import chain_of
+from .solvers.chain_dp import FINE_MAX_STAGES, FINE_REFINE_ABOVE, chain_of
 from .solvers.lower_set_dp import dp_for
 from .units import format_bytes, parse_bytes
 
@@ -120,13 +120,17 @@ def auto_solvers(graph: CostGraph) -> tuple[str, ...]:
     """``solver="auto"``: the baselines, plus dp_exact when the graph has at most
     ``lower_set_dp.AUTO_EXACT_LIMIT`` lower sets (else dp_approx, left out above
     ``LOWER_SET_DP_MAX_NODES`` nodes when chain_dp runs), plus chain_dp when the graph linearizes into at
-    least three stages (``chain_dp.chain_of``, made once and reused by chain_dp). The baselines stay
+    least three stages (``chain_dp.chain_of``, made once and reused by chain_dp), plus chain_dp_fine when
+    its finer chain differs from chain_dp's (joint cost graphs whose split candidates leave wide stages,
+    such as ResNet-50's or GPT-2's; neither chain's plans dominate the other's). The baselines stay
     because the DPs' cost models for traced graphs are estimates: the simulator picks the best plan.
-    Joint graphs (explicit backward nodes): store_all and the two heuristics, evict and shave."""
+    Checkmate joint graphs (explicit backward nodes): store_all and the two heuristics, evict and shave."""
     if not graph.implicit_backward:
         return ("store_all", "evict", "shave")
     dp = dp_for(graph)
     chain = ("chain_dp",) if dp and len(chain_of(graph).stages) >= 3 else ()
+    if chain and chain_of(graph, FINE_MAX_STAGES, FINE_REFINE_ABOVE).stages != chain_of(graph).stages:
+        chain += ("chain_dp_fine",)
     if chain and dp == "dp_approx" and len(graph) > LOWER_SET_DP_MAX_NODES:
         dp = None  # O(n²) per run, a dozen runs: half an hour at 17,000 nodes, where chain_dp takes seconds
     return AUTO_SOLVERS + ((dp,) if dp else ()) + chain
@@ -297,12 +301,18 @@ def candidate_pool(graph: CostGraph, variant: str = "time") -> tuple[Solution, .
     return memoized(graph, ("planner.candidate_pool", variant), lambda: _build_pool(graph, variant))
 
 
+def store_all_plan(graph: CostGraph) -> Solution:
+    """The store-all plan of ``graph``, solved and simulated once per graph (every solver's grid, the pool
+    and the budget's parsing ask for it; forked pool workers inherit it)."""
+    return memoized(graph, ("planner.store_all",), lambda: SOLVERS["store_all"](graph, None))
+
+
 def _build_pool(graph: CostGraph, variant: str) -> tuple[Solution, ...]:
     """The pool, the solvers split between processes when the graph is large (``_solver_groups``,
     ``forked_work.run_forked``); the same plans as one process makes, in the same order: each group keeps
     what no plan of its own beats (``_group_pool``), and what a group drops no plan of the whole pool
     would keep either."""
-    store_all = SOLVERS["store_all"](graph, None)
+    store_all = store_all_plan(graph)
     names = [name for name in auto_solvers(graph) if name != "store_all"]
     with full_collections_deferred():
         parts = run_forked([functools.partial(_group_pool, graph, group, variant)
@@ -318,7 +328,7 @@ def _build_pool(graph: CostGraph, variant: str) -> tuple[Solution, ...]:
 
 #: Rough relative seconds of a solver's share of a large graph's pool (others: 0.5), to balance
 #: ``_solver_groups`` (ResNet-152's joint graph: dp_approx 2.5 s, chain_dp 2.8, chen_greedy 1.0, chen_sqrt 0.2)
-POOL_SOLVER_WEIGHTS = {"dp_exact": 3.0, "dp_approx": 3.0, "chain_dp": 3.0, "chen_greedy": 1.0}
+POOL_SOLVER_WEIGHTS = {"dp_exact": 3.0, "dp_approx": 3.0, "chain_dp": 3.0, "chain_dp_fine": 4.0, "chen_greedy": 1.0}
 #: Graphs of fewer nodes build their pool in one process (a fork and the plans' pickling cost more than
 #: the solvers take)
 POOL_FORK_NODES = 100
@@ -375,7 +385,7 @@ def _undominated(graph: CostGraph, plans: list[Solution]) -> tuple[Solution, ...
 
 def _solver_grid(graph: CostGraph, name: str, variant: str) -> dict[Schedule, Solution]:
     """Solver ``name``'s plans at its floor and at the grid's budgets down to it (``candidate_pool``)."""
-    store_all = SOLVERS["store_all"](graph, None)
+    store_all = store_all_plan(graph)
     allowance, margin = loss_allowance_bytes(graph), planning_margin(graph)
     store_all_budget = min_budget_for_peak(store_all.peak_bytes, allowance, margin)
     pool: dict[Schedule, Solution] = {}
@@ -460,7 +470,7 @@ def _plan_for_the_step(graph: CostGraph, name: str, budget_bytes: int, variant: 
 def _store_all_and_budget(graph: CostGraph, budget: Budget) -> tuple[Solution, int]:
     """The store-all solution and ``budget`` in bytes (a fraction is of the store-all budget)."""
     kind, value = parse_budget(budget)
-    store_all = SOLVERS["store_all"](graph, None)
+    store_all = store_all_plan(graph)
     budget_bytes = (int(value * min_budget_for_peak(store_all.peak_bytes, loss_allowance_bytes(graph),
                                                     planning_margin(graph)))
                     if kind == "fraction" else int(value))
