@@ -15,7 +15,7 @@ from typing import Iterator, Union
 from .collector import full_collections_deferred
 from .errors import InfeasibleBudgetError, SolverError
 from .forked_work import available_workers, run_forked
-from .graph import SCALAR_LOSS_BYTES, CostGraph
+from .graph import SCALAR_LOSS_BYTES, CostGraph, is_joint_cost_graph
 from .graph_memo import memoized
 from .schedule import Schedule
 from .schedule_passes import keep_free_tapes
@@ -120,8 +120,8 @@ def auto_solvers(graph: CostGraph) -> tuple[str, ...]:
     """``solver="auto"``: the baselines, plus dp_exact when the graph has at most
     ``lower_set_dp.AUTO_EXACT_LIMIT`` lower sets (else dp_approx, left out above
     ``LOWER_SET_DP_MAX_NODES`` nodes when chain_dp runs), plus chain_dp when the graph linearizes into at
-    least three stages (``chain_dp.chain_of``, made once and reused by chain_dp), plus chain_dp_fine when
-    its finer chain differs from chain_dp's (joint cost graphs whose split candidates leave wide stages,
+    least three stages (``chain_dp.chain_of``, made once and reused by chain_dp), plus chain_dp_fine on a
+    joint cost graph whose finer chain differs from chain_dp's (those whose split candidates leave wide stages,
     such as ResNet-50's or GPT-2's; neither chain's plans dominate the other's). The baselines stay
     because the DPs' cost models for traced graphs are estimates: the simulator picks the best plan.
     Checkmate joint graphs (explicit backward nodes): store_all and the two heuristics, evict and shave."""
@@ -129,7 +129,8 @@ def auto_solvers(graph: CostGraph) -> tuple[str, ...]:
         return ("store_all", "evict", "shave")
     dp = dp_for(graph)
     chain = ("chain_dp",) if dp and len(chain_of(graph).stages) >= 3 else ()
-    if chain and chain_of(graph, FINE_MAX_STAGES, FINE_REFINE_ABOVE).stages != chain_of(graph).stages:
+    if (chain and is_joint_cost_graph(graph)
+            and chain_of(graph, FINE_MAX_STAGES, FINE_REFINE_ABOVE).stages != chain_of(graph).stages):
         chain += ("chain_dp_fine",)
     if chain and dp == "dp_approx" and len(graph) > LOWER_SET_DP_MAX_NODES:
         dp = None  # O(n²) per run, a dozen runs: half an hour at 17,000 nodes, where chain_dp takes seconds

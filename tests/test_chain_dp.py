@@ -246,3 +246,25 @@ def test_the_finer_chain_cuts_at_every_split_candidate_and_more_and_plans_validl
     assert simulate(joint, solution.schedule) == solution.simulation
     if solution.fits(budget):
         assert solution.peak_bytes <= budget
+
+
+def test_auto_runs_the_finer_chain_on_joint_graphs_where_it_differs_from_chain_dps():
+    """``auto`` adds chain_dp_fine on a joint cost graph whose finer chain has other stages than
+    chain_dp's (a recurrence without split candidates), not where the two chains are the same stages (a
+    plain chain: every node a split candidate) nor on graphs priced from a trace."""
+    from recompute_graph.planner import auto_solvers
+    from recompute_graph.solvers.chain_dp import FINE_MAX_STAGES, FINE_REFINE_ABOVE
+    nodes = []  # eight blocks of ten nodes, nine of them reading the block's input
+    for v in range(80):
+        reads = () if v == 0 else (v - 1,) if v % 10 in (0, 1) else (v - 1, v - v % 10)
+        nodes.append(CostNode(v, f"n{v}", predecessors=reads, output_bytes=100, grad_bytes=100,
+                              backward_needs=reads, forward_cost=1.0, backward_cost=2.0))
+    joint = CostGraph("blocks", tuple(nodes), cost_source=JOINT_COST_SOURCE)
+    assert len(chain_of(joint).stages) == 16  # split candidates only: no stage wider than a quarter
+    assert chain_of(joint, FINE_MAX_STAGES, FINE_REFINE_ABOVE).stages != chain_of(joint).stages
+    assert auto_solvers(joint)[-2:] == ("chain_dp", "chain_dp_fine")
+    traced = dataclasses.replace(joint, cost_source="traced")
+    assert "chain_dp" in auto_solvers(traced) and "chain_dp_fine" not in auto_solvers(traced)
+    plain = dataclasses.replace(chain_graph(8), cost_source=JOINT_COST_SOURCE)
+    assert chain_of(plain, FINE_MAX_STAGES, FINE_REFINE_ABOVE).stages == chain_of(plain).stages
+    assert "chain_dp" in auto_solvers(plain) and "chain_dp_fine" not in auto_solvers(plain)

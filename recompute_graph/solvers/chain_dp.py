@@ -315,8 +315,7 @@ def chain_dp_fine(graph: CostGraph, budget_bytes: int | None = None) -> Solution
     the values open across several cuts more often, so neither chain dominates: on ResNet-50's joint graph
     (B=8, 224²) the finer chain's floor is 230.9 MiB (the default chain's 250.3) and it has a plan at
     256.6 MiB and +37.1 % where the default has none under 274.8 MiB at +36.7 %, while above 280 MiB the
-    default's plans are cheaper. Not in ``auto`` yet: its plans reached a lowering order the simulator did not
-    price (a weight's gradient term held through recomputations, mended in ``joint_lowering._term_views``),
-    and the conformance sweeps have not run with it in ``auto`` (docs/solvers/chain_dp.md)."""
+    default's plans are cheaper. ``auto`` runs both where the two chains differ (``planner.auto_solvers``,
+    docs/solvers/chain_dp.md)."""
     return chain_dp(graph, budget_bytes, max_stages=FINE_MAX_STAGES, refine_above=FINE_REFINE_ABOVE,
                     name="chain_dp_fine")
