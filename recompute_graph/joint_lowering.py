@@ -41,6 +41,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import fx
 
+from .collector import full_collections_deferred
 from .errors import InfeasibleBudgetError
 from .graph import CostGraph
 from .gradient_accumulation import ACCUMULATE_IN_PLACE, accumulate_in_place, arrival_order_sums
@@ -556,11 +557,12 @@ def budget_backend(budget: Any, solver: str = "auto", schedule_pass: SchedulePas
                                   joint_inputs=joint_inputs if price_kernels else None,
                                   loss_fn=loss_fn if price_kernels else None, on_infeasible=on_infeasible,
                                   saved_plan=saved_plan, device_profile=device_profile)
-        lowered = lower_at(budget, saved_plan)
-        if inductor and price_kernels:  # inductor's code measured, the plan made again if over
-            from .inductor_lowering import fit_plan_to_inductor
-            lowered = fit_plan_to_inductor(lowered, lowered.plan.budget_bytes, lower_at)
-            _LAST[:] = [lowered]
+        with full_collections_deferred():  # also a recompilation's planning, inside the user's step
+            lowered = lower_at(budget, saved_plan)
+            if inductor and price_kernels:  # inductor's code measured, the plan made again if over
+                from .inductor_lowering import fit_plan_to_inductor
+                lowered = fit_plan_to_inductor(lowered, lowered.plan.budget_bytes, lower_at)
+                _LAST[:] = [lowered]
         if on_lowered is not None:
             on_lowered(lowered)
         return lowered.forward_graph, lowered.backward_graph

@@ -313,3 +313,27 @@ def test_planning_runs_with_full_collections_deferred_and_hands_the_collector_ba
     rg.optimize(model, 0.9, example_inputs=inputs, compiler=compiler)
     assert seen and seen[0][0] > 0 and seen[0][1] == DEFERRED_FULL_COLLECTION_THRESHOLD
     assert gc.get_freeze_count() == 0 and gc.get_threshold() == thresholds
+
+
+def test_torch_compiles_planning_and_a_recompilations_run_with_full_collections_deferred(monkeypatch):
+    """``torch.compile(model, backend=rg.backend(...))`` plans inside the user's step, and again when a new
+    input shape recompiles: each planning sees the collector deferred, and hands it back after."""
+    import gc
+    from recompute_graph import planner
+    from recompute_graph.collector import DEFERRED_FULL_COLLECTION_THRESHOLD
+    torch._dynamo.reset()
+    thresholds, seen, make_plan = gc.get_threshold(), [], planner.make_plan
+
+    def watched(*args, **kwargs):
+        seen.append((gc.get_freeze_count(), gc.get_threshold()[2]))
+        return make_plan(*args, **kwargs)
+    monkeypatch.setattr(planner, "make_plan", watched)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    compiled = torch.compile(model, backend=rg.backend(0.9, on_infeasible="floor"), dynamic=False)
+    planned = []
+    for batch in (4, 6):  # the second shape recompiles
+        default_loss(compiled(torch.randn(batch, 8))).backward()
+        assert gc.get_freeze_count() == 0 and gc.get_threshold() == thresholds
+        planned.append(len(seen))
+    assert 0 < planned[0] < planned[1]
+    assert all(frozen > 0 and threshold == DEFERRED_FULL_COLLECTION_THRESHOLD for frozen, threshold in seen)
