@@ -324,7 +324,38 @@ def _build_pool(graph: CostGraph, variant: str) -> tuple[Solution, ...]:
         for name in names:
             for solution in by_solver[name][index]:
                 pool.setdefault(solution.schedule, solution)
-    return _undominated(graph, list(pool.values()))
+    return _relaxed_pool(graph, _undominated(graph, list(pool.values())))
+
+
+def _relaxed_pool(graph: CostGraph, pool: tuple[Solution, ...]) -> tuple[Solution, ...]:
+    """On a joint cost graph (the compiler path), ``pool`` with each plan relaxed
+    (``schedule_relaxation``) up to the least budget of the next plan, which recomputes less; split
+    between processes as the solvers are; the plans no other beats. ``auto`` picks the least recomputing
+    plan that fits, so each relaxed plan takes the budgets between its own plan's and the next one's."""
+    if not (is_joint_cost_graph(graph) and graph.implicit_backward) or len(pool) < 2:
+        return pool
+    budgets = [min_budget_for_step(graph, plan.simulation) for plan in pool]
+    jobs = [(plan, budgets[index + 1] - 1) for index, plan in enumerate(pool[:-1]) if plan.recompute_cost > 0]
+    if not jobs:
+        return pool
+    workers = max(1, min(available_workers(), len(jobs)) if len(graph) >= POOL_FORK_NODES else 1)
+    with full_collections_deferred():  # job j in group j % workers, at j // workers
+        parts = run_forked([functools.partial(_relax_plans, graph, jobs[first::workers]) for first in range(workers)])
+    relaxed = [plan for j in range(len(jobs)) for plan in [parts[j % workers][j // workers]] if plan is not None]
+    return _undominated(graph, list(pool) + relaxed)
+
+
+def _relax_plans(graph: CostGraph, jobs: list[tuple[Solution, int]]) -> list[Solution | None]:
+    """Each ``(plan, budget)``: the plan relaxed within the budget (``min_budget_for_step``), or None."""
+    from .schedule_relaxation import relax_recomputations
+    margin, out = planning_margin(graph), []
+    for plan, budget_bytes in jobs:
+        found = relax_recomputations(graph, plan.schedule, plan.simulation,
+                                     lambda simulation: min_budget_for_step(graph, simulation) <= budget_bytes,
+                                     usable_bytes_of(budget_bytes, 0, margin))
+        out.append(None if found is None else
+                   Solution(plan.solver, found[0], found[1], f"{plan.description}; relaxed".lstrip("; ")))
+    return out
 
 
 #: Rough relative seconds of a solver's share of a large graph's pool (others: 0.5), to balance

@@ -1,0 +1,197 @@
+"""Relaxing a plan: keep values a schedule computes again, where the budget has room for them.
+
+A solver's schedule often recomputes more than its budget needs. The chain DPs plan at the level of
+stages and price a stage's values at every cut they stay open across, so between two of their plans
+there is a gap of peak bytes that neither uses; the lower-set DPs plan whole lower sets. On ResNet-50's
+joint graph (B=8, 224²), ``auto`` at 37 % of the store-all budget picked chain_dp_fine's plan at
+256.6 MiB and +37.1 % of the store-all compute; with the pool's plans relaxed
+(``planner._relaxed_pool``) it picks one at 256.4 MiB and +29.7 % (per-block checkpointing, simulated on
+the same graph: 347.3 MiB at +35.4 %).
+
+Model. Ops as in :mod:`~recompute_graph.schedule`. A *recomputation* is a ``Forward`` of a node computed
+earlier in the step. Dropping one keeps the node's previous value alive up to it instead:
+- ``Forward(v, tape=False)``: the previous value of ``v`` lives on from where it was freed;
+- ``Forward(v, tape=True)``, whose previous computation ran without a tape: that computation records the
+  tape instead, which lives from there on.
+The liveness pass (``schedule.insert_frees``) then frees every value after its new last reader, and
+``schedule_passes.keep_free_tapes`` drops the recomputations that only fed the dropped one. Views (their
+bytes are their owner's), random and stateful nodes are left as they are.
+
+Search. In rounds: each recomputation, most expensive first, is priced from the current simulation's
+timeline. The bytes it would keep (the value's output bytes; with a tape, also what the node's tape
+saves) are added over the ops between where the value was freed (the tape: the previous computation)
+and the recomputation. It is taken when every op's peak there, plus the bytes taken before it in this
+round, stays within the limit. A round's choices are simulated once; if the plan does not fit, the first
+half of them is tried, and so on. The result is the simulator's, never an estimate: a relaxed plan is
+returned only when its simulation fits the limit (the step's peak with the loss at its moment,
+``planner.min_budget_for_step``, at most the budget) and recomputes less. Pure Python, no torch.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import numpy as np
+
+from .graph import CostGraph
+from .schedule import Backward, Forward, FreeValue, Op, Schedule, insert_frees
+from .schedule_passes import keep_free_tapes
+from .simulate import ScheduleError, SimulationResult, simulate
+
+__all__ = ["relax_recomputations", "RELAXATION_ROUNDS"]
+
+#: Rounds of relaxation (each one simulation, or a few when its choices overshoot)
+RELAXATION_ROUNDS = 8
+#: Halvings of a round's choices tried when the whole round does not fit
+_HALVINGS = 4
+
+
+def relax_recomputations(graph: CostGraph, schedule: Schedule, simulation: SimulationResult,
+                         fits: Callable[[SimulationResult], bool], peak_limit_bytes: int,
+                         rounds: int = RELAXATION_ROUNDS) -> tuple[Schedule, SimulationResult] | None:
+    """``schedule`` with fewer recomputations, and its simulation, when one is found whose simulation
+    ``fits`` and costs less compute than ``simulation``; else None (module docstring).
+    ``peak_limit_bytes``: the simulator's peak the search aims under (``fits`` has the last word)."""
+    if not graph.implicit_backward:
+        return None
+    best: tuple[Schedule, SimulationResult] | None = None
+    current, current_simulation = schedule, simulation
+    for _ in range(rounds):
+        sequence = _sequence(current)
+        chosen = _choose(graph, current, current_simulation, sequence, peak_limit_bytes)
+        found = None
+        for _ in range(_HALVINGS + 1):
+            if not chosen:
+                break
+            candidate = _without(graph, sequence, chosen)
+            try:
+                candidate_simulation = simulate(graph, candidate)
+            except ScheduleError:
+                candidate_simulation = None
+            if (candidate_simulation is not None and fits(candidate_simulation)
+                    and candidate_simulation.compute_cost < current_simulation.compute_cost):
+                found = candidate, candidate_simulation
+                break
+            chosen = chosen[:len(chosen) // 2]
+        if found is None:
+            break
+        current, current_simulation = best = found
+    return best
+
+
+def _sequence(schedule: Schedule) -> list[tuple[int, Op | None]]:
+    """The schedule's ops other than frees, each with its index in the whole program (forward ops, the
+    arrival of the output gradients as None, backward ops)."""
+    program = [*schedule.forward_ops, None, *schedule.backward_ops]
+    return [(index, op) for index, op in enumerate(program) if not isinstance(op, FreeValue)]
+
+
+def _op_peaks(graph: CostGraph, schedule: Schedule, simulation: SimulationResult) -> list[int]:
+    """Each program index's peak while its op ran; the arrival's, the loss's transient on what is live
+    then (``planner.step_peak_bytes``)."""
+    from .planner import loss_allowance_bytes
+    forward = len(schedule.forward_ops)
+    peaks = [0] * (forward + 1 + len(schedule.backward_ops))
+    allowance = loss_allowance_bytes(graph)
+    for point in simulation.timeline:
+        if point.op is None:
+            peaks[forward] = point.live_bytes + (simulation.outputs_dropped_bytes + allowance if allowance else 0)
+        else:
+            peaks[point.position if point.phase == "forward" else forward + 1 + point.position] = point.peak_bytes
+    return peaks
+
+
+def _held(graph: CostGraph, program: list[Op | None]) -> dict[int, np.ndarray]:
+    """Each storage's program indices during which something holds it (a boolean row): a value (a
+    ``Forward`` starts its node's value, the next ``Forward`` of the node or a ``FreeValue`` ends it) or
+    a tape (from a ``Forward`` with a tape to the node's ``Backward``, the storages its backward reads)."""
+    rows: dict[int, np.ndarray] = {}
+    started: dict[int, int] = {}
+    taped: dict[int, int] = {}
+
+    def hold(storages: "Iterable[int]", begin: int, end: int) -> None:
+        for owner in storages:
+            if owner not in rows:
+                rows[owner] = np.zeros(len(program), dtype=bool)
+            rows[owner][begin:end + 1] = True
+
+    def tape_storages(node: int) -> set[int]:
+        return {graph.storage_owner(q) for q in graph.nodes[node].backward_needs}
+    for index, op in enumerate(program):
+        if isinstance(op, (Forward, FreeValue)) and op.node in started:
+            hold((graph.storage_owner(op.node),), started.pop(op.node), index)
+        if isinstance(op, Forward):
+            started[op.node] = index
+            if op.tape:
+                taped[op.node] = index
+        elif isinstance(op, Backward) and op.node in taped:
+            hold(tape_storages(op.node), taped.pop(op.node), index)
+    for node, begin in started.items():
+        hold((graph.storage_owner(node),), begin, len(program) - 1)
+    for node, begin in taped.items():
+        hold(tape_storages(node), begin, len(program) - 1)
+    return rows
+
+
+def _choose(graph: CostGraph, schedule: Schedule, simulation: SimulationResult,
+            sequence: list[tuple[int, Op | None]], peak_limit_bytes: int) -> list[int]:
+    """Positions in ``sequence`` of the recomputations to drop this round, most expensive first, each
+    priced on the timeline with those before it (at most one per node)."""
+    program = [*schedule.forward_ops, None, *schedule.backward_ops]
+    peaks = np.array(_op_peaks(graph, schedule, simulation), dtype=np.int64)
+    held = _held(graph, program)
+    free_everywhere = np.zeros(len(program), dtype=bool)
+    previous: dict[int, int] = {}   # node -> program index of its latest computation so far
+    candidates: list[tuple[float, int, int, int]] = []  # (-cost, position, previous computation, index)
+    for position, (index, op) in enumerate(sequence):
+        if not isinstance(op, Forward):
+            continue
+        node = graph.nodes[op.node]
+        before = previous.get(op.node)
+        previous[op.node] = index
+        if before is None or node.alias_of is not None or node.random or node.stateful:
+            continue
+        if op.tape and program[before].tape:  # type: ignore[union-attr]
+            continue
+        candidates.append((-node.forward_cost, position, before, index))
+    candidates.sort()
+    added = np.zeros(len(program), dtype=np.int64)
+    chosen: list[int] = []
+    touched: set[int] = set()
+    for _, position, before, index in candidates:
+        op = sequence[position][1]
+        assert isinstance(op, Forward)
+        if op.node in touched:
+            continue
+        node = graph.nodes[op.node]
+        window = slice(before, index + 1)
+        delta = np.zeros(index + 1 - before, dtype=np.int64)
+        # the previous value lives on up to the recomputation
+        delta[1:] += ~held.get(op.node, free_everywhere)[before + 1:index + 1] * node.output_bytes
+        if op.tape:  # what the tape saves, recorded at the previous computation instead
+            delta += node.saved_buffer_bytes
+            for owner in {graph.storage_owner(q) for q in node.backward_needs} - {op.node}:
+                delta += ~held.get(owner, free_everywhere)[window] * graph.nodes[owner].output_bytes
+        if np.any((peaks[window] + added[window] + delta > peak_limit_bytes) & (delta > 0)):
+            continue
+        added[window] += delta
+        chosen.append(position)
+        touched.add(op.node)
+    return chosen
+
+
+def _without(graph: CostGraph, sequence: list[tuple[int, Op | None]], dropped: list[int]) -> Schedule:
+    """The schedule of ``sequence`` less the recomputations at ``dropped``; a dropped tape is recorded by
+    the node's previous computation instead."""
+    ops: list[Op | None] = [op for _, op in sequence]
+    for position in dropped:
+        op = ops[position]
+        assert isinstance(op, Forward)
+        if op.tape:
+            before = max(p for p in range(position) if isinstance(ops[p], Forward) and ops[p].node == op.node)  # type: ignore[union-attr]
+            ops[before] = Forward(op.node, tape=True)
+        ops[position] = FreeValue(-1)  # a placeholder, removed below
+    kept = [op for op in ops if not (isinstance(op, FreeValue) and op.node == -1)]
+    boundary = kept.index(None)
+    forward_ops = [op for op in kept[:boundary] if op is not None]
+    backward_ops = [op for op in kept[boundary + 1:] if op is not None]
+    return keep_free_tapes(graph, insert_frees(graph, forward_ops, backward_ops))

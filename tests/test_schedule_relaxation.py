@@ -1,0 +1,102 @@
+"""Relaxing a plan (``schedule_relaxation``): fewer recomputations within the same limit, the simulator's
+word on every result; and the planner's pool of a joint cost graph holding the relaxed plans."""
+import dataclasses
+
+from hypothesis import given, settings, strategies as st
+
+from recompute_graph import planner
+from recompute_graph.errors import InfeasibleBudgetError, SolverError
+from recompute_graph.graph import JOINT_COST_SOURCE, CostGraph, CostNode
+from recompute_graph.schedule import Forward
+from recompute_graph.schedule_relaxation import relax_recomputations
+from recompute_graph.simulate import simulate
+from recompute_graph.solvers import SOLVERS
+
+from strategies import cost_graphs
+
+
+def _recomputations(schedule):
+    seen, count = set(), 0
+    for op in (*schedule.forward_ops, *schedule.backward_ops):
+        if isinstance(op, Forward):
+            count += op.node in seen
+            seen.add(op.node)
+    return count
+
+
+def blocks(count: int = 8, width: int = 10) -> CostGraph:
+    """Blocks of ``width`` nodes, each node of a block reading the one before it and the block's input
+    (a residual network's shape), every node's backward reading its inputs; as a joint cost graph."""
+    nodes = []
+    for v in range(count * width):
+        reads = () if v == 0 else (v - 1,) if v % width in (0, 1) else (v - 1, v - v % width)
+        nodes.append(CostNode(v, f"n{v}", predecessors=reads, output_bytes=100 + 37 * (v % 3), grad_bytes=100,
+                              backward_needs=reads, forward_cost=1.0 + v % 4, backward_cost=2.0))
+    return CostGraph("blocks", tuple(nodes), cost_source=JOINT_COST_SOURCE)
+
+
+@settings(max_examples=60, deadline=None)
+@given(cost_graphs(max_nodes=24), st.floats(0.3, 0.9), st.floats(1.0, 1.5))
+def test_a_relaxed_plan_is_valid_the_simulators_within_the_limit_and_recomputes_less(graph, fraction, room):
+    """Whatever the plan and the room above its peak, a relaxed plan runs (the simulator replays it),
+    its simulation is the one returned, it fits the limit and costs less compute than the plan."""
+    budget = int(fraction * SOLVERS["store_all"](graph, None).peak_bytes)
+    try:
+        plan = SOLVERS["chain_dp"](graph, budget)
+    except (InfeasibleBudgetError, SolverError):
+        return
+    limit = int(plan.peak_bytes * room)
+    found = relax_recomputations(graph, plan.schedule, plan.simulation, lambda s: s.peak_bytes <= limit, limit)
+    if found is None:
+        return
+    schedule, simulation = found
+    assert simulate(graph, schedule) == simulation
+    assert simulation.peak_bytes <= limit
+    assert simulation.compute_cost < plan.simulation.compute_cost
+    assert _recomputations(schedule) < _recomputations(plan.schedule)
+
+
+def test_relaxation_keeps_what_the_room_above_a_chain_plan_holds():
+    """chain_dp's plan of eight residual blocks at 40 % recomputes whole stages; with 20 % more room
+    the relaxed plan keeps some of those values (and tapes) instead, and with no room at all it keeps
+    only what costs nothing."""
+    graph = blocks()
+    budget = int(0.4 * SOLVERS["store_all"](graph, None).peak_bytes)
+    plan = SOLVERS["chain_dp"](graph, budget)
+    limit = int(plan.peak_bytes * 1.2)
+    schedule, simulation = relax_recomputations(graph, plan.schedule, plan.simulation,
+                                                lambda s: s.peak_bytes <= limit, limit)
+    assert simulation.compute_cost < plan.simulation.compute_cost and simulation.peak_bytes <= limit
+    assert any(op.tape for op in schedule.forward_ops if isinstance(op, Forward)) or \
+        _recomputations(schedule) < _recomputations(plan.schedule)
+    tight = relax_recomputations(graph, plan.schedule, plan.simulation,
+                                 lambda s: s.peak_bytes <= plan.peak_bytes, plan.peak_bytes)
+    assert tight is None or tight[1].peak_bytes <= plan.peak_bytes
+
+
+@settings(max_examples=25, deadline=None)
+@given(cost_graphs(max_nodes=20))
+def test_the_pool_of_a_joint_cost_graph_stays_undominated_and_auto_monotone_with_relaxed_plans(graph):
+    """Relaxed plans join the pool of a joint cost graph; the pool stays a staircase (more budget, less
+    recomputation) and ``auto``'s peak never grows as the budget shrinks."""
+    joint = dataclasses.replace(graph, cost_source=JOINT_COST_SOURCE)
+    pool = planner.candidate_pool(joint)
+    budgets = [planner.min_budget_for_step(joint, s.simulation) for s in pool]
+    assert budgets == sorted(budgets)
+    assert all(a.recompute_cost > b.recompute_cost for a, b in zip(pool, pool[1:]))
+    peaks = []
+    for fraction in (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4):
+        try:
+            peaks.append(planner.make_plan(joint, fraction).predicted_peak_bytes)
+        except InfeasibleBudgetError:
+            break
+    assert peaks == sorted(peaks, reverse=True)
+
+
+def test_the_pool_of_residual_blocks_holds_relaxed_plans_that_beat_their_solvers():
+    graph = blocks()
+    pool = planner.candidate_pool(graph)
+    relaxed = [s for s in pool if s.description.endswith("relaxed")]
+    assert relaxed
+    for plan in relaxed:
+        assert simulate(graph, plan.schedule) == plan.simulation
