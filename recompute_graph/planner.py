@@ -327,15 +327,23 @@ def _build_pool(graph: CostGraph, variant: str) -> tuple[Solution, ...]:
     return _relaxed_pool(graph, _undominated(graph, list(pool.values())))
 
 
+#: ``_relaxed_pool`` relaxes each plan up to this fraction above its own least budget too (a plan at
+#: 255.4 MiB on ResNet-50's joint graph: 259.4 MiB at +31.0 % within 2 %, 260.9 at +30.5 % within 5 %)
+RELAX_STEP = 0.02
+
+
 def _relaxed_pool(graph: CostGraph, pool: tuple[Solution, ...]) -> tuple[Solution, ...]:
     """On a joint cost graph (the compiler path), ``pool`` with each plan relaxed
-    (``schedule_relaxation``) up to the least budget of the next plan, which recomputes less; split
+    (``schedule_relaxation``) up to the least budget of the next plan, which recomputes less, and up to
+    ``RELAX_STEP`` above its own when that is less; split
     between processes as the solvers are; the plans no other beats. ``auto`` picks the least recomputing
     plan that fits, so each relaxed plan takes the budgets between its own plan's and the next one's."""
     if not (is_joint_cost_graph(graph) and graph.implicit_backward) or len(pool) < 2:
         return pool
     budgets = [min_budget_for_step(graph, plan.simulation) for plan in pool]
-    jobs = [(plan, budgets[index + 1] - 1) for index, plan in enumerate(pool[:-1]) if plan.recompute_cost > 0]
+    jobs = [(plan, target) for index, plan in enumerate(pool[:-1]) if plan.recompute_cost > 0
+            for target in sorted({min(int(budgets[index] * (1 + RELAX_STEP)), budgets[index + 1] - 1),
+                                  budgets[index + 1] - 1})]
     if not jobs:
         return pool
     workers = max(1, min(available_workers(), len(jobs)) if len(graph) >= POOL_FORK_NODES else 1)

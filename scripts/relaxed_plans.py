@@ -14,6 +14,7 @@ its backward, the stem and the head taped as usual.
 from __future__ import annotations
 
 import argparse
+import pickle
 import time
 import warnings
 
@@ -61,6 +62,7 @@ def main() -> None:
     parser.add_argument("--preset", default="paper")
     parser.add_argument("--size", action="append", default=[], help="NAME=INT, e.g. batch=8")
     parser.add_argument("--fractions", nargs="+", type=float, default=[0.36, 0.37, 0.4, 0.42, 0.5])
+    parser.add_argument("--save-graph", metavar="FILE", help="pickle the joint cost graph to FILE")
     args = parser.parse_args()
     sizes = {k: int(v) for k, v in (s.split("=") for s in args.size)} or {"batch": 8}
     torch.manual_seed(0)
@@ -70,6 +72,9 @@ def main() -> None:
         warnings.simplefilter("ignore")
         default_training_loss(compiled(*inputs)).backward()
     graph = rg.last_lowering().graph
+    if args.save_graph:
+        with open(args.save_graph, "wb") as file:
+            pickle.dump(graph, file)
     base = planner.store_all_plan(graph).simulation.compute_cost
     print(f"{args.model} ({args.preset}, {sizes}): joint cost graph of {len(graph)} nodes, "
           f"store-all {planner.store_all_plan(graph).peak_bytes / 2**20:.1f} MiB")
