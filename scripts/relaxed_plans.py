@@ -7,7 +7,7 @@ Compiles one training step of the zoo model with ``rg.backend(1.0)`` on CPU, tak
 the compiler path priced (``rg.last_lowering().graph``), and prints ``auto``'s plan at each fraction of
 the store-all budget with the pool's plans as the solvers made them and with them relaxed
 (``planner._relaxed_pool``), each with its simulated peak and predicted extra compute, and the seconds
-the relaxation took. For ResNets it also simulates per-block checkpointing written as a schedule on the
+the relaxation took, then the relaxed pool's plans under ``--pool-below`` MiB. For ResNets it also simulates per-block checkpointing written as a schedule on the
 same graph: each bottleneck's input kept (no tape), the bottleneck run again with its tape right before
 its backward, the stem and the head taped as usual.
 """
@@ -42,7 +42,8 @@ def per_block_checkpointing(graph: CostGraph) -> Solution | None:
         return (nodes[c].target == "relu" and len(before) == 1 and nodes[before[0]].target == "add"
                 and len(nodes[before[0]].predecessors) == 2)
     ends = [c for c in candidates if block_end(c)]
-    stem = [c for c in candidates if c < (ends[0] if ends else -1)]
+    # the stem ends at the last split candidate before the first block, not at its residual add
+    stem = [c for c in candidates if ends and c < ends[0] and c not in nodes[ends[0]].predecessors]
     if len(ends) < 2 or not stem:
         return None
     bounds = [-1, stem[-1]] + ends + [len(graph) - 1]
@@ -63,6 +64,8 @@ def main() -> None:
     parser.add_argument("--size", action="append", default=[], help="NAME=INT, e.g. batch=8")
     parser.add_argument("--fractions", nargs="+", type=float, default=[0.36, 0.37, 0.4, 0.42, 0.5])
     parser.add_argument("--save-graph", metavar="FILE", help="pickle the joint cost graph to FILE")
+    parser.add_argument("--pool-below", type=float, default=300.0, metavar="MIB",
+                        help="list the relaxed pool's plans of a simulated peak under MIB (default 300)")
     args = parser.parse_args()
     sizes = {k: int(v) for k, v in (s.split("=") for s in args.size)} or {"batch": 8}
     torch.manual_seed(0)
@@ -103,6 +106,11 @@ def main() -> None:
     for fraction in args.fractions:
         (s0, p0, c0), (s1, p1, c1) = before[fraction], after[fraction]
         print(f"| {fraction:.0%} | {s0}, {p0:.1f} MiB at +{c0:.1%} | {s1}, {p1:.1f} MiB at +{c1:.1%} |")
+    print(f"the relaxed pool's plans under {args.pool_below:g} MiB:")
+    for plan in planner.candidate_pool(graph):
+        if plan.peak_bytes < args.pool_below * 2**20:
+            print(f"  {plan.solver}{' (relaxed)' if plan.description.endswith('relaxed') else ''}: "
+                  f"{plan.peak_bytes / 2**20:.1f} MiB at +{plan.recompute_cost / base:.1%}")
     block = per_block_checkpointing(graph)
     if block is not None:
         print(f"per-block checkpointing ({block.description}) simulated: {block.peak_bytes / 2**20:.1f} MiB "
