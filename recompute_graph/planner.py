@@ -298,7 +298,8 @@ def candidate_pool(graph: CostGraph, variant: str = "time") -> tuple[Solution, .
     is held at the end of the forward, the step's peak lies in the backward). Each solver also plans
     at ``POOL_ABOVE_FLOOR`` budgets just above its floor. Every plan the model-based solvers simulate on
     the way (``solvers.collecting_plans``) joins the pool, and only the plans no other beats in both least
-    budget and recomputation are kept (``_undominated``), each schedule once."""
+    budget and recomputation are kept (``_undominated``), each schedule once. On a joint cost graph each
+    kept plan is then relaxed (``_relaxed_pool``) and the undominated of both kept."""
     return memoized(graph, ("planner.candidate_pool", variant), lambda: _build_pool(graph, variant))
 
 
@@ -335,9 +336,9 @@ RELAX_STEP = 0.02
 def _relaxed_pool(graph: CostGraph, pool: tuple[Solution, ...]) -> tuple[Solution, ...]:
     """On a joint cost graph (the compiler path), ``pool`` with each plan relaxed
     (``schedule_relaxation``) up to the least budget of the next plan, which recomputes less, and up to
-    ``RELAX_STEP`` above its own when that is less; split
-    between processes as the solvers are; the plans no other beats. ``auto`` picks the least recomputing
-    plan that fits, so each relaxed plan takes the budgets between its own plan's and the next one's."""
+    ``RELAX_STEP`` above its own when that is less; split between processes as the solvers are; the
+    plans no other beats. ``auto`` picks the least recomputing plan that fits, so each relaxed plan takes
+    the budgets between its own plan's and the next one's."""
     if not (is_joint_cost_graph(graph) and graph.implicit_backward) or len(pool) < 2:
         return pool
     budgets = [min_budget_for_step(graph, plan.simulation) for plan in pool]

@@ -187,7 +187,8 @@ def _without(graph: CostGraph, sequence: list[tuple[int, Op | None]], dropped: l
         op = ops[position]
         assert isinstance(op, Forward)
         if op.tape:
-            before = max(p for p in range(position) if isinstance(ops[p], Forward) and ops[p].node == op.node)  # type: ignore[union-attr]
+            before = max(p for p in range(position)
+                         if isinstance(ops[p], Forward) and ops[p].node == op.node)  # type: ignore[union-attr]
             ops[before] = Forward(op.node, tape=True)
         ops[position] = FreeValue(-1)  # a placeholder, removed below
     kept = [op for op in ops if not (isinstance(op, FreeValue) and op.node == -1)]

@@ -7,9 +7,10 @@ Compiles one training step of the zoo model with ``rg.backend(1.0)`` on CPU, tak
 the compiler path priced (``rg.last_lowering().graph``), and prints ``auto``'s plan at each fraction of
 the store-all budget with the pool's plans as the solvers made them and with them relaxed
 (``planner._relaxed_pool``), each with its simulated peak and predicted extra compute, and the seconds
-the relaxation took, then the relaxed pool's plans under ``--pool-below`` MiB. For ResNets it also simulates per-block checkpointing written as a schedule on the
-same graph: each bottleneck's input kept (no tape), the bottleneck run again with its tape right before
-its backward, the stem and the head taped as usual.
+the relaxation took, then the relaxed pool's plans under ``--pool-below`` MiB. For ResNets it also
+simulates per-block checkpointing written as a schedule on the same graph: each bottleneck's input kept
+(no tape), the bottleneck run again with its tape right before its backward, the stem and the head
+taped as usual.
 """
 from __future__ import annotations
 
