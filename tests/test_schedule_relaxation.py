@@ -100,3 +100,20 @@ def test_the_pool_of_residual_blocks_holds_relaxed_plans_that_beat_their_solvers
     assert relaxed
     for plan in relaxed:
         assert simulate(graph, plan.schedule) == plan.simulation
+
+
+def test_the_relaxed_pool_built_in_two_processes_is_the_one_process_pool(monkeypatch):
+    """Relaxations split between forked processes come back in job order: the same pool, plan for plan."""
+    import sys
+    if not sys.platform.startswith("linux"):
+        return
+    pools = []
+    for workers in (1, 2):
+        from recompute_graph import forked_work
+        for module in (planner, forked_work):
+            monkeypatch.setattr(module, "available_workers", lambda workers=workers: workers)
+        graph = blocks(count=12)  # 120 nodes: forked at two workers (POOL_FORK_NODES)
+        assert len(graph) >= planner.POOL_FORK_NODES
+        pools.append([(s.solver, s.description, s.schedule, s.simulation.peak_bytes, s.simulation.compute_cost)
+                      for s in planner.candidate_pool(graph)])
+    assert pools[0] == pools[1] and any(description.endswith("relaxed") for _, description, *_ in pools[0])
