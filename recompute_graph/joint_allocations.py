@@ -2,13 +2,19 @@
 
 * :func:`kernel_workspace_bytes`: the temporaries each node's kernels allocate beyond their outputs,
   by the allocator, from one run of the joint graph on real tensors shaped like its inputs;
+* :func:`node_seconds`: each node's run time, on the same real tensors (the kernels this device runs,
+  where a FLOP roofline misjudges them: a CPU's training-mode BatchNorm costs twice its roofline, its
+  convolutions 0.4 of it, a view nothing);
 * :func:`outputs_loss_bytes`: the transient of the training loop's loss on the model's outputs.
 
-Both go into ``joint_costs.joint_cost_graph`` (``workspace`` and ``loss_bytes``). Units: bytes.
+All go into ``joint_costs.joint_cost_graph`` (``workspace``, ``node_seconds`` and ``loss_bytes``).
+Units: bytes, seconds.
 """
 from __future__ import annotations
 
 from typing import Any, Sequence
+
+import time
 
 import torch
 from torch import fx
@@ -19,7 +25,7 @@ from .joint_units import JointUnits, is_tangent
 from .joint_storage import value_bytes as _value_bytes
 from .joint_partition import _is_tensor
 
-__all__ = ["kernel_workspace_bytes", "outputs_loss_bytes"]
+__all__ = ["kernel_workspace_bytes", "node_seconds", "outputs_loss_bytes"]
 
 
 def kernel_workspace_bytes(joint: fx.GraphModule, joint_inputs: Sequence[Any]) -> dict[str, int]:
@@ -60,6 +66,57 @@ def _kernel_workspace_bytes(joint: fx.GraphModule, joint_inputs: Sequence[Any]) 
         if name in nodes:
             workspace[name] = max(0, peak - start - _value_bytes(nodes[name]))
     return workspace
+
+
+#: a timed run stops repeating once the runs so far took this long (seconds): planning stays quick
+TIMING_SECONDS = 2.0
+
+
+def node_seconds(joint: fx.GraphModule, joint_inputs: Sequence[Any], runs: int = 3) -> dict[str, float]:
+    """Seconds each ``call_function`` node of ``joint`` takes, the least of up to ``runs`` runs of the
+    joint graph on real tensors shaped like ``joint_inputs`` (after one untimed run that warms the
+    kernels and the allocator; no more runs once :data:`TIMING_SECONDS` have gone by), each node timed
+    alone (``torch.cuda.synchronize`` on either side on CUDA). Empty when the tensors cannot be made
+    (meta, symbolic shapes) or the run fails: FLOP estimates price the graph then."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    with unset_fake_temporarily():
+        return _node_seconds(joint, joint_inputs, runs)
+
+
+def _node_seconds(joint: fx.GraphModule, joint_inputs: Sequence[Any], runs: int) -> dict[str, float]:
+    try:
+        real = tree_map(_materialize, list(joint_inputs))
+    except (TypeError, RuntimeError, ValueError):
+        return {}
+    tensors = [t for t in tree_flatten(real)[0] if isinstance(t, torch.Tensor)]
+    if not tensors or any(t.is_meta for t in tensors):
+        return {}
+    cuda = next((t.device for t in tensors if t.is_cuda), None)
+    sync = (lambda: torch.cuda.synchronize(cuda)) if cuda is not None else (lambda: None)
+    seconds: dict[str, float] = {}
+
+    class _Timed(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            if n.op != "call_function":
+                return super().run_node(n)
+            sync()
+            start = time.perf_counter()
+            result = super().run_node(n)
+            sync()
+            took = time.perf_counter() - start
+            seconds[n.name] = min(took, seconds.get(n.name, took))
+            return result
+    began = time.perf_counter()
+    try:
+        with torch.no_grad():
+            fx.Interpreter(joint).run(*real)  # warm-up
+            for _ in range(max(1, runs)):
+                _Timed(joint).run(*real)
+                if time.perf_counter() - began > TIMING_SECONDS:
+                    break
+    except Exception:  # noqa: BLE001 - data-dependent ops on random values: no measurement
+        return {}
+    return seconds
 
 
 def _materialize(value: Any) -> Any:

@@ -42,8 +42,10 @@ Pricing (:func:`joint_cost_graph`), bytes from the fake tensors of ``meta["val"]
   (``joint_storage.backward_steps``);
 * the loss the training loop computes on the outputs, priced on their shapes
   (``joint_allocations.outputs_loss_bytes``) as ``CostGraph.loss_bytes``;
-* costs: FLOPs of each node run on meta tensors under ``FlopCounterMode``, turned into seconds by a
-  ``device_profiles.DeviceProfile`` with the bytes the node reads and writes.
+* costs: each node's seconds as measured on real tensors (``joint_allocations.node_seconds``), or
+  else its FLOPs, run on meta tensors under ``FlopCounterMode``, turned into seconds by a
+  ``device_profiles.DeviceProfile`` with the bytes the node reads and writes (a view, a ``getitem``:
+  none, they move nothing).
 
 A unit holding a random op (dropout) is ``random``, one reading state the step updates (BatchNorm)
 ``stateful``; ``joint_lowering`` replays a recomputed random op from an RNG snapshot and recomputes a
@@ -160,7 +162,15 @@ def _rng_state_bytes(primals: list[fx.Node]) -> int:
 
 
 def _moved_bytes(node: fx.Node) -> int:
+    if node.target is operator.getitem or op_name(node.target) in VIEW_TARGETS:
+        return 0  # a view or a tuple's item: no kernel reads or writes its bytes
     return _value_bytes(node) + sum(_value_bytes(a) for a in node.all_input_nodes)
+
+
+def _seconds(node: fx.Node, flops: int, profile: DeviceProfile, measured: dict[str, float]) -> float:
+    """A node's time: measured, or the roofline's for its FLOPs and moved bytes."""
+    took = measured.get(node.name)
+    return took if took is not None else profile.seconds(flops, _moved_bytes(node))
 
 
 def _backward_storage_makers(graph: fx.Graph, unit_of_backward: dict[fx.Node, int], primal_keys: set[int]
@@ -227,14 +237,17 @@ def _returned_gradients(graph: fx.Graph, units: JointUnits, unit_of_backward: di
 
 def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "joint",
                      device_profile: DeviceProfile | str = "cpu", workspace: dict[str, int] | None = None,
-                     loss_bytes: int | None = None) -> CostGraph:
+                     loss_bytes: int | None = None, node_seconds: dict[str, float] | None = None) -> CostGraph:
     """The implicit-backward :class:`CostGraph` of ``units`` (module docstring), node ``i`` = unit ``i``,
     named after the unit's first node. ``loss_bytes``: the loss's transient
     (``joint_allocations.outputs_loss_bytes``; None: the planner guesses). ``workspace``: each node's
     kernel temporaries (``joint_allocations.kernel_workspace_bytes``); a unit's forward workspace is the
     largest of its nodes', and its backward's the largest of its backward nodes' on top of the
-    temporaries they keep and the returned gradients they make."""
+    temporaries they keep and the returned gradients they make. ``node_seconds``: each node's measured
+    run time (``joint_allocations.node_seconds``); a node without one is priced by ``device_profile``
+    from its FLOPs and the bytes it moves."""
     workspace = workspace or {}
+    measured = node_seconds or {}
     profile = DEVICE_PROFILES[device_profile] if isinstance(device_profile, str) else device_profile
     graph = joint.graph
     primal_keys = {key for n in graph.nodes if n.op == "placeholder" for key, _ in _storage(n)}
@@ -379,8 +392,8 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
             + returned_gradients.summed_bytes[index]
             + max((workspace.get(b.name, 0) for b in backward_nodes), default=0),
             param_grad_bytes=sum(made_gradients[index].values()),
-            forward_cost=sum(profile.seconds(flops[n], _moved_bytes(n)) for n in members),
-            backward_cost=sum(profile.seconds(flops[b], _moved_bytes(b)) for b in backward_nodes),
+            forward_cost=sum(_seconds(n, flops[n], profile, measured) for n in members),
+            backward_cost=sum(_seconds(b, flops[b], profile, measured) for b in backward_nodes),
             forward_flops=forward_flops, backward_flops=backward_flops, requires_grad=grad,
             random=bool(targets & RANDOM_TARGETS), stateful=bool(targets & STATE_READING_TARGETS),
             random_op_count=max(1, sum(1 for n in members if n.op == "call_function"
@@ -388,7 +401,9 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
     outputs = tuple(sorted({units.unit_of[n] for n in forward_outputs if n in units.unit_of}))
     input_bytes = sum(_value_bytes(p) for p in primals if p not in trainable)
     return CostGraph(name=name, nodes=tuple(nodes), cost_unit="seconds", loss_bytes=loss_bytes,
-                     cost_source=f"flop-estimate ({profile.name}), {JOINT_COST_SOURCE}", input_bytes=input_bytes,
+                     cost_source=(f"measured ({len(measured)} nodes timed)" if measured
+                                  else f"flop-estimate ({profile.name})") + f", {JOINT_COST_SOURCE}",
+                     input_bytes=input_bytes,
                      parameter_bytes=sum(_value_bytes(p) for p in trainable), source="traced",
                      output_indices=outputs, rng_state_bytes=_rng_state_bytes(primals),
                      # every differentiable output gets a gradient at the start of the backward: AOTAutograd's

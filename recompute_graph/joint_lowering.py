@@ -46,7 +46,7 @@ from .errors import InfeasibleBudgetError
 from .graph import CostGraph
 from .gradient_accumulation import ACCUMULATE_IN_PLACE, accumulate_in_place, arrival_order_sums
 from .joint_capture import RANDOM_TARGETS, op_name
-from .joint_allocations import kernel_workspace_bytes, outputs_loss_bytes
+from .joint_allocations import kernel_workspace_bytes, node_seconds, outputs_loss_bytes
 from .joint_costs import joint_cost_graph, rng_state_bytes
 from .joint_units import JointUnits, is_gradient_sum, is_tangent, joint_units
 from .joint_storage import storage_of as _storage
@@ -477,19 +477,25 @@ def _outputs(graph_module: fx.GraphModule) -> list[fx.Node]:
 def plan_and_lower(joint: fx.GraphModule, budget: Any, *, num_fwd_outputs: int, solver: str = "auto",
                    name: str = "compiled", schedule_pass: SchedulePass | None = None,
                    joint_inputs: Any = None, loss_fn: Any = None, on_infeasible: str = "raise",
-                   saved_plan: Any = None, device_profile: Any = "cpu") -> Lowered:
+                   saved_plan: Any = None, device_profile: Any = "cpu", timing: str = "measure") -> Lowered:
     """Price ``joint``, plan it at ``budget`` (``planner.make_plan``) and lower the plan, after
     ``schedule_pass(graph, schedule)`` when given (a hook to lower other valid schedules).
     ``saved_plan``: a ``RecomputePlan`` to reuse instead of solving when its cost graph has the joint
     cost graph's structure and fits the budget (``saved_plans.reuse_plan``; a ``PlanMismatchWarning``
-    says why not otherwise). ``device_profile``: what times FLOPs (``device_profiles.DEVICE_PROFILES``)."""
+    says why not otherwise). ``timing``: ``"measure"`` times each node on real tensors shaped like
+    ``joint_inputs`` (``joint_allocations.node_seconds``) when they are given; ``"flops"``, or nodes
+    that could not be timed (meta inputs), are priced from their FLOPs by ``device_profile``
+    (``device_profiles.DEVICE_PROFILES``)."""
     from .planner import make_plan
     from .saved_plans import reuse_plan
+    if timing not in ("measure", "flops"):
+        raise ValueError(f"timing={timing!r}: use 'measure' (time the joint graph's nodes) or 'flops'")
     units = joint_units(joint, num_fwd_outputs)
     workspace = kernel_workspace_bytes(joint, joint_inputs) if joint_inputs is not None else {}
+    seconds = node_seconds(joint, joint_inputs) if joint_inputs is not None and timing == "measure" else {}
     loss_bytes = outputs_loss_bytes(joint, units, loss_fn) if loss_fn is not None else None
     graph = joint_cost_graph(joint, units, name, workspace=workspace, loss_bytes=loss_bytes,
-                             device_profile=device_profile)
+                             device_profile=device_profile, node_seconds=seconds)
     try:
         plan = reuse_plan(saved_plan, graph, budget) if saved_plan is not None else None
         plan = plan or make_plan(graph, budget, solver)
@@ -515,16 +521,16 @@ def budget_backend(budget: Any, solver: str = "auto", schedule_pass: SchedulePas
                    price_kernels: bool = True, loss_fn: Any = None, on_infeasible: str = "raise",
                    graph_compiler: "Callable[..., Any] | str" = boxed_interpreter,
                    on_lowered: Callable[[Lowered], None] | None = None, saved_plan: Any = None,
-                   device_profile: Any = "cpu") -> Callable[..., Any]:
+                   device_profile: Any = "cpu", timing: str = "measure") -> Callable[..., Any]:
     """``torch.compile(model, backend=budget_backend("6GiB"))``: AOTAutograd whose partitioner plans
     the joint graph with our solvers at ``budget`` (bytes, a size string, or a fraction of store-all)
     and lowers the plan (:func:`plan_and_lower`); the graphs run as they are
     (``joint_partition.boxed_interpreter``).
     ``last_lowering()`` shows the plan, the saved values and the backward's code. ``price_kernels``:
-    measure each node's kernel workspace on real tensors first
-    (``joint_allocations.kernel_workspace_bytes``); without it the plan prices the graphs' liveness
-    alone. ``loss_fn``: the loss the training loop computes on the compiled module's output (default
-    ``losses.default_training_loss``), priced on the outputs' shapes and kept free beside the step
+    measure each node's kernel workspace, and with ``timing="measure"`` its run time, on real tensors
+    first (``joint_allocations.kernel_workspace_bytes``, ``node_seconds``); without it the plan prices
+    the graphs' liveness alone, timed from FLOPs. ``loss_fn``: the loss the training loop computes on
+    the compiled module's output (default ``losses.default_training_loss``), priced on the outputs' shapes and kept free beside the step
     (``planner.loss_allowance_bytes``).
     ``on_infeasible``: ``"raise"`` (``InfeasibleBudgetError``, with the smallest feasible budget) or
     ``"floor"``: plan that graph at its smallest feasible budget, with an ``InfeasibleBudgetWarning``.
@@ -534,11 +540,13 @@ def budget_backend(budget: Any, solver: str = "auto", schedule_pass: SchedulePas
     where it holds more than the plan, ``inductor_lowering.fit_plan_to_inductor``).
     ``on_lowered(lowered)``: called with
     each graph's :class:`Lowered` (``optimize(..., compiler=True)`` keeps its module's own).
-    ``saved_plan`` and ``device_profile``: as in :func:`plan_and_lower`.
+    ``saved_plan``, ``device_profile`` and ``timing``: as in :func:`plan_and_lower`.
     A model ``torch.compile`` splits into several graphs (graph breaks) is planned graph by graph, each
     at ``budget`` (a fraction: of that graph's own store-all step)."""
     if on_infeasible not in ("raise", "floor"):
         raise ValueError(f"on_infeasible={on_infeasible!r}: use 'raise' or 'floor'")
+    if timing not in ("measure", "flops"):
+        raise ValueError(f"timing={timing!r}: use 'measure' (time the joint graph's nodes) or 'flops'")
     inductor = graph_compiler == "inductor"  # by name: its code is measured and the plan fitted to it
     if isinstance(graph_compiler, str):
         if graph_compiler != "inductor":
@@ -556,7 +564,7 @@ def budget_backend(budget: Any, solver: str = "auto", schedule_pass: SchedulePas
                                   schedule_pass=schedule_pass,
                                   joint_inputs=joint_inputs if price_kernels else None,
                                   loss_fn=loss_fn if price_kernels else None, on_infeasible=on_infeasible,
-                                  saved_plan=saved_plan, device_profile=device_profile)
+                                  saved_plan=saved_plan, device_profile=device_profile, timing=timing)
         with full_collections_deferred():  # also a recompilation's planning, inside the user's step
             lowered = lower_at(budget, saved_plan)
             if inductor and price_kernels:  # inductor's code measured, the plan made again if over

@@ -91,9 +91,15 @@ def checkpoint_sequentials(model: nn.Module) -> nn.Module:
 def compile_with_budget(model: nn.Module) -> nn.Module:
     """A ``torch.compile``d copy of ``model`` with the min-cut partitioner; compile and run it inside
     ``memory_budget(fraction)`` (the setting is read at compilation and is part of the compiled
-    artifact's key, so steps outside it would compile again)."""
-    torch._dynamo.reset()
-    return torch.compile(copy.deepcopy(model), backend="aot_eager_decomp_partition")
+    artifact's key, so steps outside it would compile again). Each copy gets a backend of its own, so
+    that Dynamo's cache never hands one budget's code to another's copy and nothing compiled before
+    (other peers, other budgets) is reset."""
+    from torch._dynamo.backends.registry import lookup_backend
+    partitioned = lookup_backend("aot_eager_decomp_partition")
+
+    def backend(graph_module: Any, example_inputs: Any) -> Any:
+        return partitioned(graph_module, example_inputs)
+    return torch.compile(copy.deepcopy(model), backend=backend)
 
 
 def memory_budget(fraction: float) -> Any:

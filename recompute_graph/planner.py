@@ -357,11 +357,11 @@ def _relaxed_pool(graph: CostGraph, pool: tuple[Solution, ...]) -> tuple[Solutio
 def _relax_plans(graph: CostGraph, jobs: list[tuple[Solution, int]]) -> list[Solution | None]:
     """Each ``(plan, budget)``: the plan relaxed within the budget (``min_budget_for_step``), or None."""
     from .schedule_relaxation import relax_recomputations
-    margin, out = planning_margin(graph), []
+    margin, allowance, out = planning_margin(graph), loss_allowance_bytes(graph), []
     for plan, budget_bytes in jobs:
         found = relax_recomputations(graph, plan.schedule, plan.simulation,
                                      lambda simulation: min_budget_for_step(graph, simulation) <= budget_bytes,
-                                     usable_bytes_of(budget_bytes, 0, margin))
+                                     usable_bytes_of(budget_bytes, 0, margin), loss_allowance_bytes=allowance)
         out.append(None if found is None else
                    Solution(plan.solver, found[0], found[1], f"{plan.description}; relaxed".lstrip("; ")))
     return out

@@ -47,17 +47,20 @@ _HALVINGS = 4
 
 def relax_recomputations(graph: CostGraph, schedule: Schedule, simulation: SimulationResult,
                          fits: Callable[[SimulationResult], bool], peak_limit_bytes: int,
-                         rounds: int = RELAXATION_ROUNDS) -> tuple[Schedule, SimulationResult] | None:
+                         rounds: int = RELAXATION_ROUNDS, loss_allowance_bytes: int = 0
+                         ) -> tuple[Schedule, SimulationResult] | None:
     """``schedule`` with fewer recomputations, and its simulation, when one is found whose simulation
     ``fits`` and costs less compute than ``simulation``; else None (module docstring).
-    ``peak_limit_bytes``: the simulator's peak the search aims under (``fits`` has the last word)."""
+    ``peak_limit_bytes``: the simulator's peak the search aims under (``fits`` has the last word);
+    ``loss_allowance_bytes``: the loss's transient the step adds at the gradients' arrival
+    (``planner.loss_allowance_bytes``; 0: none)."""
     if not graph.implicit_backward:
         return None
     best: tuple[Schedule, SimulationResult] | None = None
     current, current_simulation = schedule, simulation
     for _ in range(rounds):
         sequence = _sequence(current)
-        chosen = _choose(graph, current, current_simulation, sequence, peak_limit_bytes)
+        chosen = _choose(graph, current, current_simulation, sequence, peak_limit_bytes, loss_allowance_bytes)
         found = None
         for _ in range(_HALVINGS + 1):
             if not chosen:
@@ -85,13 +88,11 @@ def _sequence(schedule: Schedule) -> list[tuple[int, Op | None]]:
     return [(index, op) for index, op in enumerate(program) if not isinstance(op, FreeValue)]
 
 
-def _op_peaks(graph: CostGraph, schedule: Schedule, simulation: SimulationResult) -> list[int]:
-    """Each program index's peak while its op ran; the arrival's, the loss's transient on what is live
-    then (``planner.step_peak_bytes``)."""
-    from .planner import loss_allowance_bytes
+def _op_peaks(schedule: Schedule, simulation: SimulationResult, allowance: int) -> list[int]:
+    """Each program index's peak while its op ran; the arrival's, the loss's transient (``allowance``)
+    on what is live then (``planner.step_peak_bytes``)."""
     forward = len(schedule.forward_ops)
     peaks = [0] * (forward + 1 + len(schedule.backward_ops))
-    allowance = loss_allowance_bytes(graph)
     for point in simulation.timeline:
         if point.op is None:
             peaks[forward] = point.live_bytes + (simulation.outputs_dropped_bytes + allowance if allowance else 0)
@@ -133,11 +134,11 @@ def _held(graph: CostGraph, program: list[Op | None]) -> dict[int, np.ndarray]:
 
 
 def _choose(graph: CostGraph, schedule: Schedule, simulation: SimulationResult,
-            sequence: list[tuple[int, Op | None]], peak_limit_bytes: int) -> list[int]:
+            sequence: list[tuple[int, Op | None]], peak_limit_bytes: int, loss_allowance_bytes: int) -> list[int]:
     """Positions in ``sequence`` of the recomputations to drop this round, most expensive first, each
     priced on the timeline with those before it (at most one per node)."""
     program = [*schedule.forward_ops, None, *schedule.backward_ops]
-    peaks = np.array(_op_peaks(graph, schedule, simulation), dtype=np.int64)
+    peaks = np.array(_op_peaks(schedule, simulation, loss_allowance_bytes), dtype=np.int64)
     held = _held(graph, program)
     free_everywhere = np.zeros(len(program), dtype=bool)
     previous: dict[int, int] = {}   # node -> program index of its latest computation so far

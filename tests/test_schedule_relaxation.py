@@ -56,22 +56,30 @@ def test_a_relaxed_plan_is_valid_the_simulators_within_the_limit_and_recomputes_
     assert _recomputations(schedule) < _recomputations(plan.schedule)
 
 
+def _recomputed_nodes(schedule):
+    seen, again = set(), set()
+    for op in (*schedule.forward_ops, *schedule.backward_ops):
+        if isinstance(op, Forward):
+            if op.node in seen:
+                again.add(op.node)
+            seen.add(op.node)
+    return again
+
+
 def test_relaxation_keeps_what_the_room_above_a_chain_plan_holds():
     """chain_dp's plan of eight residual blocks at 40 % recomputes whole stages; with 20 % more room
-    the relaxed plan keeps some of those values (and tapes) instead, and with no room at all it keeps
-    only what costs nothing."""
+    the relaxed plan keeps some of those values (and tapes) instead: fewer recomputations, of nodes the
+    plan recomputed, at less compute and within the room."""
     graph = blocks()
     budget = int(0.4 * SOLVERS["store_all"](graph, None).peak_bytes)
     plan = SOLVERS["chain_dp"](graph, budget)
     limit = int(plan.peak_bytes * 1.2)
-    schedule, simulation = relax_recomputations(graph, plan.schedule, plan.simulation,
-                                                lambda s: s.peak_bytes <= limit, limit)
+    found = relax_recomputations(graph, plan.schedule, plan.simulation, lambda s: s.peak_bytes <= limit, limit)
+    assert found is not None
+    schedule, simulation = found
     assert simulation.compute_cost < plan.simulation.compute_cost and simulation.peak_bytes <= limit
-    assert any(op.tape for op in schedule.forward_ops if isinstance(op, Forward)) or \
-        _recomputations(schedule) < _recomputations(plan.schedule)
-    tight = relax_recomputations(graph, plan.schedule, plan.simulation,
-                                 lambda s: s.peak_bytes <= plan.peak_bytes, plan.peak_bytes)
-    assert tight is None or tight[1].peak_bytes <= plan.peak_bytes
+    assert _recomputations(schedule) < _recomputations(plan.schedule)
+    assert _recomputed_nodes(schedule) < _recomputed_nodes(plan.schedule)
 
 
 @settings(max_examples=25, deadline=None)

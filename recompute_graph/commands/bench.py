@@ -2,7 +2,10 @@
 original model (store-all autograd), our plans at a budget sweep (any solvers, ``auto`` = the best plan)
 and, with ``--peers``, the peer systems (``peers.py``), all on the same inputs with the same meter
 (``measure.profiler_peak_memory``, which also sees ``torch.compile``d steps) in one run, as ratios to
-the original."""
+the original. Every row's step is timed in the same rounds, each round running every step once in
+turn (``measure.time_steps_in_turn``), so that a slow spell of the machine hits all rows alike and two
+rows' times compare as directly as each row's with the original's; the compiled rows each keep their
+own compiled code meanwhile (no ``torch._dynamo.reset()`` between them)."""
 from __future__ import annotations
 
 import argparse
@@ -29,7 +32,7 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--compiled", action="store_true",
                         help="also measure our compiler path: torch.compile(model, backend=rg.backend(f))")
     parser.add_argument("--repeats", type=int, default=3,
-                        help="timing rounds per row, its step in turn with the original's (medians; default 3)")
+                        help="timing rounds, every row's step once per round in turn (medians; default 3)")
     add_output_flags(parser)
     parser.set_defaults(run=run)
 
@@ -44,8 +47,17 @@ def _training_step(module: Any, inputs: tuple) -> Callable[[], None]:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch._dynamo.config as dynamo_config
+    rows_count = 1 + len(args.solvers) * len(args.fractions) + 2 * len(args.fractions) + 3
+    # each compiled row keeps its code: one cache entry per row on the model's forward
+    with dynamo_config.patch(recompile_limit=max(8, 2 * rows_count),
+                             accumulated_recompile_limit=max(256, 4 * rows_count)):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     from ..errors import InfeasibleBudgetError, SolverError
-    from ..measure import default_loss, profiler_peak_memory, time_step, time_steps_in_turn
+    from ..measure import default_loss, profiler_peak_memory, time_steps_in_turn
     from ..optimized_module import run_schedule
     from ..planner import make_plan
     from ..progress import progress_bar
@@ -54,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
 
     original_step = _training_step(model, inputs)
+    timed: list[tuple[dict[str, Any], Callable[[], None]]] = []  # each measured row and its step
 
     def measure(row_label: str, step: Callable[[], None], predicted: int | None = None, note: str = "",
                 module: Any = model) -> None:
@@ -62,13 +75,9 @@ def run(args: argparse.Namespace) -> int:
         # their release, which shifts its baseline, so the step starts without them
         module.zero_grad(set_to_none=True)
         peak = profiler_peak_memory(step)
-        if step is original_step:
-            seconds = original_seconds = time_step(step, repeats=args.repeats, warmup=0).median_seconds
-        else:  # in turn with the original, so that a slow spell of the machine hits both alike
-            original, this = time_steps_in_turn([original_step, step], rounds=args.repeats, warmup=0)
-            seconds, original_seconds = this.median_seconds, original.median_seconds
-        rows.append({"label": row_label, "peak_bytes": peak, "seconds": seconds, "predicted_peak_bytes": predicted,
-                     "note": note, "original_seconds": original_seconds, "time_ratio": seconds / original_seconds})
+        row = {"label": row_label, "peak_bytes": peak, "predicted_peak_bytes": predicted, "note": note}
+        rows.append(row)
+        timed.append((row, step))
 
     runs = (1 + len(args.solvers) * len(args.fractions) + (3 + len(args.fractions) if args.peers else 0)
             + (len(args.fractions) if args.compiled else 0))
@@ -96,6 +105,12 @@ def run(args: argparse.Namespace) -> int:
             _measure_compiled(args, model, inputs, measure, rows, bar)
         if args.peers:
             _measure_peers(args, model, inputs, measure, rows, bar)
+    # every row in the same rounds, in turn: their times compare with each other's as with the original's
+    timings = time_steps_in_turn([step for _, step in timed], rounds=args.repeats, warmup=0)
+    original_seconds = timings[0].median_seconds
+    for (row, _), timing in zip(timed, timings):
+        row.update(seconds=timing.median_seconds, original_seconds=original_seconds,
+                   time_ratio=timing.median_seconds / original_seconds)
     base = rows[0]
     for row in rows:
         if row["peak_bytes"] is not None:
@@ -117,6 +132,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _measure_compiled(args: argparse.Namespace, model: Any, inputs: tuple, measure: Any, rows: list,
                       bar: Any) -> None:
+    import copy
+
     """Our compiler path at each fraction: ``torch.compile(model, backend=rg.backend(f))`` (a graph below
     its floor planned at the floor), predicted peak from the last compiled graph's plan."""
     import torch
@@ -125,10 +142,9 @@ def _measure_compiled(args: argparse.Namespace, model: Any, inputs: tuple, measu
     from ..measure import default_loss
     for fraction in args.fractions:
         row_label = f"ours compiled @ {fraction:.0%}"
-        try:
-            torch._dynamo.reset()
-            compiled = torch.compile(model, backend=budget_backend(fraction, on_infeasible="floor",
-                                                                   loss_fn=default_loss))
+        try:  # a copy per row, compiled with its own backend: its code stays while the others compile
+            compiled = torch.compile(copy.deepcopy(model), backend=budget_backend(fraction, on_infeasible="floor",
+                                                                                  loss_fn=default_loss))
             step = _training_step(compiled, inputs)
             step()  # compiles, so that the plan is known before the row is measured
             lowered = last_lowering()
@@ -159,8 +175,8 @@ def _measure_peers(args: argparse.Namespace, model: Any, inputs: tuple, measure:
             with peers.memory_budget(fraction):
                 compiled = peers.compile_with_budget(model)
                 compiled.train()
-                measure(row_label, _training_step(compiled, inputs), note="aot_eager_decomp_partition",
-                        module=compiled)
+            measure(row_label, _budgeted_step(_training_step(compiled, inputs), fraction),
+                    note="aot_eager_decomp_partition", module=compiled)
         except Exception as error:  # noqa: BLE001 - a peer failing is a result to report, not a crash
             rows.append({"label": row_label, "peak_bytes": None, "seconds": None, "predicted_peak_bytes": None,
                          "note": f"{type(error).__name__}: {str(error).splitlines()[0][:80]}"})
@@ -168,3 +184,13 @@ def _measure_peers(args: argparse.Namespace, model: Any, inputs: tuple, measure:
     rows.append({"label": "Rockmate 2", "peak_bytes": None, "seconds": None, "predicted_peak_bytes": None,
                  "note": peers.rockmate_status()})
     bar.update()
+
+
+def _budgeted_step(step: Callable[[], None], fraction: float) -> Callable[[], None]:
+    """``step`` inside ``peers.memory_budget(fraction)``, the setting its compilation was made with."""
+    from .. import peers
+
+    def budgeted() -> None:
+        with peers.memory_budget(fraction):
+            step()
+    return budgeted
