@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import statistics
 import time
 
 import torch
@@ -21,6 +22,7 @@ from torch import fx
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .joint_costs import _is_buffer_update
+from .meta_flops import node_signature
 from .joint_units import JointUnits, is_tangent
 from .joint_storage import value_bytes as _value_bytes
 from .joint_partition import _is_tensor
@@ -76,7 +78,8 @@ def node_seconds(joint: fx.GraphModule, joint_inputs: Sequence[Any], runs: int =
     """Seconds each ``call_function`` node of ``joint`` takes, the least of up to ``runs`` runs of the
     joint graph on real tensors shaped like ``joint_inputs`` (after one untimed run that warms the
     kernels and the allocator; no more runs once :data:`TIMING_SECONDS` have gone by), each node timed
-    alone (``torch.cuda.synchronize`` on either side on CUDA). Empty when the tensors cannot be made
+    alone (``torch.cuda.synchronize`` on either side on CUDA); nodes doing the same work (a deep
+    model's repeated layers) get the median of their times. Empty when the tensors cannot be made
     (meta, symbolic shapes) or the run fails: FLOP estimates price the graph then."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     with unset_fake_temporarily():
@@ -116,7 +119,26 @@ def _node_seconds(joint: fx.GraphModule, joint_inputs: Sequence[Any], runs: int)
                     break
     except Exception:  # noqa: BLE001 - data-dependent ops on random values: no measurement
         return {}
-    return seconds
+    return _alike_as_one(joint, seconds)
+
+
+def _alike_as_one(joint: fx.GraphModule, seconds: dict[str, float]) -> dict[str, float]:
+    """Each timed node's seconds replaced by the median of the nodes doing the same work (one
+    ``meta_flops.node_signature``: the repeated layers of a deep model), so that one slow spell of the
+    machine does not make one layer look dearer to recompute than its twins. Nodes without fake values
+    for their inputs keep their own time."""
+    groups: dict[Any, list[str]] = {}
+    for node in joint.graph.nodes:
+        if node.name in seconds and all(isinstance(a.meta.get("val"), torch.Tensor) for a in node.all_input_nodes):
+            key = node_signature(node)
+            if key is not None:
+                groups.setdefault(key, []).append(node.name)
+    alike = dict(seconds)
+    for names in groups.values():
+        if len(names) > 1:
+            middle = statistics.median(seconds[name] for name in names)
+            alike.update((name, middle) for name in names)
+    return alike
 
 
 def _materialize(value: Any) -> Any:

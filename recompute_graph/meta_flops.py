@@ -11,7 +11,7 @@ from torch import fx
 from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
-__all__ = ["meta_flops"]
+__all__ = ["meta_flops", "node_signature"]
 
 
 def meta_flops(node: fx.Node, known: dict[Any, int] | None = None) -> int:
@@ -29,22 +29,7 @@ def meta_flops(node: fx.Node, known: dict[Any, int] | None = None) -> int:
             return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
         return value
 
-    def signature(value: Any) -> Any:  # hashable, and equal for inputs alike in everything FLOPs depend on
-        if isinstance(value, fx.Node):
-            value = value.meta.get("val")
-        if isinstance(value, torch.Tensor):
-            return ("tensor", tuple(value.shape), value.stride(), value.dtype)
-        if isinstance(value, (list, tuple)):
-            return (type(value).__name__, *map(signature, value))
-        if isinstance(value, dict):
-            return ("dict", *((k, signature(v)) for k, v in sorted(value.items())))
-        return value if isinstance(value, (int, float, bool, str, type(None), torch.dtype, torch.device,
-                                           torch.layout, torch.memory_format)) else ("object", id(value))
-    try:
-        key = (node.target, signature(node.args), signature(node.kwargs)) if known is not None else None
-        key = key if key is None or _hashable(key) else None
-    except Exception:  # noqa: BLE001 - symbolic shapes and the like: count this node on its own
-        key = None
+    key = node_signature(node) if known is not None else None
     if key is not None and key in known:
         return known[key]
     try:
@@ -57,6 +42,31 @@ def meta_flops(node: fx.Node, known: dict[Any, int] | None = None) -> int:
     if key is not None:
         known[key] = flops
     return flops
+
+
+def _signature(value: Any) -> Any:
+    """Hashable, and equal for arguments alike in everything an op's work depends on."""
+    if isinstance(value, fx.Node):
+        value = value.meta.get("val")
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.stride(), value.dtype)
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, *map(_signature, value))
+    if isinstance(value, dict):
+        return ("dict", *((k, _signature(v)) for k, v in sorted(value.items())))
+    return value if isinstance(value, (int, float, bool, str, type(None), torch.dtype, torch.device,
+                                       torch.layout, torch.memory_format)) else ("object", id(value))
+
+
+def node_signature(node: fx.Node) -> Any:
+    """The op of a ``call_function`` node with its tensors' shapes, strides and dtypes (from their fake
+    values) and its other arguments: equal for the nodes of a deep model's repeated layers, which do
+    the same work; None when it cannot be made hashable (symbolic shapes and the like)."""
+    try:
+        key = (node.target, _signature(node.args), _signature(node.kwargs))
+    except Exception:  # noqa: BLE001 - symbolic shapes and the like: this node on its own
+        return None
+    return key if _hashable(key) else None
 
 
 def _hashable(value: Any) -> bool:

@@ -95,3 +95,16 @@ def test_flop_timing_estimates_every_node_and_prices_views_and_items_at_nothing(
 def test_an_unknown_timing_is_refused_before_anything_compiles():
     with pytest.raises(ValueError, match="timing='wall'"):
         budget_backend(0.5, timing="wall")
+
+
+def test_nodes_doing_the_same_work_share_one_time(monkeypatch):
+    """The two BatchNorms (and ReLUs) of ``_ConvNet`` see tensors of one shape: they get the median of
+    their times, so a slow spell during one of them does not make its layer dearer than its twin's."""
+    joint, kwargs, _ = _captured(monkeypatch)
+    seconds = node_seconds(joint, kwargs["joint_inputs"])
+    for target in ("_native_batch_norm_legit_functional", "relu"):
+        nodes = [n.name for n in joint.graph.nodes if op_name(n.target) == target]
+        assert len(nodes) == 2 and seconds[nodes[0]] == seconds[nodes[1]] > 0
+    # the convolutions read 3 and 8 channels: other work, each its own time, both measured
+    convolutions = [n.name for n in joint.graph.nodes if op_name(n.target) == "convolution"]
+    assert len(convolutions) == 2 and all(seconds[c] > 0 for c in convolutions)
