@@ -389,8 +389,10 @@ class _Simulation:
             workspace_peak = step_peak + incoming_bytes
         else:
             workspace_peak = self.live + node.backward_workspace_bytes + incoming_bytes
+        # the sums come after the kernels: the parameter gradients those made are alive beside them
+        # (a convolution's weight gradient at the add of its input's two terms, tiny ResNet-50)
         self.op_peak = max(self.op_peak, workspace_peak,
-                           self.live + released_early - handed_free + sums if sums else 0)
+                           self.live + released_early - handed_free + sums + node.param_grad_bytes if sums else 0)
         self.peak = max(self.peak, self.op_peak)
         for p in summed:  # the sum replaces the first buffer, which lives on if shared
             previous = self.grad_storage[p]
