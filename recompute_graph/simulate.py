@@ -25,6 +25,7 @@ Memory model (bytes of tensor storage above what was live before the step; see d
   buffer, the incoming gradient); a gradient assembled from view terms (``grad_term_bytes``) grows
   by each term as it is made instead, with no sum; then, for those, the new sum is made the first time (unless the buffer
   was handed on by a pass-through backward and nothing else holds it: that one is summed into in place),
+  beside the parameter gradients the node's kernels have just made,
   after the node's own output gradient is released when nothing else holds it; keeps its parameter gradients
   (``param_grad_bytes``, to the end of the step), then frees the node's tape and its output gradient
   (first, when ``backward_aliases_grad`` says the buffer is handed on to the inputs: the inputs getting
