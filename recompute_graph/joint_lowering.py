@@ -280,11 +280,20 @@ def lower_schedule(joint: fx.GraphModule, units: JointUnits, schedule: Schedule,
             add_term(node)
 
     def add_term(term: fx.Node) -> None:
-        """Add ``term`` to its sum's terms so far; the last one makes the sum."""
+        """Add ``term`` to its sum's terms so far; the last one makes the sum: the first addition into a
+        new buffer (the root's), each later one into that buffer in place (``add_``), which nothing else
+        reads, as the simulator accumulates a gradient and as the graphs' liveness, one storage for
+        every partial sum, counts it (added out of place, each partial sum was a new buffer beside the
+        one before it that neither saw: Mamba's scan, 64 KB over the plan at its floor)."""
         root = tree_of_term[term].root
         so_far = partial_sum.get(root)
         if so_far is None:
             partial_sum[root] = env[term]
+        elif so_far.meta.get("val") is root.meta["val"]:  # a partial sum this lowering made
+            partial_sum[root] = new.call_function(torch.ops.aten.add_.Tensor, (so_far, env[term]))
+            partial_sum[root].meta["val"] = root.meta["val"]
+            # a mutation is kept in the forward graph unless tagged as the backward's
+            partial_sum[root].meta["partitioner_tag"] = "is_backward"
         else:
             partial_sum[root] = new.call_function(torch.ops.aten.add.Tensor, (so_far, env[term]))
             partial_sum[root].meta["val"] = root.meta["val"]
