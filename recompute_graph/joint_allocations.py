@@ -71,22 +71,25 @@ def _kernel_workspace_bytes(joint: fx.GraphModule, joint_inputs: Sequence[Any]) 
 
 
 #: a timed run stops repeating once the runs so far took this long (seconds): planning stays quick
-TIMING_SECONDS = 2.0
+TIMING_SECONDS = 1.0
 
 
-def node_seconds(joint: fx.GraphModule, joint_inputs: Sequence[Any], runs: int = 3) -> dict[str, float]:
+def node_seconds(joint: fx.GraphModule, joint_inputs: Sequence[Any], runs: int = 3,
+                 warm_up: bool = True) -> dict[str, float]:
     """Seconds each ``call_function`` node of ``joint`` takes, the least of up to ``runs`` runs of the
     joint graph on real tensors shaped like ``joint_inputs`` (after one untimed run that warms the
-    kernels and the allocator; no more runs once :data:`TIMING_SECONDS` have gone by), each node timed
+    kernels and the allocator, unless ``warm_up`` is False because a run just did, the workspace's;
+    no more runs once :data:`TIMING_SECONDS` have gone by), each node timed
     alone (``torch.cuda.synchronize`` on either side on CUDA); nodes doing the same work (a deep
     model's repeated layers) get the median of their times. Empty when the tensors cannot be made
     (meta, symbolic shapes) or the run fails: FLOP estimates price the graph then."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     with unset_fake_temporarily():
-        return _node_seconds(joint, joint_inputs, runs)
+        return _node_seconds(joint, joint_inputs, runs, warm_up)
 
 
-def _node_seconds(joint: fx.GraphModule, joint_inputs: Sequence[Any], runs: int) -> dict[str, float]:
+def _node_seconds(joint: fx.GraphModule, joint_inputs: Sequence[Any], runs: int, warm_up: bool
+                  ) -> dict[str, float]:
     try:
         real = tree_map(_materialize, list(joint_inputs))
     except (TypeError, RuntimeError, ValueError):
@@ -112,7 +115,8 @@ def _node_seconds(joint: fx.GraphModule, joint_inputs: Sequence[Any], runs: int)
     began = time.perf_counter()
     try:
         with torch.no_grad():
-            fx.Interpreter(joint).run(*real)  # warm-up
+            if warm_up:
+                fx.Interpreter(joint).run(*real)
             for _ in range(max(1, runs)):
                 _Timed(joint).run(*real)
                 if time.perf_counter() - began > TIMING_SECONDS:

@@ -501,7 +501,8 @@ def plan_and_lower(joint: fx.GraphModule, budget: Any, *, num_fwd_outputs: int, 
         raise ValueError(f"timing={timing!r}: use 'measure' (time the joint graph's nodes) or 'flops'")
     units = joint_units(joint, num_fwd_outputs)
     workspace = kernel_workspace_bytes(joint, joint_inputs) if joint_inputs is not None else {}
-    seconds = node_seconds(joint, joint_inputs) if joint_inputs is not None and timing == "measure" else {}
+    seconds = (node_seconds(joint, joint_inputs, warm_up=not workspace)  # the workspace's run warmed it
+               if joint_inputs is not None and timing == "measure" else {})
     loss_bytes = outputs_loss_bytes(joint, units, loss_fn) if loss_fn is not None else None
     graph = joint_cost_graph(joint, units, name, workspace=workspace, loss_bytes=loss_bytes,
                              device_profile=device_profile, node_seconds=seconds)
