@@ -44,14 +44,10 @@ def kernel_workspace_bytes(joint: fx.GraphModule, joint_inputs: Sequence[Any]) -
 
 def _kernel_workspace_bytes(joint: fx.GraphModule, joint_inputs: Sequence[Any]) -> dict[str, int]:
     from .loss_pricing import allocator_windows, node_window
-    try:
-        real = tree_map(_materialize, list(joint_inputs))  # AOTAutograd passes [primals, tangents]
-    except (TypeError, RuntimeError, ValueError):
+    made = _real_inputs(joint_inputs)
+    if made is None:
         return {}
-    tensors = [t for t in tree_flatten(real)[0] if isinstance(t, torch.Tensor)]
-    if not tensors or any(t.is_meta for t in tensors):
-        return {}
-    cuda = next((t.device for t in tensors if t.is_cuda), None)
+    real, cuda = made
 
     class _Windowed(fx.Interpreter):
         def run_node(self, n: fx.Node) -> Any:
@@ -90,14 +86,10 @@ def node_seconds(joint: fx.GraphModule, joint_inputs: Sequence[Any], runs: int =
 
 def _node_seconds(joint: fx.GraphModule, joint_inputs: Sequence[Any], runs: int, warm_up: bool
                   ) -> dict[str, float]:
-    try:
-        real = tree_map(_materialize, list(joint_inputs))
-    except (TypeError, RuntimeError, ValueError):
+    made = _real_inputs(joint_inputs)
+    if made is None:
         return {}
-    tensors = [t for t in tree_flatten(real)[0] if isinstance(t, torch.Tensor)]
-    if not tensors or any(t.is_meta for t in tensors):
-        return {}
-    cuda = next((t.device for t in tensors if t.is_cuda), None)
+    real, cuda = made
     sync = (lambda: torch.cuda.synchronize(cuda)) if cuda is not None else (lambda: None)
     seconds: dict[str, float] = {}
 
@@ -143,6 +135,19 @@ def _alike_as_one(joint: fx.GraphModule, seconds: dict[str, float]) -> dict[str,
             middle = statistics.median(seconds[name] for name in names)
             alike.update((name, middle) for name in names)
     return alike
+
+
+def _real_inputs(joint_inputs: Sequence[Any]) -> "tuple[list[Any], torch.device | None] | None":
+    """Real tensors shaped like ``joint_inputs`` (AOTAutograd passes [primals, tangents]) and the CUDA
+    device among them, or None when they cannot be made (symbolic shapes) or are on meta."""
+    try:
+        real = tree_map(_materialize, list(joint_inputs))
+    except (TypeError, RuntimeError, ValueError):
+        return None
+    tensors = [t for t in tree_flatten(real)[0] if isinstance(t, torch.Tensor)]
+    if not tensors or any(t.is_meta for t in tensors):
+        return None
+    return real, next((t.device for t in tensors if t.is_cuda), None)
 
 
 def _materialize(value: Any) -> Any:
