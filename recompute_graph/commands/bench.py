@@ -132,10 +132,10 @@ def _run(args: argparse.Namespace) -> int:
 
 def _measure_compiled(args: argparse.Namespace, model: Any, inputs: tuple, measure: Any, rows: list,
                       bar: Any) -> None:
-    import copy
-
     """Our compiler path at each fraction: ``torch.compile(model, backend=rg.backend(f))`` (a graph below
     its floor planned at the floor), predicted peak from the last compiled graph's plan."""
+    import copy
+
     import torch
 
     from ..joint_lowering import budget_backend, last_lowering
