@@ -540,8 +540,8 @@ def budget_backend(budget: Any, solver: str = "auto", schedule_pass: SchedulePas
     measure each node's kernel workspace, and with ``timing="measure"`` its run time, on real tensors
     first (``joint_allocations.kernel_workspace_bytes``, ``node_seconds``); without it the plan prices
     the graphs' liveness alone, timed from FLOPs. ``loss_fn``: the loss the training loop computes on
-    the compiled module's output (default ``losses.default_training_loss``), priced on the outputs' shapes and kept free beside the step
-    (``planner.loss_allowance_bytes``).
+    the compiled module's output (default ``losses.default_training_loss``), priced on the outputs'
+    shapes and kept free beside the step (``planner.loss_allowance_bytes``).
     ``on_infeasible``: ``"raise"`` (``InfeasibleBudgetError``, with the smallest feasible budget) or
     ``"floor"``: plan that graph at its smallest feasible budget, with an ``InfeasibleBudgetWarning``.
     ``graph_compiler``: what runs the generated graphs (AOTAutograd's boxed convention; the node-marking
