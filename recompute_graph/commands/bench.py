@@ -48,11 +48,17 @@ def _training_step(module: Any, inputs: tuple) -> Callable[[], None]:
 
 def run(args: argparse.Namespace) -> int:
     import torch._dynamo.config as dynamo_config
-    rows_count = 1 + len(args.solvers) * len(args.fractions) + 2 * len(args.fractions) + 3
+    runs = _run_count(args)
     # each compiled row keeps its code: one cache entry per row on the model's forward
-    with dynamo_config.patch(recompile_limit=max(8, 2 * rows_count),
-                             accumulated_recompile_limit=max(256, 4 * rows_count)):
+    with dynamo_config.patch(recompile_limit=max(8, 2 * runs), accumulated_recompile_limit=max(256, 4 * runs)):
         return _run(args)
+
+
+def _run_count(args: argparse.Namespace) -> int:
+    """The rows ``bench`` measures: the original, each solver at each fraction, and the peers' and the
+    compiled rows when asked for."""
+    return (1 + len(args.solvers) * len(args.fractions) + (3 + len(args.fractions) if args.peers else 0)
+            + (len(args.fractions) if args.compiled else 0))
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -79,9 +85,7 @@ def _run(args: argparse.Namespace) -> int:
         rows.append(row)
         timed.append((row, step))
 
-    runs = (1 + len(args.solvers) * len(args.fractions) + (3 + len(args.fractions) if args.peers else 0)
-            + (len(args.fractions) if args.compiled else 0))
-    with progress_bar(runs, f"benchmarking {label}", not args.quiet, unit="run") as bar:
+    with progress_bar(_run_count(args), f"benchmarking {label}", not args.quiet, unit="run") as bar:
         measure("original (store-all autograd)", original_step)
         bar.update()
         for solver in args.solvers:
