@@ -531,7 +531,8 @@ def budget_backend(budget: Any, solver: str = "auto", schedule_pass: SchedulePas
                    price_kernels: bool = True, loss_fn: Any = None, on_infeasible: str = "raise",
                    graph_compiler: "Callable[..., Any] | str" = boxed_interpreter,
                    on_lowered: Callable[[Lowered], None] | None = None, saved_plan: Any = None,
-                   device_profile: Any = "cpu", timing: str = "measure") -> Callable[..., Any]:
+                   device_profile: Any = "cpu", timing: str = "measure",
+                   on_joint: Callable[[fx.GraphModule, Any], None] | None = None) -> Callable[..., Any]:
     """``torch.compile(model, backend=budget_backend("6GiB"))``: AOTAutograd whose partitioner plans
     the joint graph with our solvers at ``budget`` (bytes, a size string, or a fraction of store-all)
     and lowers the plan (:func:`plan_and_lower`); the graphs run as they are
@@ -548,8 +549,10 @@ def budget_backend(budget: Any, solver: str = "auto", schedule_pass: SchedulePas
     interpreter of ``joint_timeline`` measures them node by node; ``"inductor"``: inductor's code for
     them, ``inductor_lowering``, measured on the example inputs and planned again with less budget
     where it holds more than the plan, ``inductor_lowering.fit_plan_to_inductor``).
-    ``on_lowered(lowered)``: called with
-    each graph's :class:`Lowered` (``optimize(..., compiler=True)`` keeps its module's own).
+    ``on_lowered(lowered)``: called with each graph's :class:`Lowered` (``optimize(..., compiler=True)``
+    keeps its module's own). ``on_joint(joint, joint_inputs)``: called before planning with each joint
+    graph and its inputs as AOTAutograd hands them over (fake primals and tangents; scripts that time or
+    inspect the graph a plan was made on).
     ``saved_plan``, ``device_profile`` and ``timing``: as in :func:`plan_and_lower`.
     A model ``torch.compile`` splits into several graphs (graph breaks) is planned graph by graph, each
     at ``budget`` (a fraction: of that graph's own store-all step)."""
@@ -575,6 +578,8 @@ def budget_backend(budget: Any, solver: str = "auto", schedule_pass: SchedulePas
                                   joint_inputs=joint_inputs if price_kernels else None,
                                   loss_fn=loss_fn if price_kernels else None, on_infeasible=on_infeasible,
                                   saved_plan=saved_plan, device_profile=device_profile, timing=timing)
+        if on_joint is not None:
+            on_joint(joint, joint_inputs)
         with full_collections_deferred():  # also a recompilation's planning, inside the user's step
             lowered = lower_at(budget, saved_plan)
             if inductor and price_kernels:  # inductor's code measured, the plan made again if over

@@ -3,10 +3,11 @@
 A solver's schedule often recomputes more than its budget needs. The chain DPs plan at the level of
 stages and price a stage's values at every cut they stay open across, so between two of their plans
 there is a gap of peak bytes that neither uses; the lower-set DPs plan whole lower sets. On ResNet-50's
-joint graph (B=8, 224²), ``auto`` at 37 % of the store-all budget picked chain_dp_fine's plan at
-256.6 MiB and +37.1 % of the store-all compute; with the pool's plans relaxed
+joint graph (B=8, 224²) with FLOP-estimated times, ``auto`` at 37 % of the store-all budget picked
+chain_dp_fine's plan at 256.6 MiB and +37.1 % of the store-all compute; with the pool's plans relaxed
 (``planner._relaxed_pool``) it picks one at 256.4 MiB and +29.7 % (per-block checkpointing, simulated on
-the same graph: 347.3 MiB at +35.4 %).
+the same graph: 347.3 MiB at +35.4 %). With measured times the relaxed pool holds 260.9 MiB at +29.3 %
+against per-block's +31.8 % (``python scripts/relaxed_plans.py``; docs/benchmarks.md).
 
 Model. Ops as in :mod:`~recompute_graph.schedule`. A *recomputation* is a ``Forward`` of a node computed
 earlier in the step. Dropping one keeps the node's previous value alive up to it instead:

@@ -19,7 +19,6 @@ import torch
 
 import models_zoo
 import recompute_graph as rg
-from recompute_graph import joint_lowering
 from recompute_graph.device_profiles import DEVICE_PROFILES
 from recompute_graph.joint_allocations import node_seconds
 from recompute_graph.joint_capture import op_name
@@ -42,13 +41,8 @@ def main() -> None:
     warnings.simplefilter("ignore")
     model, inputs = models_zoo.get_model(args.model, args.preset, **sizes)
     captured = {}
-    plan_and_lower = joint_lowering.plan_and_lower
-
-    def capture(joint, budget, **kwargs):
-        captured.update(joint=joint, inputs=kwargs.get("joint_inputs"))
-        return plan_and_lower(joint, budget, **kwargs)
-    joint_lowering.plan_and_lower = capture
-    compiled = torch.compile(model, backend=rg.backend(1.0))
+    compiled = torch.compile(model, backend=rg.backend(
+        1.0, on_joint=lambda joint, joint_inputs: captured.update(joint=joint, inputs=joint_inputs)))
     default_training_loss(compiled(*inputs)).backward()
     joint = captured["joint"]
     measured = node_seconds(joint, captured["inputs"])

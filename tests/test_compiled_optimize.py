@@ -20,8 +20,6 @@ def _step(module, inputs, kwargs=None):
     default_loss(module(*inputs, **(kwargs or {}))).backward()
 
 
-
-
 def _buffers_equal(model, reference):
     return all(torch.equal(a, b) for a, b in zip(model.buffers(), reference.buffers()))
 
@@ -290,7 +288,6 @@ def test_many_models_of_one_class_and_many_shapes_of_one_model_are_each_compiled
         assert parameter_gradient_error(model, reference) == 0.0
     _step(lazy, (x[:510],))  # a signature seen before is not planned again
     assert len(lazy.lowerings) == 9 and isinstance(lazy, rg.CompiledRecomputedModule)
-
 
 
 @pytest.mark.parametrize("compiler", [True, False])

@@ -79,7 +79,6 @@ def test_measured_timing_is_positive_and_flop_timing_is_deterministic():
     assert later_linear.backward_flops == 2 * later_linear.forward_flops
 
 
-
 def test_the_timing_pass_runs_a_node_three_times_once_those_took_long_enough(monkeypatch):
     from recompute_graph import costs
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))

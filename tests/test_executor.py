@@ -181,7 +181,6 @@ def test_fused_backward_runs_give_the_same_gradients_and_memory_as_node_by_node(
     assert abs(peak_fused - peak_nodes) <= 0.05 * peak_nodes
 
 
-
 class _SliceScan(nn.Module):
     """Mamba's slow scan: a decay tensor computed once, each of 16 steps reading its own slice."""
 

@@ -7,7 +7,6 @@ import pytest
 import torch
 from torch import fx, nn
 
-from recompute_graph import joint_lowering
 from recompute_graph.joint_allocations import node_seconds
 from recompute_graph.joint_capture import op_name
 from recompute_graph.joint_costs import VIEW_TARGETS, _moved_bytes, joint_cost_graph
@@ -27,22 +26,18 @@ class _ConvNet(nn.Module):
         return self.head(self.body(x).mean((2, 3)))
 
 
-def _captured(monkeypatch, **options):
+def _captured(**options):
     """One compiled step of ``_ConvNet`` with ``budget_backend(1.0, **options)``: the joint graph and
-    the arguments its planning got, and the lowering."""
+    its inputs (``on_joint``), and the lowering."""
     seen, lowered = {}, []
-    planned = joint_lowering.plan_and_lower
-
-    def capture(joint, budget, **kwargs):
-        seen.update(joint=joint, kwargs=kwargs)
-        return planned(joint, budget, **kwargs)
-    monkeypatch.setattr(joint_lowering, "plan_and_lower", capture)
     torch._dynamo.reset()
     model = _ConvNet()
-    compiled = torch.compile(model, backend=budget_backend(1.0, on_lowered=lowered.append, **options))
+    compiled = torch.compile(model, backend=budget_backend(
+        1.0, on_lowered=lowered.append, on_joint=lambda joint, inputs: seen.update(joint=joint, inputs=inputs),
+        **options))
     square_loss(compiled(torch.randn(2, 3, 8, 8))).backward()
     torch._dynamo.reset()
-    return seen["joint"], seen["kwargs"], lowered[-1]
+    return seen["joint"], seen["inputs"], lowered[-1]
 
 
 def test_every_node_of_a_small_graph_is_timed_on_real_tensors_and_none_on_meta():
@@ -62,11 +57,13 @@ def test_a_graph_that_fails_on_random_values_is_not_timed():
     assert node_seconds(graph_module, [torch.randn(8, 16)]) == {}
 
 
-def test_the_compiler_path_prices_its_units_with_the_times_it_measured(monkeypatch):
-    joint, kwargs, lowered = _captured(monkeypatch)
+def test_the_compiler_path_prices_its_units_with_the_times_it_measured():
+    joint, joint_inputs, lowered = _captured()
+    # on_joint handed over the graph that was planned, with its primals and tangents: one per placeholder
+    placeholders = [n for n in joint.graph.nodes if n.op == "placeholder"]
+    assert sum(map(len, joint_inputs)) == len(placeholders) and lowered.units.units[0][0].graph is joint.graph
     graph = lowered.graph
     assert graph.cost_source.startswith("measured")
-    assert kwargs["timing"] == "measure"
     # the cost graph's times are the measured ones, unit by unit: priced again from a known table
     units = lowered.units
     table = {n.name: 1.0 + i for i, n in enumerate(joint.graph.nodes) if n.op == "call_function"}
@@ -77,10 +74,10 @@ def test_the_compiler_path_prices_its_units_with_the_times_it_measured(monkeypat
     assert all(node.forward_cost > 0 for node in graph.nodes if node.target in ("convolution", "relu"))
 
 
-def test_flop_timing_estimates_every_node_and_prices_views_and_items_at_nothing(monkeypatch):
-    joint, kwargs, lowered = _captured(monkeypatch, timing="flops")
+def test_flop_timing_estimates_every_node_and_prices_views_and_items_at_nothing():
+    joint, _, lowered = _captured(timing="flops")
     graph = lowered.graph
-    assert graph.cost_source.startswith("flop-estimate (cpu)") and kwargs["timing"] == "flops"
+    assert graph.cost_source.startswith("flop-estimate (cpu)")
     costs = {n.name: n.forward_cost for n in graph.nodes}
     for members in lowered.units.units:
         if all(m.target is operator.getitem or op_name(m.target) in VIEW_TARGETS for m in members):
@@ -97,11 +94,11 @@ def test_an_unknown_timing_is_refused_before_anything_compiles():
         budget_backend(0.5, timing="wall")
 
 
-def test_nodes_doing_the_same_work_share_one_time(monkeypatch):
+def test_nodes_doing_the_same_work_share_one_time():
     """The two BatchNorms (and ReLUs) of ``_ConvNet`` see tensors of one shape: they get the median of
     their times, so a slow spell during one of them does not make its layer dearer than its twin's."""
-    joint, kwargs, _ = _captured(monkeypatch)
-    seconds = node_seconds(joint, kwargs["joint_inputs"])
+    joint, joint_inputs, _ = _captured()
+    seconds = node_seconds(joint, joint_inputs)
     for target in ("_native_batch_norm_legit_functional", "relu"):
         nodes = [n.name for n in joint.graph.nodes if op_name(n.target) == target]
         assert len(nodes) == 2 and seconds[nodes[0]] == seconds[nodes[1]] > 0

@@ -116,7 +116,6 @@ def test_the_first_step_of_a_compiled_plan_warns_when_it_breaks_the_budget(monke
     assert step(2 * budget) == []  # once per signature: later steps are not judged again
 
 
-
 def test_a_buffer_updated_twice_is_a_mismatch_and_a_rounding_difference_is_not():
     """BatchNorm's running mean after one and after two updates with the same batch statistics, against
     the same value 1 ulp off (what AOTAutograd's decompositions leave on torchvision's DeepLabV3, as
