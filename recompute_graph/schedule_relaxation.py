@@ -23,7 +23,8 @@ timeline. The bytes it would keep (the value's output bytes; with a tape, also w
 saves) are added over the ops between where the value was freed (the tape: the previous computation)
 and the recomputation. It is taken when every op's peak there, plus the bytes taken before it in this
 round, stays within the limit. A round's choices are simulated once; if the plan does not fit, the first
-half of them is tried, and so on. The result is the simulator's, never an estimate: a relaxed plan is
+half of them is tried, and so on; if it fits and saves no compute, the search ends (dropping fewer
+recomputations never saves more). The result is the simulator's, never an estimate: a relaxed plan is
 returned only when its simulation fits the limit (the step's peak with the loss at its moment,
 ``planner.min_budget_for_step``, at most the budget) and recomputes less. Pure Python, no torch.
 """
@@ -71,9 +72,11 @@ def relax_recomputations(graph: CostGraph, schedule: Schedule, simulation: Simul
                 candidate_simulation = simulate(graph, candidate)
             except ScheduleError:
                 candidate_simulation = None
-            if (candidate_simulation is not None and fits(candidate_simulation)
-                    and candidate_simulation.compute_cost < current_simulation.compute_cost):
-                found = candidate, candidate_simulation
+            if candidate_simulation is not None and fits(candidate_simulation):
+                if candidate_simulation.compute_cost < current_simulation.compute_cost:
+                    found = candidate, candidate_simulation
+                # else: these recomputations cost nothing (dead code, free ops, or their previous
+                # computation runs instead), nor would any half of them: dropping fewer never saves more
                 break
             chosen = chosen[:len(chosen) // 2]
         if found is None:

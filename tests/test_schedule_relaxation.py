@@ -82,6 +82,27 @@ def test_relaxation_keeps_what_the_room_above_a_chain_plan_holds():
     assert _recomputed_nodes(schedule) < _recomputed_nodes(plan.schedule)
 
 
+def test_a_round_whose_drops_save_no_compute_ends_the_search_after_one_simulation(monkeypatch):
+    """Recomputations of free nodes: dropping all of them fits the room but saves nothing, and no half
+    of them could save more, so the search stops at that one simulation (it had tried four halvings,
+    each a simulation of the whole schedule: most of a 48-layer decoder's relaxation time)."""
+    graph = blocks()
+    graph = dataclasses.replace(graph, nodes=tuple(dataclasses.replace(n, forward_cost=0.0) for n in graph.nodes))
+    budget = int(0.4 * SOLVERS["store_all"](graph, None).peak_bytes)
+    plan = SOLVERS["chain_dp"](graph, budget)
+    assert _recomputations(plan.schedule) > 0
+    calls = []
+    from recompute_graph import schedule_relaxation
+
+    def counted(*args):
+        calls.append(1)
+        return simulate(*args)
+    monkeypatch.setattr(schedule_relaxation, "simulate", counted)
+    limit = 10 * plan.peak_bytes
+    assert relax_recomputations(graph, plan.schedule, plan.simulation, lambda s: s.peak_bytes <= limit, limit) is None
+    assert len(calls) == 1
+
+
 @settings(max_examples=25, deadline=None)
 @given(cost_graphs(max_nodes=20))
 def test_the_pool_of_a_joint_cost_graph_stays_undominated_and_auto_monotone_with_relaxed_plans(graph):
