@@ -151,6 +151,30 @@ def test_the_execution_models_vectorized_transitions_are_its_pairwise_ones(graph
         assert model.transitions_from(a) == expected
 
 
+def test_boundaries_and_gradients_in_flight_over_more_nodes_than_one_word_holds():
+    """A 150-node graph of branching blocks (three 64-bit words per set): each set's boundary is the
+    bitwise one (``LowerSetFamily._boundary``), and the largest gradient of every step ``a -> b`` the
+    plain maximum over ``b \\ a``, whichever word it lies in."""
+    import random
+    from recompute_graph.graph import CostGraph, CostNode
+    rng = random.Random(7)
+    nodes = []
+    for v in range(150):
+        reads = () if v == 0 else (v - 1,) if v % 5 else (v - 1, max(0, v - 7))
+        nodes.append(CostNode(v, f"n{v}", predecessors=tuple(sorted(set(reads))), output_bytes=100,
+                              grad_bytes=rng.randrange(1, 10_000), backward_needs=reads, forward_cost=1.0,
+                              backward_cost=1.0))
+    family = principal_lower_sets(CostGraph("words", tuple(nodes)))
+    assert family.n > 128
+    assert family.boundary == [family._boundary(lower) for lower in family.sets]
+    model = ExecutionModel(family, "segment")
+    for a in range(0, len(family.sets), 7):
+        for b in family.supersets_after(a)[::5]:
+            later, lower = family.sets[b], family.sets[a]
+            segment = [model.grad[v] for v in range(family.n) if later >> v & 1 and not lower >> v & 1]
+            assert model.in_flight(a, int(b)) == 2 * max(segment)
+
+
 @settings(max_examples=40, deadline=None)
 @given(cost_graphs(max_nodes=10), st.lists(st.floats(0.9, 3.0), min_size=2, max_size=8), st.booleans(),
        st.sampled_from(["time", "memory"]))

@@ -143,18 +143,36 @@ class ExecutionModel:
         """:meth:`in_flight` from ``a`` to each set of ``later``."""
         if self.in_flight_bound == "graph":
             return np.full(len(later), 2.0 * float(self._grad_array.max(initial=0.0)))
-        # the largest gradient of b \ a is that of its first node in the order of decreasing gradients
-        members, grads = self._members_by_gradient()
-        segments = members[later] & ~members[a]
-        first = segments.argmax(axis=1)
-        return 2 * np.where(segments[np.arange(len(later)), first], grads[first], 0.0)
+        # the largest gradient of b \ a is that of its first node in the order of decreasing gradients:
+        # the lowest bit of the first nonzero word of b's words less a's, the nodes packed in that order
+        words, grads = self._words_by_gradient()
+        segments = words[later] & ~words[a]
+        nonzero = segments != 0
+        word = nonzero.argmax(axis=1)
+        found = nonzero[np.arange(len(later)), word]
+        chosen = segments[np.arange(len(later)), word]
+        lowest = chosen & (~chosen + np.uint64(1))  # the lowest set bit (0 where none)
+        bit = np.zeros(len(later), dtype=np.int64)
+        for shift in (32, 16, 8, 4, 2, 1):  # its index, by halving
+            upper = lowest >= (np.uint64(1) << np.uint64(shift))
+            bit += np.where(upper, shift, 0)
+            lowest = np.where(upper, lowest >> np.uint64(shift), lowest)
+        first = np.minimum(word * 64 + bit, len(grads) - 1)
+        return 2 * np.where(found, grads[first], 0.0)
 
-    def _members_by_gradient(self) -> tuple[np.ndarray, np.ndarray]:
-        """The family's membership matrix with its node columns in the order of decreasing gradient
-        bytes, and the gradients in that order (built once)."""
+    def _words_by_gradient(self) -> tuple[np.ndarray, np.ndarray]:
+        """The family's sets as rows of 64-bit words with the nodes in the order of decreasing gradient
+        bytes (node ``order[k]`` at bit ``k % 64`` of word ``k // 64``), and the gradients in that order
+        (built once)."""
         if getattr(self, "_by_gradient", None) is None:
             order = np.argsort(-self._grad_array, kind="stable")
-            self._by_gradient = (np.ascontiguousarray(self._members[:, order]), self._grad_array[order])
+            members = self._members[:, order]
+            width = (members.shape[1] + 63) // 64
+            padded = np.zeros((members.shape[0], width * 64), dtype=bool)
+            padded[:, :members.shape[1]] = members
+            packed = np.packbits(padded, axis=1, bitorder="little")
+            self._by_gradient = (np.ascontiguousarray(packed).view("<u8").reshape(members.shape[0], width),
+                                 self._grad_array[order])
         return self._by_gradient
 
     def transitions_from(self, a: int) -> list[tuple[float, int, float, float]]:
@@ -174,7 +192,7 @@ class ExecutionModel:
         if not len(later):
             return later, np.zeros(0), np.zeros(0), np.zeros(0)
         inside = np.asarray(f.boundary_nodes[a], dtype=np.int64)
-        shared = boundary[later][:, inside].astype(np.float64)
+        shared = boundary[np.ix_(later, inside)].astype(np.float64)
         arrived = boundary_grad[later] - shared @ self._grad_array[inside]
         kept = boundary_kept[later] - shared @ kept_weight[inside]
         peak = (set_stored[later] - set_stored[a] + arrived + self.params_after[a] + self.constant

@@ -55,8 +55,25 @@ class LowerSetFamily:
         self.pred = [sum(1 << p for p in node.predecessors) for node in g.nodes]
         self.sets.sort(key=lambda s: (bin(s).count("1"), s))
         self.size = [bin(s).count("1") for s in self.sets]
-        self.boundary = [self._boundary(s) for s in self.sets]
+        self.boundary = self._boundaries()
         self.boundary_nodes = [_bits(mask) for mask in self.boundary]
+
+    def _boundaries(self) -> list[int]:
+        """``_boundary`` of every set, from the membership matrix: a node is on a set's boundary when
+        one of its edges leaves the set (bit operations on each set's every node took seconds on
+        3,000 sets of a 3,000-node graph)."""
+        edges = [(v, s) for v, node in enumerate(self.graph.nodes) for s in node.successors]
+        if not edges or not self.sets:
+            return [0] * len(self.sets)
+        sources = np.array([v for v, _ in edges], dtype=np.int64)
+        targets = np.array([s for _, s in edges], dtype=np.int64)
+        members = self.members
+        leaving = members[:, sources] & ~members[:, targets]  # [set, edge], edges grouped by source
+        starts = np.flatnonzero(np.r_[True, sources[1:] != sources[:-1]])
+        on_boundary = np.zeros((len(self.sets), self.n + (-self.n) % 8), dtype=bool)
+        on_boundary[:, sources[starts]] = np.logical_or.reduceat(leaving, starts, axis=1)
+        packed = np.packbits(on_boundary, axis=1, bitorder="little")
+        return [int.from_bytes(row.tobytes(), "little") for row in packed]
 
     def _boundary(self, lower: int) -> int:
         return sum(1 << v for v in _bits(lower) if self.succ[v] & ~lower)
