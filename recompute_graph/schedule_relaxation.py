@@ -188,13 +188,18 @@ def _without(graph: CostGraph, sequence: list[tuple[int, Op | None]], dropped: l
     """The schedule of ``sequence`` less the recomputations at ``dropped``; a dropped tape is recorded by
     the node's previous computation instead."""
     ops: list[Op | None] = [op for _, op in sequence]
-    for position in dropped:
+    previous: dict[int, int] = {}  # position of a Forward -> that of its node's Forward before it
+    latest: dict[int, int] = {}
+    for position, op in enumerate(ops):
+        if isinstance(op, Forward):
+            if op.node in latest:
+                previous[position] = latest[op.node]
+            latest[op.node] = position
+    for position in dropped:  # at most one per node (``_choose``): the previous one is never dropped
         op = ops[position]
         assert isinstance(op, Forward)
         if op.tape:
-            before = max(p for p in range(position)
-                         if isinstance(ops[p], Forward) and ops[p].node == op.node)  # type: ignore[union-attr]
-            ops[before] = Forward(op.node, tape=True)
+            ops[previous[position]] = Forward(op.node, tape=True)
         ops[position] = FreeValue(-1)  # a placeholder, removed below
     kept = [op for op in ops if not (isinstance(op, FreeValue) and op.node == -1)]
     boundary = kept.index(None)
