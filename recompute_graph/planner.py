@@ -47,7 +47,8 @@ POOL_FRACTIONS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)
 #: The grid for graphs of more than ``LARGE_GRAPH_NODES`` nodes, where one lower-set DP run takes seconds
 #: (a 48-layer GPT-2-XL-wide decoder, 1,591 nodes: 2-4 s per run, two runs per budget). 0.3 is on it: without
 #: it, the decoder's compiler-path pool jumped from 27.6 GiB (+32.7 %) to 54 GiB (+24.4 %), which
-#: relaxation does not bridge; with it, 41.8 GiB at +28.3 % (the pool about 5 s longer).
+#: relaxation does not bridge (``python scripts/scale_meta.py --compiler --layers 48 --budget 0.3``,
+#: docs/benchmarks.md; planning about 6 s longer).
 POOL_FRACTIONS_LARGE = (1.0, 0.8, 0.6, 0.5, 0.4, 0.3, 0.2)
 LARGE_GRAPH_NODES = 1000
 #: Below the grid the pool goes on geometrically, by this ratio, down to this fraction (``pool_fractions``).

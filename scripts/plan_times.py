@@ -33,10 +33,10 @@ PHASES = ((costs, "_run_counted", "profiling passes"), (joint_lowering, "kernel_
 
 
 @contextlib.contextmanager
-def timed_phases():
-    """Seconds spent in each of ``PHASES`` while the block runs (a Counter by label)."""
+def timed_phases(phases: tuple = PHASES):
+    """Seconds spent in each of ``phases`` (``PHASES``) while the block runs (a Counter by label)."""
     seconds: collections.Counter = collections.Counter()
-    originals = [(module, name, getattr(module, name)) for module, name, _ in PHASES]
+    originals = [(module, name, getattr(module, name)) for module, name, _ in phases]
 
     def timing(function, label):
         @functools.wraps(function)
@@ -47,7 +47,7 @@ def timed_phases():
             finally:
                 seconds[label] += time.perf_counter() - start
         return timed
-    for (module, name, label), (_, _, function) in zip(PHASES, originals):
+    for (module, name, label), (_, _, function) in zip(phases, originals):
         setattr(module, name, timing(function, label))
     try:
         yield seconds
