@@ -219,7 +219,7 @@ def strategy_checkpoints(model, lower_sets):
 def test_the_merges_first_pass_by_buckets_changes_no_answer(name, monkeypatch):
     """The merge drops states dominated across buckets of checkpoint bytes before sorting (above
     ``_PREFILTER_ABOVE`` candidates): the DP's answers with and without that pass are identical."""
-    import recompute_graph.solvers.lower_set_dp as lower_set_dp
+    import recompute_graph.solvers.lower_set_search as lower_set_dp
 
     graph = load_graph(benchmark_dir() / "kusumoto2019" / f"cg_{name}.txt")
     model = PaperModel(enumerate_lower_sets(graph))
@@ -231,3 +231,66 @@ def test_the_merges_first_pass_by_buckets_changes_no_answer(name, monkeypatch):
                               for variant in ("time", "memory")]
     assert answers[0] == answers[10 ** 12]
     assert all(answer is not None for answer in answers[0])
+
+
+@settings(max_examples=150, deadline=None)
+@given(cost_graphs(max_nodes=12), st.booleans(), st.sampled_from(["segment", "graph"]),
+       st.lists(st.floats(0.95, 3.0), min_size=1, max_size=4), st.sampled_from(["time", "memory"]))
+def test_the_execution_models_shortest_path_gives_the_fronts_dps_answers(graph, exact, in_flight, factors,
+                                                                         variant):
+    """Under the execution model every strategy reaching a set has spent its quantized time, so the DP
+    runs as a shortest path over least checkpoint bytes (``_run_least_checkpoints``): the same lower
+    sets, overhead and peak as the DP with a Pareto front per set, at budgets from just below the least
+    feasible one up, ties included (the graphs' bytes repeat)."""
+    from recompute_graph.solvers import lower_set_search
+
+    family = enumerate_lower_sets(graph) if exact else principal_lower_sets(graph)
+    model = ExecutionModel(family, in_flight)
+    assert model.overhead_telescopes
+    minimal = minimal_model_budget(model)
+    for factor in factors:
+        fronts = lower_set_search._run_fronts(model, minimal * factor, variant)
+        assert lower_set_search._run_least_checkpoints(model, minimal * factor, variant) == fronts
+        assert run_dp(model, minimal * factor, variant) == fronts
+
+
+@pytest.mark.parametrize("name", ["unet", "resnet50"])
+def test_the_shortest_path_and_the_fronts_dp_agree_on_the_paper_graphs_in_the_execution_model(name):
+    """The same comparison on two of Kusumoto's graphs (all their lower sets, both in-flight bounds),
+    over budgets from the least feasible one to four times it."""
+    from recompute_graph.solvers import lower_set_search
+
+    graph = load_graph(benchmark_dir() / "kusumoto2019" / f"cg_{name}.txt")
+    family = enumerate_lower_sets(graph)
+    for in_flight in ("segment", "graph"):
+        model = ExecutionModel(family, in_flight)
+        minimal = minimal_model_budget(model)
+        answers = 0
+        for factor in (0.99, 1.0, 1.05, 1.2, 1.5, 2.0, 3.0, 4.0):
+            for variant in ("time", "memory"):
+                fronts = lower_set_search._run_fronts(model, minimal * factor, variant)
+                assert lower_set_search._run_least_checkpoints(model, minimal * factor, variant) == fronts
+                answers += fronts is not None
+        assert answers == 14  # all but the budget below the least feasible one
+
+
+def test_twin_branches_tie_into_V_and_both_runs_take_the_first():
+    """Two identical branches: at the least feasible budget the strategies through either branch tie in
+    overhead, checkpoint bytes and peak on the step into ``V``, and both DP runs take the first branch's
+    (the fronts DP's gathering order)."""
+    from recompute_graph import CostNode
+    from recompute_graph.graph import CostGraph
+    from recompute_graph.solvers import lower_set_search
+
+    def node(i, reads):
+        return CostNode(i, f"n{i}", predecessors=reads, output_bytes=100, grad_bytes=100,
+                        backward_needs=reads or (i,), forward_cost=1.0, backward_cost=1.0)
+    graph = CostGraph("twins", (node(0, ()), node(1, (0,)), node(2, (1,)), node(3, (0,)), node(4, (3,)),
+                                node(5, (2, 4))))
+    for family in (principal_lower_sets(graph), enumerate_lower_sets(graph)):
+        for variant in ("time", "memory"):
+            model = ExecutionModel(family)
+            budget = minimal_model_budget(model)
+            fronts = lower_set_search._run_fronts(model, budget, variant)
+            assert fronts.lower_sets == (frozenset({0}), frozenset({0, 1, 2}), frozenset(range(6)))
+            assert lower_set_search._run_least_checkpoints(model, budget, variant) == fronts
