@@ -35,7 +35,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 from .graph import CostGraph
-from .schedule import Backward, Forward, FreeValue, Op, Schedule, insert_frees
+from .schedule import Backward, Forward, FreeValue, Op, Schedule
 from .schedule_passes import keep_free_tapes
 from .simulate import ScheduleError, SimulationResult, simulate
 
@@ -203,6 +203,5 @@ def _without(graph: CostGraph, sequence: list[tuple[int, Op | None]], dropped: l
         ops[position] = FreeValue(-1)  # a placeholder, removed below
     kept = [op for op in ops if not (isinstance(op, FreeValue) and op.node == -1)]
     boundary = kept.index(None)
-    forward_ops = [op for op in kept[:boundary] if op is not None]
-    backward_ops = [op for op in kept[boundary + 1:] if op is not None]
-    return keep_free_tapes(graph, insert_frees(graph, forward_ops, backward_ops))
+    # keep_free_tapes derives the frees itself (``insert_frees``), from the ops less any frees
+    return keep_free_tapes(graph, Schedule(tuple(kept[:boundary]), tuple(kept[boundary + 1:])))

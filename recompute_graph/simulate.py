@@ -65,25 +65,10 @@ from typing import NamedTuple
 
 from .errors import ScheduleError
 from .graph import CostGraph, CostNode
+from .graph_memo import memoized
 from .schedule import Backward, Forward, FreeValue, Op, Schedule, dead_recomputations
 
 __all__ = ["ScheduleError", "SimulationResult", "TimelinePoint", "simulate"]
-
-
-class _Where:
-    """Where an op is, for error messages: formatted only when one is raised (the simulator runs millions
-    of ops planning a large graph; formatting each op's place up front was a tenth of its time)."""
-
-    __slots__ = ("graph", "phase", "position", "op")
-
-    def __init__(self, graph: CostGraph, phase: str, position: int, op: Op) -> None:
-        self.graph, self.phase, self.position, self.op = graph, phase, position, op
-
-    def __str__(self) -> str:
-        return f"{self.phase} op {self.position} {self.op!r} (node {self.graph.nodes[self.op.node].name!r})"
-
-    def __format__(self, spec: str) -> str:
-        return format(str(self), spec)
 
 
 class TimelinePoint(NamedTuple):
@@ -120,6 +105,10 @@ class SimulationResult:
 class _Simulation:
     def __init__(self, graph: CostGraph) -> None:
         self.graph = graph
+        self.node_count = len(graph)
+        self.reads, self.owners = memoized(graph, "simulate.reads_and_owners", lambda: (
+            tuple(node.read_predecessors for node in graph.nodes), tuple(map(graph.storage_owner, range(len(graph))))))
+        self.phase, self.position, self.op = "forward", -1, None  # the op running (``run``)
         self.storage_bytes: dict[int, int] = {}
         self.storage_refs: dict[int, int] = {}
         self.next_storage = 0
@@ -146,7 +135,7 @@ class _Simulation:
     # ---------------------------------------------------------------- storages
     def _new_storage(self, nbytes: int) -> int:
         sid = self.next_storage
-        self.next_storage += 1
+        self.next_storage = sid + 1
         self.storage_bytes[sid] = nbytes
         self.storage_refs[sid] = 1
         self._add(nbytes)
@@ -163,29 +152,36 @@ class _Simulation:
             del self.storage_refs[sid]
 
     def _add(self, nbytes: int) -> None:
-        self.live += nbytes
-        self.peak = max(self.peak, self.live)
-        self.op_peak = max(self.op_peak, self.live)
+        live = self.live = self.live + nbytes
+        if live > self.op_peak:
+            self.op_peak = live
+        if live > self.peak:
+            self.peak = live
 
-    def _where(self, phase: str, position: int, op: Op) -> "_Where":
-        return _Where(self.graph, phase, position, op)
+    def _where(self) -> str:
+        """Where the current op is (``run`` sets it), for an error message (formatted only when one is
+        raised: the simulator runs millions of ops planning a large graph)."""
+        op = self.op
+        return f"{self.phase} op {self.position} {op!r} (node {self.graph.nodes[op.node].name!r})"
 
     # ---------------------------------------------------------------- ops
-    def forward(self, op: Forward, where: "_Where") -> None:
-        node = self.graph.nodes[op.node]
-        if op.tape and op.node in self.tape:
-            raise ScheduleError(f"{where}: the node already holds a tape; run Backward({op.node}) first")
-        if where.position in self.dead[where.phase]:
-            self._tape_only(op, node, where)
+    def forward(self, op: Forward) -> None:
+        index = op.node
+        node = self.graph.nodes[index]
+        if op.tape and index in self.tape:
+            raise ScheduleError(f"{self._where()}: the node already holds a tape; run Backward({op.node}) first")
+        if self.position in self.dead[self.phase]:
+            self._tape_only(op, node)
             return
-        for p in node.read_predecessors:
-            if p not in self.value:
-                raise ScheduleError(f"{where}: reads node {p} ({self.graph.nodes[p].name!r}), whose value is "
+        value = self.value
+        for p in self.reads[index]:
+            if p not in value:
+                raise ScheduleError(f"{self._where()}: reads node {p} ({self.graph.nodes[p].name!r}), whose value is "
                                     "not live: compute it first or do not free it before")
         if node.alias_of is None:
             sid = self._new_storage(node.output_bytes)
         else:
-            sid = self._ref(self._storage_of_owner(op.node, node.alias_of, where, "the node views"))
+            sid = self._ref(self._storage_of_owner(op.node, node.alias_of, "the node views"))
         # what the node would save (dropout masks, internal copies) exists by the kernel's end, beside
         # its workspace; without a tape it is transient
         transient = node.workspace_bytes + node.saved_buffer_bytes
@@ -195,29 +191,31 @@ class _Simulation:
                 transient += self.graph.rng_state_bytes  # the generators' state, put back afterwards
             else:  # the snapshot replayed later, kept until the last replay
                 self.rng_snapshot[op.node] = self._new_storage(self.graph.rng_state_bytes * node.random_op_count)
-        self.op_peak = max(self.op_peak, self.live + transient)
-        self.peak = max(self.peak, self.op_peak)
+        if self.live + transient > self.op_peak:
+            self.op_peak = self.live + transient
+        if self.op_peak > self.peak:
+            self.peak = self.op_peak
         if op.tape and node.requires_grad and self.graph.implicit_backward:  # the saved buffers stay
             refs = [self._new_storage(node.saved_buffer_bytes)]
+            own = self.owners[index]
             for q in node.backward_needs:
-                refs.append(self._ref(sid if q == self.graph.storage_owner(op.node)
-                                      else self._storage_of_owner(op.node, q, where, "its backward needs")))
-            self.tape[op.node] = refs
-        if op.node in self.value:
-            self._unref(self.value[op.node])
-        self.value[op.node] = sid
+                refs.append(self._ref(sid if q == own else self._storage_of_owner(index, q, "its backward needs")))
+            self.tape[index] = refs
+        if index in value:
+            self._unref(value[index])
+        value[index] = sid
         self.compute_cost += node.forward_cost
-        if op.node in self.computed:
+        if index in self.computed:
             self.recompute_cost += node.forward_cost
-        self.computed.add(op.node)
-        if op.node in self.rng_snapshot and not self.computations_left[op.node]:
-            self._unref(self.rng_snapshot.pop(op.node))  # replayed for the last time
+        self.computed.add(index)
+        if self.rng_snapshot and index in self.rng_snapshot and not self.computations_left[index]:
+            self._unref(self.rng_snapshot.pop(index))  # replayed for the last time
 
-    def _tape_only(self, op: Forward, node: CostNode, where: "_Where") -> None:
+    def _tape_only(self, op: Forward, node: CostNode) -> None:
         """A dead recomputation (module docstring): a tape of what its backward needs, an empty value."""
         if op.tape and node.requires_grad:
             refs = [self._new_storage(0)]
-            refs += [self._ref(self._storage_of_owner(op.node, q, where, "its backward needs"))
+            refs += [self._ref(self._storage_of_owner(op.node, q, "its backward needs"))
                      for q in node.backward_needs]
             self.tape[op.node] = refs
         if op.node in self.value:
@@ -225,19 +223,19 @@ class _Simulation:
         self.value[op.node] = self._new_storage(0)
         self.computed.add(op.node)
 
-    def _storage_of_owner(self, index: int, owner: int, where: "_Where", why: str) -> int:
+    def _storage_of_owner(self, index: int, owner: int, why: str) -> int:
         """The live storage of ``owner`` that node ``index`` reaches: through the input it read, else the
         owner's own current value."""
         for p in self.graph.nodes[index].predecessors:
-            if self.graph.storage_owner(p) == owner and p in self.value:
+            if self.owners[p] == owner and p in self.value:
                 return self.value[p]
         if owner in self.value:
             return self.value[owner]
-        raise ScheduleError(f"{where}: {why} node {owner}'s storage, which is not live")
+        raise ScheduleError(f"{self._where()}: {why} node {owner}'s storage, which is not live")
 
-    def free(self, op: FreeValue, where: "_Where") -> None:
+    def free(self, op: FreeValue) -> None:
         if op.node not in self.value:
-            raise ScheduleError(f"{where}: the value is not live")
+            raise ScheduleError(f"{self._where()}: the value is not live")
         self._unref(self.value.pop(op.node))
 
     def check_outputs_live(self) -> None:
@@ -260,18 +258,18 @@ class _Simulation:
             self.grad.add(o)
             self.grad_storage[o] = self._new_storage(self.graph.nodes[o].grad_bytes)
 
-    def backward(self, op: Backward, where: "_Where") -> None:
+    def backward(self, op: Backward) -> None:
         if not self.graph.implicit_backward:
-            raise ScheduleError(f"{where}: graph {self.graph.name!r} has explicit backward nodes; compute them "
+            raise ScheduleError(f"{self._where()}: graph {self.graph.name!r} has explicit backward nodes; compute them "
                                 "with Forward instead")
         node = self.graph.nodes[op.node]
         if op.node in self.backward_done:
-            raise ScheduleError(f"{where}: the backward of this node already ran")
+            raise ScheduleError(f"{self._where()}: the backward of this node already ran")
         if op.node not in self.tape:
-            raise ScheduleError(f"{where}: no tape: compute the node with Forward(..., tape=True) first")
+            raise ScheduleError(f"{self._where()}: no tape: compute the node with Forward(..., tape=True) first")
         for s in node.successors:
             if self._propagates(s, op.node) and s not in self.backward_done:
-                raise ScheduleError(f"{where}: runs before the backward of node {s} "
+                raise ScheduleError(f"{self._where()}: runs before the backward of node {s} "
                                     f"({self.graph.nodes[s].name!r}), whose gradient it needs")
         tape = self.tape.pop(op.node)
         if op.node in self.grad:
@@ -423,17 +421,24 @@ class _Simulation:
                                 f"{' ...' if len(missing) > 5 else ''} still need Backward")
 
     def run(self, phase: str, position: int, op: Op) -> None:
-        if not isinstance(op, (Forward, FreeValue, Backward)) or not 0 <= op.node < len(self.graph):
+        kind = type(op)
+        if kind not in _OP_KINDS or not 0 <= op.node < self.node_count:
             raise ScheduleError(f"{phase} op {position} {op!r}: not an op over this graph's nodes")
-        where = self._where(phase, position, op)
+        self.phase, self.position, self.op = phase, position, op
         self.op_peak = self.live
-        if isinstance(op, Forward):
-            self.forward(op, where)
-        elif isinstance(op, FreeValue):
-            self.free(op, where)
+        if kind is Forward:
+            self.forward(op)  # type: ignore[arg-type]
+        elif kind is FreeValue:
+            self.free(op)  # type: ignore[arg-type]
         else:
-            self.backward(op, where)
-        self.timeline.append(TimelinePoint(phase, position, op, self.live, self.op_peak))
+            self.backward(op)  # type: ignore[arg-type]
+        # tuple.__new__: a named tuple's own constructor is a Python function, and one point is made per op
+        self.timeline.append(_new_tuple(TimelinePoint, (phase, position, op, self.live, self.op_peak)))
+
+
+#: The op types, exactly (no subclasses exist), and the C constructor of a tuple
+_OP_KINDS = frozenset((Forward, FreeValue, Backward))
+_new_tuple = tuple.__new__
 
 
 def simulate(graph: CostGraph, schedule: Schedule) -> SimulationResult:
