@@ -432,6 +432,8 @@ class _Simulation:
             self.free(op)  # type: ignore[arg-type]
         else:
             self.backward(op)  # type: ignore[arg-type]
+        if self.op_peak > self.peak:  # the step's peak is the largest op's
+            self.peak = self.op_peak
         # tuple.__new__: a named tuple's own constructor is a Python function, and one point is made per op
         self.timeline.append(_new_tuple(TimelinePoint, (phase, position, op, self.live, self.op_peak)))
 

@@ -117,6 +117,20 @@ def test_timeline_has_one_point_per_op_and_the_gradient_arrival():
     assert result.timeline[len(schedule.forward_ops)].op is None
 
 
+def test_the_peak_counts_the_workspace_of_a_backward_no_gradient_reaches():
+    """A joint graph's weight-transpose unit: no gradient reaches it, yet its backward makes parameter
+    gradients, with a workspace. The op's peak counted the workspace and the step's peak did not (350
+    bytes against the op's 10,200)."""
+    nodes = (CostNode(0, "x", output_bytes=100, grad_bytes=100, forward_cost=1.0, backward_cost=1.0),
+             CostNode(1, "y", predecessors=(0,), output_bytes=100, grad_bytes=100, backward_needs=(0,),
+                      forward_cost=1.0, backward_cost=1.0),
+             CostNode(2, "t", predecessors=(0,), output_bytes=100, grad_bytes=100, backward_needs=(0,),
+                      param_grad_bytes=50, backward_workspace_bytes=10_000, forward_cost=1.0, backward_cost=1.0))
+    graph = CostGraph("transpose", nodes, output_indices=(1,))
+    result = simulate(graph, lower_segments(graph, [frozenset(range(3))]))
+    assert result.peak_bytes == max(p.peak_bytes for p in result.timeline) > 10_000
+
+
 @settings(max_examples=150, deadline=None)
 @given(cost_graphs())
 def test_every_prefix_strategy_of_a_random_graph_lowers_to_a_valid_schedule(graph):
