@@ -35,7 +35,7 @@ from .errors import GraphError
 from .graph import CostGraph, is_joint_cost_graph
 
 __all__ = ["Forward", "FreeValue", "Backward", "Op", "Schedule", "lower_segments", "insert_frees",
-           "store_all_lower_sets", "prefix_lower_sets", "dead_recomputations", "tape_only_reads"]
+           "store_all_lower_sets", "prefix_lower_sets", "dead_recomputations", "tape_only_reads", "DEAD_POSITIONS"]
 
 
 @dataclass(frozen=True)
@@ -175,7 +175,8 @@ def insert_frees(graph: CostGraph, forward_ops: Sequence[Op], backward_ops: Sequ
     A value that nobody reads before it is recomputed (or before the end) is freed right after it is
     computed; what its backward needs stays alive through the tape. Existing ``FreeValue`` ops in the
     input are dropped and re-derived. On a joint graph a recomputation its lowering drops as dead code
-    (``dead_recomputations``) reads only what its tape holds.
+    (``dead_recomputations``) reads only what its tape holds; their positions in the result are left on
+    it (``DEAD_POSITIONS``, for the graph's own outputs), where the simulator reads them.
     """
     outputs = tuple(graph.outputs if outputs is None else outputs)
     sequence: list[Op | None] = [op for op in forward_ops if not isinstance(op, FreeValue)]
@@ -201,13 +202,24 @@ def insert_frees(graph: CostGraph, forward_ops: Sequence[Op], backward_ops: Sequ
         frees_after.setdefault(position, []).append(owner_node[definition])
     forward: list[Op] = []
     backward: list[Op] = []
+    dead_at: list[int] = []  # the dead recomputations' positions in the result, as ``simulate`` reads them
     for position, op in enumerate(sequence):
         target = forward if position < boundary else backward
         if op is not None:
+            if position in dead:
+                dead_at.append(len(target) if position < boundary else len(forward) + 1 + len(target))
             target.append(op)
         for node in sorted(frees_after.get(position, ())):
             (backward if position >= boundary else forward).append(FreeValue(node))
-    return Schedule(tuple(forward), tuple(backward))
+    schedule = Schedule(tuple(forward), tuple(backward))
+    if outputs == tuple(graph.outputs):  # what dead_recomputations finds on the result (frees are ignored)
+        object.__setattr__(schedule, DEAD_POSITIONS, frozenset(dead_at))
+    return schedule
+
+
+#: The attribute where ``insert_frees`` leaves the dead recomputations of the schedule it makes (the
+#: simulator reads them instead of finding them again)
+DEAD_POSITIONS = "_dead_positions"
 
 
 def _check_lower_sets(graph: CostGraph, lower_sets: Sequence[frozenset[int]]) -> None:
@@ -218,7 +230,7 @@ def _check_lower_sets(graph: CostGraph, lower_sets: Sequence[frozenset[int]]) ->
     for position, lower in enumerate(lower_sets):
         if not previous < lower:
             raise GraphError(f"lower set {position} does not strictly contain the previous one")
-        for v in lower:
+        for v in lower - previous:  # the previous set's nodes have their predecessors in it
             if any(p not in lower for p in graph.nodes[v].predecessors):
                 raise GraphError(f"set {position} is not a lower set: node {v} is in it but not all its "
                                  "predecessors")

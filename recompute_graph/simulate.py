@@ -66,7 +66,7 @@ from typing import NamedTuple
 from .errors import ScheduleError
 from .graph import CostGraph, CostNode
 from .graph_memo import memoized
-from .schedule import Backward, Forward, FreeValue, Op, Schedule, dead_recomputations
+from .schedule import DEAD_POSITIONS, Backward, Forward, FreeValue, Op, Schedule, dead_recomputations
 
 __all__ = ["ScheduleError", "SimulationResult", "TimelinePoint", "simulate"]
 
@@ -447,7 +447,9 @@ def simulate(graph: CostGraph, schedule: Schedule) -> SimulationResult:
     """Replay ``schedule`` on ``graph``; raise :class:`ScheduleError` if it cannot run (see module doc)."""
     sim = _Simulation(graph)
     sequence = (*schedule.forward_ops, None, *schedule.backward_ops)
-    dead = dead_recomputations(graph, sequence)
+    dead = schedule.__dict__.get(DEAD_POSITIONS)
+    if dead is None:
+        dead = dead_recomputations(graph, sequence)
     # a dead recomputation replays nothing: the snapshot is kept to the last live one
     computations = Counter(op.node for at, op in enumerate(sequence) if isinstance(op, Forward) and at not in dead)
     sim.replayed_random = {v for v, count in computations.items() if count > 1 and graph.nodes[v].random}

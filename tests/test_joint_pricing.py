@@ -347,7 +347,7 @@ def test_a_recomputation_nothing_reads_is_no_code_and_is_priced_as_none():
     code, with the reads of its inputs; the simulator held both (ModernBERT at 50 %: 1.089 of the
     allocator). ``dead_recomputations`` finds them; the lowering emits no copy of them and the
     simulator prices them as a tape of what their backward needs, with no time and no inputs read."""
-    from recompute_graph.schedule import Forward, dead_recomputations
+    from recompute_graph.schedule import DEAD_POSITIONS, Forward, dead_recomputations, insert_frees
 
     torch.manual_seed(0)
     error, _ = compiled_step_matches_eager(_ResidualTanhGelu(), (torch.randn(64, 32),),
@@ -358,6 +358,9 @@ def test_a_recomputation_nothing_reads_is_no_code_and_is_priced_as_none():
     sequence = (*schedule.forward_ops, None, *schedule.backward_ops)
     dead = dead_recomputations(graph, sequence)
     assert error < 1e-5 and dead
+    # the liveness pass leaves them on the schedule it makes, where the simulator reads them
+    rebuilt = insert_frees(graph, schedule.forward_ops, schedule.backward_ops)
+    assert rebuilt == schedule and rebuilt.__dict__[DEAD_POSITIONS] == dead
     backward_start = len(schedule.forward_ops) + 1
     live_copies = [op for at, op in enumerate(sequence[backward_start:], start=backward_start)
                    if isinstance(op, Forward) and at not in dead]

@@ -2,7 +2,7 @@
 import dataclasses
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given, settings, strategies as st
 
 from recompute_graph import CostGraph, CostNode, GraphError
 from recompute_graph.schedule import (Backward, Forward, FreeValue, Schedule, insert_frees, lower_segments,
@@ -241,3 +241,43 @@ def test_on_the_compiler_path_the_outputs_are_dropped_before_their_gradients_arr
     assert step_peak_bytes(g, result) == (400 + 100 + loss_bytes if loss_bytes else 500)
     held = simulate(chain(4), lower_segments(chain(4), store_all_lower_sets(chain(4))))
     assert next(p for p in held.timeline if p.op is None).live_bytes == 500 and held.outputs_dropped_bytes == 0
+
+
+def _joint(graph):
+    """``graph`` as a joint graph's cost graph (dead recomputations exist only there), no node saving a
+    buffer of its own (a recomputation whose backward reads none of what it makes is dead)."""
+    from recompute_graph.graph import JOINT_COST_SOURCE
+    return dataclasses.replace(graph, cost_source=f"measured, {JOINT_COST_SOURCE}",
+                               nodes=tuple(dataclasses.replace(v, saved_buffer_bytes=0) for v in graph.nodes))
+
+
+def _recorded_dead_is_found_dead(joint, schedule):
+    from recompute_graph.schedule import DEAD_POSITIONS, dead_recomputations
+    recorded = schedule.__dict__[DEAD_POSITIONS]
+    assert recorded == dead_recomputations(joint, (*schedule.forward_ops, None, *schedule.backward_ops))
+    assert simulate(joint, schedule) == simulate(joint, Schedule(schedule.forward_ops, schedule.backward_ops))
+    return recorded
+
+
+@settings(max_examples=100, deadline=None)
+@given(cost_graphs(max_nodes=10), st.lists(st.integers(0, 9), max_size=4))
+def test_the_liveness_pass_leaves_the_dead_recomputations_the_simulator_would_find(graph, cuts):
+    """``insert_frees`` records the dead recomputations of the schedule it makes (a joint graph's), at
+    the positions ``dead_recomputations`` finds on it, frees included; the simulation is the same
+    without the record."""
+    from recompute_graph.schedule import prefix_lower_sets
+    joint = _joint(graph)
+    _recorded_dead_is_found_dead(joint, lower_segments(joint, prefix_lower_sets(joint, cuts)))
+
+
+def test_a_segments_last_recomputation_is_recorded_dead():
+    """A chain whose backwards read only their inputs, cut after node 2: the recomputed node 2 is read by
+    nothing (its backward reads node 1), so its copy is dead, in the backward ops after the frees."""
+    nodes = tuple(CostNode(i, f"n{i}", predecessors=(i - 1,) if i else (), output_bytes=100, grad_bytes=100,
+                           backward_needs=(i - 1,) if i else (), forward_cost=1.0, backward_cost=1.0)
+                  for i in range(6))
+    joint = _joint(CostGraph("chain", nodes))
+    schedule = lower_segments(joint, [frozenset(range(3)), frozenset(range(6))])
+    recorded = _recorded_dead_is_found_dead(joint, schedule)
+    sequence = (*schedule.forward_ops, None, *schedule.backward_ops)
+    assert [sequence[at] for at in recorded] == [Forward(2)]
