@@ -15,6 +15,7 @@ in turn. The results are the same either way; only the seconds differ.
 """
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pickle
 import select
@@ -24,7 +25,7 @@ import time
 import warnings
 from typing import Callable, Sequence, TypeVar
 
-__all__ = ["available_workers", "run_forked", "WORKERS_VARIABLE", "CHILD_TIMEOUT_SECONDS",
+__all__ = ["available_workers", "run_forked", "run_queued", "WORKERS_VARIABLE", "CHILD_TIMEOUT_SECONDS",
            "CHILD_TIMEOUT_FACTOR"]
 
 T = TypeVar("T")
@@ -72,6 +73,46 @@ def run_forked(tasks: Sequence[Callable[[], T]]) -> list[T]:
                 outcome = _read(child, timeout)
             results.append(outcome[0] if outcome is not None else task())
         return results
+    finally:  # after an error or an interrupt here, the children not read yet are stopped
+        for child in pending:
+            _kill(child)
+            os.close(child[1])
+
+
+def run_queued(tasks: Sequence[Callable[[], T]]) -> list[T]:
+    """``[task() for task in tasks]`` over up to ``available_workers()`` processes, this one and forked
+    children, each taking the next task nobody has taken whenever it finishes one (list scheduling:
+    given the tasks heaviest first, the processes finish close together whatever the tasks' real
+    costs, where a fixed split by guessed weights leaves one process waiting on another). The results
+    come back in the tasks' order. A child's tasks that did not come back (it failed, died or ran past
+    the timeout, as in :func:`run_forked`) run here."""
+    workers = min(available_workers(), len(tasks))
+    if workers < 2:
+        return [task() for task in tasks]
+    context = multiprocessing.get_context("fork")
+    taken, lock = context.RawValue("q", 0), context.Lock()  # shared with the children: the next task
+
+    def take_tasks() -> dict[int, T]:
+        results: dict[int, T] = {}
+        while True:
+            with lock:
+                index = taken.value
+                taken.value = index + 1
+            if index >= len(tasks):
+                return results
+            results[index] = tasks[index]()
+    children = [_fork(take_tasks) for _ in range(workers - 1)]
+    pending = [child for child in children if child is not None]
+    try:
+        start = time.perf_counter()
+        results = take_tasks()
+        timeout = max(CHILD_TIMEOUT_SECONDS, CHILD_TIMEOUT_FACTOR * (time.perf_counter() - start))
+        for child in list(pending):
+            pending.remove(child)
+            outcome = _read(child, timeout)
+            if outcome is not None:
+                results.update(outcome[0])
+        return [results[index] if index in results else tasks[index]() for index in range(len(tasks))]
     finally:  # after an error or an interrupt here, the children not read yet are stopped
         for child in pending:
             _kill(child)

@@ -14,7 +14,7 @@ from typing import Iterator, Union
 
 from .collector import full_collections_deferred
 from .errors import InfeasibleBudgetError, SolverError
-from .forked_work import available_workers, run_forked
+from .forked_work import run_queued
 from .graph import SCALAR_LOSS_BYTES, CostGraph, is_joint_cost_graph
 from .graph_memo import memoized
 from .schedule import Schedule
@@ -313,15 +313,15 @@ def store_all_plan(graph: CostGraph) -> Solution:
 
 
 def _build_pool(graph: CostGraph, variant: str) -> tuple[Solution, ...]:
-    """The pool, the solvers split between processes when the graph is large (``_solver_groups``,
-    ``forked_work.run_forked``); the same plans as one process makes, in the same order: each group keeps
-    what no plan of its own beats (``_group_pool``), and what a group drops no plan of the whole pool
-    would keep either."""
+    """The pool, each solver a task for ``forked_work.run_queued`` when the graph is large (heaviest
+    first, ``POOL_SOLVER_WEIGHTS``); the same plans as one process makes, in the same order: each
+    solver's task keeps what no plan of its own beats (``_group_pool``), and what a task drops no plan of
+    the whole pool would keep either."""
     store_all = store_all_plan(graph)
     names = [name for name in auto_solvers(graph) if name != "store_all"]
+    order = sorted(names, key=lambda n: -POOL_SOLVER_WEIGHTS.get(n, 0.5))
     with full_collections_deferred():
-        parts = run_forked([functools.partial(_group_pool, graph, group, variant)
-                            for group in _solver_groups(graph, names)])
+        parts = _run_tasks(graph, [functools.partial(_group_pool, graph, [name], variant) for name in order])
     by_solver = {name: part for group in parts for name, part in group.items()}
     pool = {store_all.schedule: store_all}
     for index in (0, 1):  # each solver's plans at the grid's budgets, then those simulated on the way
@@ -329,6 +329,11 @@ def _build_pool(graph: CostGraph, variant: str) -> tuple[Solution, ...]:
             for solution in by_solver[name][index]:
                 pool.setdefault(solution.schedule, solution)
     return _relaxed_pool(graph, _undominated(graph, list(pool.values())))
+
+
+def _run_tasks(graph: CostGraph, tasks: list) -> list:
+    """The tasks' results, over the cores (``forked_work.run_queued``) from ``POOL_FORK_NODES`` nodes on."""
+    return run_queued(tasks) if len(graph) >= POOL_FORK_NODES else [task() for task in tasks]
 
 
 #: ``_relaxed_pool`` relaxes each plan up to this fraction above its own least budget too (a plan at
@@ -350,11 +355,9 @@ def _relaxed_pool(graph: CostGraph, pool: tuple[Solution, ...]) -> tuple[Solutio
                                   budgets[index + 1] - 1})]
     if not jobs:
         return pool
-    workers = max(1, min(available_workers(), len(jobs)) if len(graph) >= POOL_FORK_NODES else 1)
-    with full_collections_deferred():  # job j in group j % workers, at j // workers
-        parts = run_forked([functools.partial(_relax_plans, graph, jobs[first::workers]) for first in range(workers)])
-    relaxed = [plan for j in range(len(jobs)) for plan in [parts[j % workers][j // workers]] if plan is not None]
-    return _undominated(graph, list(pool) + relaxed)
+    with full_collections_deferred():
+        parts = _run_tasks(graph, [functools.partial(_relax_plans, graph, [job]) for job in jobs])
+    return _undominated(graph, list(pool) + [plan for (plan,) in parts if plan is not None])
 
 
 def _relax_plans(graph: CostGraph, jobs: list[tuple[Solution, int]]) -> list[Solution | None]:
@@ -370,28 +373,13 @@ def _relax_plans(graph: CostGraph, jobs: list[tuple[Solution, int]]) -> list[Sol
     return out
 
 
-#: Rough relative seconds of a solver's share of a large graph's pool (others: 0.5), to balance
-#: ``_solver_groups`` (ResNet-152's joint graph: dp_approx 2.5 s, chain_dp 2.8, chen_greedy 1.0, chen_sqrt 0.2)
-POOL_SOLVER_WEIGHTS = {"dp_exact": 3.0, "dp_approx": 3.0, "chain_dp": 3.0, "chain_dp_fine": 4.0, "chen_greedy": 1.0}
+#: Rough relative seconds of a solver's share of a large graph's pool (others: 0.5): the pool's tasks run
+#: heaviest first (joint graphs, one process each: the 48-layer decoder's dp_approx 8.5 s, chain_dp 3.2,
+#: chen_greedy 1.5, chen_sqrt 0.8; GPT-2 small's chain_dp_fine 3.8, chain_dp 1.1, dp_approx 0.7)
+POOL_SOLVER_WEIGHTS = {"dp_exact": 3.0, "dp_approx": 3.0, "chain_dp": 2.0, "chain_dp_fine": 4.0, "chen_greedy": 1.0}
 #: Graphs of fewer nodes build their pool in one process (a fork and the plans' pickling cost more than
 #: the solvers take)
 POOL_FORK_NODES = 100
-
-
-def _solver_groups(graph: CostGraph, names: list[str]) -> list[list[str]]:
-    """``names`` split into at most ``forked_work.available_workers()`` groups of about equal weight
-    (``POOL_SOLVER_WEIGHTS``, heaviest first onto the lightest group), each in ``names``' order; one
-    group below ``POOL_FORK_NODES`` nodes."""
-    workers = min(available_workers(), len(names)) if len(graph) >= POOL_FORK_NODES else 1
-    if workers <= 1:
-        return [names]
-    groups: list[list[str]] = [[] for _ in range(workers)]
-    weights = [0.0] * workers
-    for name in sorted(names, key=lambda n: -POOL_SOLVER_WEIGHTS.get(n, 0.5)):
-        lightest = weights.index(min(weights))
-        groups[lightest].append(name)
-        weights[lightest] += POOL_SOLVER_WEIGHTS.get(name, 0.5)
-    return [sorted(group, key=names.index) for group in groups if group]
 
 
 def _group_pool(graph: CostGraph, names: list[str], variant: str

@@ -1,4 +1,4 @@
-"""``forked_work.run_forked``: tasks after the first run in forked children, with the same results as in
+"""``forked_work.run_forked`` and ``run_queued``: tasks run in forked children, with the same results as in
 one process; a child that fails, dies or hangs has its task run in the parent; and the planner's pool
 built that way holds the same plans, in the same order, as one process builds."""
 import os
@@ -110,8 +110,8 @@ def _pool_signature(pool):
 def test_the_pool_built_in_several_processes_is_the_pool_one_process_builds(graph):
     """Each group of solvers keeps what no plan of its own beats; merged in the solvers' order, the pool
     is the one a single process builds: the same plans, the same order, the same simulations."""
-    def workers(count):  # the planner's split and run_forked's forks
-        forked_work.available_workers = planner.available_workers = lambda: count
+    def workers(count):  # the processes run_queued uses
+        forked_work.available_workers = lambda: count
     original, threshold, read = forked_work.available_workers, planner.POOL_FORK_NODES, forked_work._read
     outcomes = []
 
@@ -124,25 +124,53 @@ def test_the_pool_built_in_several_processes_is_the_pool_one_process_builds(grap
         alone = planner._build_pool(graph, "time")
         workers(3)
         planner.POOL_FORK_NODES = 0
-        names = [n for n in planner.auto_solvers(graph) if n != "store_all"]
-        assert len(planner._solver_groups(graph, names)) == min(3, len(names))
         together = planner._build_pool(graph, "time")
     finally:
-        forked_work.available_workers = planner.available_workers = original
+        forked_work.available_workers = original
         planner.POOL_FORK_NODES, forked_work._read = threshold, read
     assert outcomes and all(outcome is not None for outcome in outcomes)  # the children's plans came back
     assert _pool_signature(together) == _pool_signature(alone)
 
 
-def test_the_solvers_are_split_by_weight_and_small_graphs_stay_in_one_process(monkeypatch):
+def test_queued_tasks_go_to_whichever_process_is_free_and_come_back_in_order(two_workers):
+    """A slow task holds one process; the other takes every quick task meanwhile (a fixed split would
+    have given the slow task's process half of them)."""
+    def slow():
+        time.sleep(2.0)
+        return os.getpid()
+    results = forked_work.run_queued([slow] + [os.getpid] * 4)
+    assert len(set(results[1:])) == 1 and results[1] != results[0]
+    assert os.getpid() in results  # the parent took its share
+    assert forked_work.run_queued([lambda k=k: k * k for k in range(7)]) == [k * k for k in range(7)]
+
+
+def test_queued_tasks_a_child_lost_run_in_the_parent(two_workers, monkeypatch):
+    parent, outcomes, read = os.getpid(), [], forked_work._read
+
+    def dies_in_a_child():
+        if os.getpid() != parent:
+            os._exit(3)
+        time.sleep(0.3)  # the child takes some meanwhile
+        return "ran here"
+
+    def watched_read(child, timeout_seconds):
+        outcomes.append(read(child, timeout_seconds))
+        return outcomes[-1]
+    monkeypatch.setattr(forked_work, "_read", watched_read)
+    assert forked_work.run_queued([dies_in_a_child] * 4) == ["ran here"] * 4
+    assert outcomes == [None]  # the child died with a task taken
+
+
+def test_the_pools_tasks_run_heaviest_first_and_small_graphs_stay_in_one_process(monkeypatch):
     from test_schedule import chain
-    monkeypatch.setattr(planner, "available_workers", lambda: 2)
-    names = ["chen_greedy", "chen_sqrt", "dp_approx", "chain_dp"]
-    big = chain(planner.POOL_FORK_NODES)
-    assert planner._solver_groups(big, names) == [["chen_greedy", "dp_approx"], ["chen_sqrt", "chain_dp"]]
-    assert planner._solver_groups(chain(8), names) == [names]
-    monkeypatch.setattr(planner, "available_workers", lambda: 8)
-    assert sorted(map(tuple, planner._solver_groups(big, names))) == sorted((n,) for n in names)
+    orders = []
+    monkeypatch.setattr(planner, "run_queued", lambda tasks: orders.append([t.args[1][0] for t in tasks])
+                        or [task() for task in tasks])
+    planner._build_pool(chain(8), "time")
+    assert not orders
+    planner._build_pool(chain(planner.POOL_FORK_NODES), "time")
+    weights = [planner.POOL_SOLVER_WEIGHTS.get(name, 0.5) for name in orders[0]]
+    assert len(orders[0]) > 2 and weights == sorted(weights, reverse=True)
 
 
 def test_a_plan_pickles_compactly_and_comes_back_equal():

@@ -132,7 +132,8 @@ def test_the_pool_of_residual_blocks_holds_relaxed_plans_that_beat_their_solvers
 
 
 def test_the_relaxed_pool_built_in_two_processes_is_the_one_process_pool(monkeypatch):
-    """Relaxations split between forked processes come back in job order: the same pool, plan for plan."""
+    """Relaxations run in forked processes as they take them come back in job order: the same pool, plan
+    for plan."""
     import sys
 
     import pytest
@@ -141,8 +142,7 @@ def test_the_relaxed_pool_built_in_two_processes_is_the_one_process_pool(monkeyp
     pools = []
     for workers in (1, 2):
         from recompute_graph import forked_work
-        for module in (planner, forked_work):
-            monkeypatch.setattr(module, "available_workers", lambda workers=workers: workers)
+        monkeypatch.setattr(forked_work, "available_workers", lambda workers=workers: workers)
         graph = blocks(count=12)  # 120 nodes: forked at two workers (POOL_FORK_NODES)
         assert len(graph) >= planner.POOL_FORK_NODES
         pools.append([(s.solver, s.description, s.schedule, s.simulation.peak_bytes, s.simulation.compute_cost)
