@@ -315,14 +315,14 @@ def store_all_plan(graph: CostGraph) -> Solution:
 def _build_pool(graph: CostGraph, variant: str) -> tuple[Solution, ...]:
     """The pool, each solver a task for ``forked_work.run_queued`` when the graph is large (heaviest
     first, ``POOL_SOLVER_WEIGHTS``); the same plans as one process makes, in the same order: each
-    solver's task keeps what no plan of its own beats (``_group_pool``), and what a task drops no plan of
+    solver's task keeps what no plan of its own beats (``_solver_pool``), and what a task drops no plan of
     the whole pool would keep either."""
     store_all = store_all_plan(graph)
     names = [name for name in auto_solvers(graph) if name != "store_all"]
     order = sorted(names, key=lambda n: -POOL_SOLVER_WEIGHTS.get(n, 0.5))
     with full_collections_deferred():
-        parts = _run_tasks(graph, [functools.partial(_group_pool, graph, [name], variant) for name in order])
-    by_solver = {name: part for group in parts for name, part in group.items()}
+        by_solver = dict(zip(order, _run_tasks(graph, [functools.partial(_solver_pool, graph, name, variant)
+                                                       for name in order])))
     pool = {store_all.schedule: store_all}
     for index in (0, 1):  # each solver's plans at the grid's budgets, then those simulated on the way
         for name in names:
@@ -356,21 +356,19 @@ def _relaxed_pool(graph: CostGraph, pool: tuple[Solution, ...]) -> tuple[Solutio
     if not jobs:
         return pool
     with full_collections_deferred():
-        parts = _run_tasks(graph, [functools.partial(_relax_plans, graph, [job]) for job in jobs])
-    return _undominated(graph, list(pool) + [plan for (plan,) in parts if plan is not None])
+        relaxed = _run_tasks(graph, [functools.partial(_relax_plan, graph, plan, budget) for plan, budget in jobs])
+    return _undominated(graph, list(pool) + [plan for plan in relaxed if plan is not None])
 
 
-def _relax_plans(graph: CostGraph, jobs: list[tuple[Solution, int]]) -> list[Solution | None]:
-    """Each ``(plan, budget)``: the plan relaxed within the budget (``min_budget_for_step``), or None."""
+def _relax_plan(graph: CostGraph, plan: Solution, budget_bytes: int) -> Solution | None:
+    """``plan`` relaxed within ``budget_bytes`` (``min_budget_for_step``), or None."""
     from .schedule_relaxation import relax_recomputations
-    margin, allowance, out = planning_margin(graph), loss_allowance_bytes(graph), []
-    for plan, budget_bytes in jobs:
-        found = relax_recomputations(graph, plan.schedule, plan.simulation,
-                                     lambda simulation: min_budget_for_step(graph, simulation) <= budget_bytes,
-                                     usable_bytes_of(budget_bytes, 0, margin), loss_allowance_bytes=allowance)
-        out.append(None if found is None else
-                   Solution(plan.solver, found[0], found[1], f"{plan.description}; relaxed".lstrip("; ")))
-    return out
+    found = relax_recomputations(graph, plan.schedule, plan.simulation,
+                                 lambda simulation: min_budget_for_step(graph, simulation) <= budget_bytes,
+                                 usable_bytes_of(budget_bytes, 0, planning_margin(graph)),
+                                 loss_allowance_bytes=loss_allowance_bytes(graph))
+    return None if found is None else Solution(plan.solver, found[0], found[1],
+                                               f"{plan.description}; relaxed".lstrip("; "))
 
 
 #: Rough relative seconds of a solver's share of a large graph's pool (others: 0.5): the pool's tasks run
@@ -382,25 +380,17 @@ POOL_SOLVER_WEIGHTS = {"dp_exact": 3.0, "dp_approx": 3.0, "chain_dp": 2.0, "chai
 POOL_FORK_NODES = 100
 
 
-def _group_pool(graph: CostGraph, names: list[str], variant: str
-                ) -> dict[str, tuple[list[Solution], list[Solution]]]:
-    """Each solver of ``names``: its plans at the grid's budgets (``_solver_grid``) and those it simulated
-    on the way (``collecting_plans``), less the plans another plan of the group beats (``_undominated``):
-    a plan beaten within the group is beaten in the whole pool."""
-    parts: dict[str, tuple[list[Solution], list[Solution]]] = {}
+def _solver_pool(graph: CostGraph, name: str, variant: str) -> tuple[list[Solution], list[Solution]]:
+    """Solver ``name``'s plans at the grid's budgets (``_solver_grid``) and those it simulated on the way
+    (``collecting_plans``), less the plans another of them beats (``_undominated``): a plan its own
+    solver beats is beaten in the whole pool."""
     with collecting_plans() as seen:
-        for name in names:
-            start = len(seen)
-            grid = list(_solver_grid(graph, name, variant).values())
-            parts[name] = (grid, seen[start:])
+        grid = list(_solver_grid(graph, name, variant).values())
     merged: dict[Schedule, Solution] = {}
-    for index in (0, 1):
-        for name in names:
-            for solution in parts[name][index]:
-                merged.setdefault(solution.schedule, solution)
+    for solution in grid + seen:
+        merged.setdefault(solution.schedule, solution)
     kept = {solution.schedule for solution in _undominated(graph, list(merged.values()))}
-    return {name: ([s for s in grid if s.schedule in kept], [s for s in seen_by if s.schedule in kept])
-            for name, (grid, seen_by) in parts.items()}
+    return [s for s in grid if s.schedule in kept], [s for s in seen if s.schedule in kept]
 
 
 def _undominated(graph: CostGraph, plans: list[Solution]) -> tuple[Solution, ...]:

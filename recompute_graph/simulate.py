@@ -191,10 +191,8 @@ class _Simulation:
                 transient += self.graph.rng_state_bytes  # the generators' state, put back afterwards
             else:  # the snapshot replayed later, kept until the last replay
                 self.rng_snapshot[op.node] = self._new_storage(self.graph.rng_state_bytes * node.random_op_count)
-        if self.live + transient > self.op_peak:
+        if self.live + transient > self.op_peak:  # the step's peak follows the op's (``run``)
             self.op_peak = self.live + transient
-        if self.op_peak > self.peak:
-            self.peak = self.op_peak
         if op.tape and node.requires_grad and self.graph.implicit_backward:  # the saved buffers stay
             refs = [self._new_storage(node.saved_buffer_bytes)]
             own = self.owners[index]
@@ -392,7 +390,6 @@ class _Simulation:
         # (a convolution's weight gradient at the add of its input's two terms, tiny ResNet-50)
         self.op_peak = max(self.op_peak, workspace_peak,
                            self.live + released_early - handed_free + sums + node.param_grad_bytes if sums else 0)
-        self.peak = max(self.peak, self.op_peak)
         for p in summed:  # the sum replaces the first buffer, which lives on if shared
             previous = self.grad_storage[p]
             self.grad_storage[p] = self._new_storage(graph.nodes[p].grad_bytes)

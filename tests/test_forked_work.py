@@ -164,7 +164,7 @@ def test_queued_tasks_a_child_lost_run_in_the_parent(two_workers, monkeypatch):
 def test_the_pools_tasks_run_heaviest_first_and_small_graphs_stay_in_one_process(monkeypatch):
     from test_schedule import chain
     orders = []
-    monkeypatch.setattr(planner, "run_queued", lambda tasks: orders.append([t.args[1][0] for t in tasks])
+    monkeypatch.setattr(planner, "run_queued", lambda tasks: orders.append([t.args[1] for t in tasks])
                         or [task() for task in tasks])
     planner._build_pool(chain(8), "time")
     assert not orders

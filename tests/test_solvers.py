@@ -243,12 +243,12 @@ def test_the_pool_leaves_the_collector_as_it_found_it(monkeypatch):
     thresholds = gc.get_threshold()
     assert thresholds[2] < DEFERRED_FULL_COLLECTION_THRESHOLD
     while_planning = []
-    group_pool = planner._group_pool
+    solver_pool = planner._solver_pool
 
-    def watched(graph, names, variant):
+    def watched(graph, name, variant):
         while_planning.append((gc.get_freeze_count(), gc.get_threshold()))
-        return group_pool(graph, names, variant)
-    monkeypatch.setattr(planner, "_group_pool", watched)
+        return solver_pool(graph, name, variant)
+    monkeypatch.setattr(planner, "_solver_pool", watched)
     planner._build_pool(chain(8), "time")
     frozen, during = while_planning[0]
     assert frozen > 0 and during == (*thresholds[:2], DEFERRED_FULL_COLLECTION_THRESHOLD)

@@ -41,7 +41,7 @@ from ..graph import CostGraph
 from ..graph_memo import memoized
 from ..schedule import lower_segments
 from . import Solution, best_of, register, simulator_checked
-from .lower_set_search import DPResult, TransitionTable, feasible, minimal_model_budget, run_dp, table_of
+from .lower_set_search import minimal_model_budget, run_dp
 from .lower_sets import (DEFAULT_MAX_LOWER_SETS, LowerSetFamily, _bit_matrix, enumerate_lower_sets,
                          free_sources, ordering_predecessors, principal_lower_sets)
 
