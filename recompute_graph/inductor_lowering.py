@@ -42,6 +42,7 @@ from torch import fx
 from .joint_capture import op_name
 from .joint_lowering import replay_random, rng_snapshot
 from .joint_partition import boxed_interpreter
+from .joint_units import is_tangent, tangents_held_through_backward
 from .joint_costs import rng_state_bytes
 
 __all__ = ["inductor_graph_compiler", "InductorFallbackWarning", "InductorBudgetWarning", "inductor_excess_bytes",
@@ -201,10 +202,14 @@ def compiled_graphs_peak_bytes(forward_graph: fx.GraphModule, backward_graph: fx
         backward = compiler(backward_graph, like)
         with unset_fake_temporarily(), torch.random.fork_rng(devices=[cuda] if cuda is not None else []), \
                 torch.no_grad():
+            # where AOTAutograd's runtime holds the output gradients through its backward, so does this
+            tangents = [a for a, n in zip(args, _placeholders(backward_graph)) if is_tangent(n)] \
+                if tangents_held_through_backward() else []
             with allocator_windows(False, cuda) as windows:
                 with node_window("backward"):
                     backward(args)
                     del args
+            del tangents
             backward_start, backward_peak, _ = windows()["backward"]
     except Exception:  # noqa: BLE001 - no measurement: the plan's prediction stands
         return None

@@ -71,7 +71,7 @@ from .joint_storage import storage_of as _storage
 from .joint_storage import backward_steps, internal_peak_bytes
 from .joint_storage import value_bytes as _value_bytes
 from .joint_units import (JointUnits, backward_reads, gradient_readers, incoming_gradient_sums, is_tangent,
-                          passes_no_gradient)
+                          passes_no_gradient, tangents_held_through_backward)
 from .meta_flops import meta_flops
 
 __all__ = ["joint_cost_graph", "rng_state_bytes", "JOINT_COST_SOURCE", "is_joint_cost_graph"]
@@ -410,5 +410,6 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
                      # backward takes one tangent per output, and autograd fills those the loss does not
                      # reach with zeros (T5's cached keys and values: 36 KB a plan of 331 KB did not see)
                      loss_gradient_outputs=outputs,
-                     # the generated backward takes them in the boxed convention and drops each after its last use
-                     output_gradients_held=False)
+                     # the generated backward drops each after its last use, where AOTAutograd's runtime
+                     # lets go of them (torch 2.13 on); before, they live until its backward returns
+                     output_gradients_held=tangents_held_through_backward())

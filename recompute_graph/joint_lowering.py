@@ -48,7 +48,7 @@ from .gradient_accumulation import ACCUMULATE_IN_PLACE, accumulate_in_place, arr
 from .joint_capture import RANDOM_TARGETS, op_name
 from .joint_allocations import kernel_workspace_bytes, node_seconds, outputs_loss_bytes
 from .joint_costs import joint_cost_graph, rng_state_bytes
-from .joint_units import JointUnits, is_gradient_sum, is_tangent, joint_units
+from .joint_units import JointUnits, is_gradient_sum, is_tangent, joint_units, tangents_held_through_backward
 from .joint_storage import storage_of as _storage
 from .joint_partition import STATE_READING_TARGETS, boxed_interpreter, extract_graphs
 from .schedule import Backward, Forward, Schedule, dead_recomputations
@@ -421,8 +421,8 @@ def graph_peak_bytes(forward_graph: fx.GraphModule, backward_graph: fx.GraphModu
     return max((live for _, _, live in graph_live_bytes(forward_graph, backward_graph)), default=0)
 
 
-def graph_live_bytes(forward_graph: fx.GraphModule, backward_graph: fx.GraphModule
-                     ) -> list[tuple[str, str, int]]:
+def graph_live_bytes(forward_graph: fx.GraphModule, backward_graph: fx.GraphModule,
+                     tangents_held: bool | None = None) -> list[tuple[str, str, int]]:
     """``(graph, node name, live bytes)`` while each node of the forward (``"forward"``), then of the
     backward graph (``"backward"``), runs: its own value held, with everything live before it, by the
     graphs' own liveness (fake values of ``meta["val"]``, storage by storage: a view holds its base's
@@ -431,7 +431,9 @@ def graph_live_bytes(forward_graph: fx.GraphModule, backward_graph: fx.GraphModu
     them; the model's outputs no further (the README loop, ``loss_fn(model(x)).backward()``, has dropped
     them once its loss ran; a loop that keeps them holds them to the end, beyond the prediction); the
     backward's outputs (gradients) to the end. Storages of the forward's placeholders (parameters,
-    inputs) are not counted."""
+    inputs) are not counted. The tangents (the outputs' gradients) live to their last use, or to the end
+    of the backward where AOTAutograd's runtime holds them (``tangents_held``, by default
+    ``joint_units.tangents_held_through_backward()``)."""
     from collections import Counter
 
     primal_keys = {key for n in forward_graph.graph.nodes if n.op == "placeholder" for key, _ in _storage(n)}
@@ -456,8 +458,11 @@ def graph_live_bytes(forward_graph: fx.GraphModule, backward_graph: fx.GraphModu
 
     points: list[tuple[str, str, int]] = []
     forward_outputs = _outputs(forward_graph)
+    if tangents_held is None:
+        tangents_held = tangents_held_through_backward()
+    held_tangents = {n for n in backward_graph.graph.nodes if is_tangent(n)} if tangents_held else set()
     for tag, graph_module, kept in (("forward", forward_graph, set(forward_outputs)),
-                                    ("backward", backward_graph, set(_outputs(backward_graph)))):
+                                    ("backward", backward_graph, set(_outputs(backward_graph)) | held_tangents)):
         nodes = list(graph_module.graph.nodes)
         last_use = {a: i for i, node in enumerate(nodes) for a in node.all_input_nodes}
         if graph_module is backward_graph:
