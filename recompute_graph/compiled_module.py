@@ -176,6 +176,9 @@ class CompiledRecomputedModule(SharedModelModule):
             output = self._step_for(key)(*args, **kwargs)
             if len(self._lowerings) > lowered:  # a recompilation (a guard Dynamo added) planned again
                 self._planned[key] = self._lowerings[-1]
+                if watch is not None:  # its pricing ran inside the watched step: the next step is judged
+                    self._watched.discard(key)
+                    watch = None
             if watch is not None:
                 _finish_after_backward(output, watch)
             return output

@@ -35,7 +35,7 @@ def kernel_workspace_bytes(joint: fx.GraphModule, joint_inputs: Sequence[Any]) -
     mkldnn buffers of a CPU convolution's backward, a reduction's scratch), by the allocator
     (``loss_pricing.allocator_windows``: ``torch.profiler`` memory events on CPU, the caching
     allocator's statistics on CUDA), from one run of the joint graph on real tensors shaped like
-    ``joint_inputs`` (random floats, zero integers). Empty when they cannot be made (meta, symbolic
+    ``joint_inputs`` (random floats, zero integers), after an unmeasured one on CUDA. Empty when they cannot be made (meta, symbolic
     shapes) or the run fails: the liveness model alone is used then."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     with unset_fake_temporarily():  # a partitioner runs under AOTAutograd's fake mode
@@ -54,6 +54,12 @@ def _kernel_workspace_bytes(joint: fx.GraphModule, joint_inputs: Sequence[Any]) 
             with node_window(n.name):
                 return super().run_node(n)
     try:
+        if cuda is not None:
+            # the first run on a device makes buffers that then stay for the process (cuBLAS's workspace
+            # per handle and stream, cuDNN's handle), in the caching allocator: charged to the first node
+            # that happened to make them, as workspace no training step allocates again
+            with torch.no_grad():
+                fx.Interpreter(joint).run(*real)
         with torch.no_grad(), allocator_windows(False, cuda) as windows:
             _Windowed(joint).run(*real)
     except Exception:  # noqa: BLE001 - data-dependent ops on random values: no measurement

@@ -2,10 +2,10 @@
 # Every GPU check, for a session that is lent a device (docs/benchmarks.md, "On CUDA"). A session has
 # 15 minutes of device time in all (start-up included), so the checks come in parts, the first the one
 # that matters most, sized to leave time for a second call:
-#     run(command="bash scripts/device_check.sh short", timeout_s=450)     # first: 7.2 min at most
+#     run(command="bash scripts/device_check.sh short", timeout_s=450)     # first: 5 min at most
 #     run(command="bash scripts/device_check.sh executor", timeout_s=450)  # if time is left: 6.8 min at most
-# short: exact gradients, max_memory_allocated against the prediction and step-time ratios on the zoo
-# (cuda_check.py), then the issue's Gruslys target on the compiler path. executor: the rest, the Gruslys
+# short: exact gradients (float64, then float32), the allocator's peak against the prediction and
+# step-time ratios on the zoo (cuda_check.py), beside the issue's Gruslys target on the compiler path. executor: the rest, the Gruslys
 # check on the executor, the executor's cost per op, the store-all step ratios. compiler: the Gruslys check
 # on the compiler path with a longer capture limit. No argument: cuda_check, executor and compiler, one
 # after the other, for a machine without those limits. Uses the device machine's own python3 (PyTorch
@@ -17,13 +17,23 @@ out="${OUT:-/tmp/device_check}"
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())" 2>&1 | tee "$out/device.txt"
+# torch 2.11's Dynamo logs a traceback per compilation ("Unexpected exception logging compilation metrics":
+# it sorts the set of functions our backend asks it not to trace); the lines starting E<date> are left out
+quiet() { grep -v '^E[0-9][0-9][0-9][0-9] '; }
 if [[ $part == short ]]; then
-    timeout 130 python3 scripts/cuda_check.py 2>&1 | tee "$out/cuda_check.md"
+    # the Gruslys check plans for minutes on the CPU: it runs beside the zoo checks (whose step times it
+    # slows; their memory and gradients are per process) and times its own steps after they end
     timeout 300 python3 scripts/bptt_gruslys.py --device cuda --steps 1000 --batch 512 --hidden 2048 --input 512 \
-        --memory 0.05 --compiler 2>&1 | tee "$out/gruslys_cuda_compiler.md"
+        --memory 0.05 --compiler > "$out/gruslys_cuda_compiler.md" 2>&1 &
+    gruslys=$!
+    timeout 100 python3 scripts/cuda_check.py --dtype float64 --models resnet50 unet 2>&1 | quiet \
+        | tee "$out/cuda_check_float64.md"
+    timeout 130 python3 scripts/cuda_check.py 2>&1 | quiet | tee "$out/cuda_check.md"
+    wait "$gruslys"
+    quiet < "$out/gruslys_cuda_compiler.md"
 fi
 if [[ $part == all ]]; then
-    timeout 200 python3 scripts/cuda_check.py 2>&1 | tee "$out/cuda_check.md"
+    timeout 200 python3 scripts/cuda_check.py 2>&1 | quiet | tee "$out/cuda_check.md"
 fi
 if [[ $part == all || $part == executor ]]; then
     timeout 100 python3 scripts/executor_overhead.py --device cuda --rounds 10 2>&1 | tee "$out/executor_overhead_cuda.md"

@@ -100,6 +100,32 @@ def test_the_allocator_meter_charges_a_step_for_what_it_allocates_after_freeing_
         peak_memory(step, meter="tape")
 
 
+def test_the_cuda_meter_reads_the_allocators_trace_as_the_cpu_meter_reads_its_events(monkeypatch):
+    """No GPU here: the caching allocator is played by a script. The step frees last step's 4000-byte
+    gradient, then allocates a 4000-byte product and a new 4000-byte gradient, and frees the product.
+    ``max_memory_allocated`` minus the level before nets the freed gradient (4096 bytes read); the trace
+    charges the step for what it allocates, each block rounded up to 512 bytes."""
+    import recompute_graph.measure as measure
+    trace = [{"action": "free_requested", "size": 4000}, {"action": "free_completed", "size": 4000},
+             {"action": "alloc", "size": 4000}, {"action": "segment_alloc", "size": 2 << 20},
+             {"action": "alloc", "size": 4000}, {"action": "free_completed", "size": 4000}]
+    recording = []
+    cuda = torch.cuda
+    for name, value in [("synchronize", lambda device=None: None), ("current_device", lambda: 0),
+                        ("reset_peak_memory_stats", lambda device=None: None),
+                        ("memory_allocated", lambda device=None: 4000),
+                        ("max_memory_allocated", lambda device=None: 4000 + 4096)]:
+        monkeypatch.setattr(cuda, name, value)
+    monkeypatch.setattr(cuda.memory, "_record_memory_history", lambda enabled="all", **kw: recording.append(enabled))
+    monkeypatch.setattr(cuda.memory, "_snapshot", lambda device=None: {"device_traces": [trace]})
+    steps = []
+    assert measure.peak_memory(lambda: steps.append(1), device="cuda:0") == 2 * 4096
+    assert steps == [1] and recording == ["all", None]  # the step ran once, inside the recording
+    assert measure.trace_peak_bytes(trace[:3]) == 4096 and measure.trace_peak_bytes([]) == 0
+    monkeypatch.setattr(measure, "CUDA_TRACE_EVENTS", len(trace))  # a full trace may have lost events
+    assert measure.peak_memory(lambda: None, device="cuda:0") == 4096
+
+
 def test_peak_is_the_maximum_of_live_bytes_not_the_sum_of_allocations():
     def step():
         for _ in range(5):

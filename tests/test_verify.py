@@ -116,6 +116,46 @@ def test_the_first_step_of_a_compiled_plan_warns_when_it_breaks_the_budget(monke
     assert step(2 * budget) == []  # once per signature: later steps are not judged again
 
 
+def test_a_compiled_step_that_recompiles_is_not_judged_and_the_next_one_is(monkeypatch):
+    """A guard Dynamo added (here the deterministic-algorithms flag; on CUDA cuDNN's flags) recompiles
+    inside the watched step, and the plan's pricing runs its graphs on real tensors there: on an H200 a
+    UNet's first step read 172 MiB against a 49 MiB budget. That step is not judged; the next one is."""
+    import warnings
+
+    import recompute_graph.compiled_module as cm
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, x = WideHead(), torch.randn(256, 32)
+    optimized = rg.optimize(model, 1.0, example_inputs=(x,), compiler=True, loss_fn=default_loss)
+    budget = optimized.recompute_plan.budget_bytes
+    monkeypatch.setattr(cm, "_cuda_device", lambda inputs: torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    statistics = {"max": 0}
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: statistics["max"])
+    optimized._watched.clear()
+
+    def step():  # each step sets a new maximum, twice the budget
+        optimized.zero_grad(set_to_none=True)
+        statistics["max"] = 0
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loss = default_loss(optimized(x))
+            statistics["max"] = 2 * budget
+            loss.backward()
+        return [w for w in caught if issubclass(w.category, rg.BudgetExceededWarning)]
+
+    lowerings = len(optimized.lowerings)
+    was_deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(not was_deterministic)
+    try:
+        assert step() == []
+        assert len(optimized.lowerings) > lowerings  # it did recompile, and plan again
+        caught = step()
+    finally:
+        torch.use_deterministic_algorithms(was_deterministic)
+    assert len(caught) == 1 and "over the plan's budget" in str(caught[0].message)
+
+
 def test_a_buffer_updated_twice_is_a_mismatch_and_a_rounding_difference_is_not():
     """BatchNorm's running mean after one and after two updates with the same batch statistics, against
     the same value 1 ulp off (what AOTAutograd's decompositions leave on torchvision's DeepLabV3, as
