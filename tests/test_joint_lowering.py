@@ -163,6 +163,33 @@ def test_a_linears_weight_gradient_counts_in_the_backward_that_makes_it():
         lowered.forward_graph, lowered.backward_graph)
 
 
+@pytest.mark.parametrize("held", [False, True])
+def test_the_output_gradient_is_held_through_the_backward_where_the_runtime_holds_it(monkeypatch, held):
+    """Torch 2.11's AOTAutograd takes the tangents as ``backward(ctx, *grads)`` arguments, alive until it
+    returns; 2.13's boxes them in a list the generated code empties (``boxed_grads_call``). The cost graph
+    and the graphs' liveness follow the runtime, and agree with each other either way. A wide output: its
+    1 MiB gradient, held, raises the backward's peak."""
+    import recompute_graph.joint_costs as joint_costs
+    import recompute_graph.joint_lowering as joint_lowering
+    from recompute_graph.joint_units import tangents_held_through_backward
+    assert tangents_held_through_backward() == (not hasattr(torch.autograd.Function, "boxed_grads_call"))
+    monkeypatch.setattr(joint_costs, "tangents_held_through_backward", lambda: held)
+    monkeypatch.setattr(joint_lowering, "tangents_held_through_backward", lambda: held)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 1024), nn.Tanh(), nn.Linear(1024, 4096))
+    error, _ = compiled_step_matches_eager(model, (torch.randn(64, 256),),
+                                           budget_backend(1.0, solver="store_all", price_kernels=False))
+    lowered = last_lowering()
+    assert error < 1e-6
+    assert lowered.graph.output_gradients_held is held
+    liveness = {flag: graph_peak_bytes(lowered.forward_graph, lowered.backward_graph) if flag == held
+                else max(live for *_, live in graph_live_bytes(lowered.forward_graph, lowered.backward_graph,
+                                                                 tangents_held=flag))
+                for flag in (False, True)}
+    assert 0 < liveness[True] - liveness[False] <= 64 * 4096 * 4
+    assert simulate(lowered.graph, lowered.plan.schedule).peak_bytes == liveness[held]
+
+
 class _InplaceSiLUConvs(nn.Module):
     """EfficientNet's and CoAtNet's pattern: ``SiLU(inplace=True)`` after BatchNorm. Functionalized,
     the in-place ``silu_`` is a ``clone`` of its input, kept for the backward, beside the ``silu``."""
