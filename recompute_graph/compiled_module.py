@@ -27,9 +27,10 @@ running statistics); a step's predicted peak is ``recompute_plan.predicted_step_
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -44,7 +45,7 @@ from .joint_lowering import Lowered, budget_backend
 from .model_state import preserved_state
 from .optimized_module import PeakWatch, SharedModelModule, _cuda_device, _signature_key
 
-__all__ = ["CompiledRecomputedModule", "ignored_logging_calls"]
+__all__ = ["CompiledRecomputedModule", "ignored_logging_calls", "logging_calls_ignored"]
 
 
 class CompiledRecomputedModule(SharedModelModule):
@@ -139,7 +140,7 @@ class CompiledRecomputedModule(SharedModelModule):
             ignored = ignored_logging_calls()  # once, not on every training call
 
             def step(*args: Any, **kwargs: Any) -> Any:
-                with torch._dynamo.config.patch(ignore_logging_functions=ignored):
+                with logging_calls_ignored(ignored):
                     return compiled(*args, **kwargs)
             self._steps[key] = step
         return self._steps[key]
@@ -253,6 +254,26 @@ def ignored_logging_calls() -> set:
     methods = {getattr(logging.Logger, name) for name in dir(logging.Logger)
                if name in _LOGGING_METHODS or name.endswith("_once")}
     return set(torch._dynamo.config.ignore_logging_functions) | {m for m in methods if callable(m)}
+
+
+@contextlib.contextmanager
+def logging_calls_ignored(ignored: set) -> Iterator[None]:
+    """Compile with Dynamo treating ``ignored`` (:func:`ignored_logging_calls`) as no-ops. Torch 2.11's
+    Dynamo then fails to log its compilation metrics (it writes its config as JSON, and this set of
+    functions is not on its list of keys to leave out; torch 2.13's is), and logs that failure with a
+    traceback at every compilation. That one record is dropped while the block runs."""
+    metrics_log = logging.getLogger("torch._dynamo.metrics_context")
+    metrics_log.addFilter(_drop_metrics_failure)
+    try:
+        with torch._dynamo.config.patch(ignore_logging_functions=ignored):
+            yield
+    finally:
+        metrics_log.removeFilter(_drop_metrics_failure)
+
+
+def _drop_metrics_failure(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith(("Unexpected exception logging compilation metrics",
+                                               "Unexpected exception logging runtime metrics"))
 
 
 _LOGGING_METHODS = frozenset({"debug", "info", "warning", "warn", "error", "exception", "critical", "fatal", "log"})

@@ -83,13 +83,13 @@ def compiled_timeline(model: torch.nn.Module, inputs: Sequence[Any], budget: Any
         compiled_graph = backend(gm, example_inputs)
         lowerings.append(True)
         return compiled_graph
-    from .compiled_module import ignored_logging_calls
+    from .compiled_module import ignored_logging_calls, logging_calls_ignored
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=counting)
 
     def step() -> None:
         model.zero_grad(set_to_none=True)
-        with torch._dynamo.config.patch(ignore_logging_functions=ignored_logging_calls()):  # as optimize() compiles
+        with logging_calls_ignored(ignored_logging_calls()):  # as optimize() compiles
             loss = loss_fn(compiled(*inputs, **(kwargs or {})))
         loss.backward()  # the output dropped first, as in the README loop the prediction is for
     step()

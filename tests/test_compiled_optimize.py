@@ -334,3 +334,31 @@ def test_torch_compiles_planning_and_a_recompilations_run_with_full_collections_
         planned.append(len(seen))
     assert 0 < planned[0] < planned[1]
     assert all(frozen > 0 and threshold == DEFERRED_FULL_COLLECTION_THRESHOLD for frozen, threshold in seen)
+
+
+def test_dynamos_failure_to_log_its_metrics_is_dropped_only_while_compiling_with_ignored_logging():
+    """Torch 2.11's Dynamo cannot write a config whose ``ignore_logging_functions`` holds functions as
+    JSON, and logged that with a traceback at every compilation of a planned module (on the H200).
+    Only that record, only inside the block; the ignored calls are Dynamo's only inside it too."""
+    from recompute_graph.compiled_module import ignored_logging_calls, logging_calls_ignored
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+    log = logging.getLogger("torch._dynamo.metrics_context")
+    handler, level = Keep(), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.ERROR)
+    try:
+        with logging_calls_ignored(ignored_logging_calls()):
+            assert logging.Logger.warning in torch._dynamo.config.ignore_logging_functions
+            log.error("Unexpected exception logging compilation metrics")
+            log.error("Unexpected exception logging runtime metrics")
+            log.error("another error")
+        log.error("Unexpected exception logging compilation metrics")
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+    assert records == ["another error", "Unexpected exception logging compilation metrics"]
+    assert logging.Logger.warning not in torch._dynamo.config.ignore_logging_functions
