@@ -1,12 +1,13 @@
-"""Pure-Python work spread over the cores: the first task in this process, the others in forked children.
+"""Pure-Python work spread over the cores: this process and forked children take tasks from one queue.
 
 The planner's pool runs several solvers over one cost graph, each on its own (solvers are pure Python
 and never touch torch). On a large graph that is seconds per solver, and the cores beside the one
-planning are idle. :func:`run_forked` forks one child per task after the first (``os.fork``: the
-child starts with the parent's objects, the cost graph included, without pickling them), runs the first
-task here, and reads each child's result back through a pipe (pickled). A child that fails, dies or
-takes far longer than the parent's own task (``CHILD_TIMEOUT_*``) is killed and its task run here
-instead, so an error surfaces as it would without children, from this process.
+planning are idle. :func:`run_queued` forks children (``os.fork``: a child starts with the parent's
+objects, the cost graph included, without pickling them); this process and each child take the next
+task nobody has taken whenever they finish one, and each child sends its results back through a pipe
+(pickled). A child that fails, dies or takes far longer than the parent's own share
+(``CHILD_TIMEOUT_*``) is killed and its tasks run here instead, so an error surfaces as it would
+without children, from this process.
 
 The children run no torch code: only what the tasks call. Outside Linux (Windows has no ``os.fork``;
 macOS's system libraries are not safe to use in a child forked from a process with threads), with one
@@ -25,21 +26,21 @@ import time
 import warnings
 from typing import Callable, Sequence, TypeVar
 
-__all__ = ["available_workers", "run_forked", "run_queued", "WORKERS_VARIABLE", "CHILD_TIMEOUT_SECONDS",
+__all__ = ["available_workers", "run_queued", "WORKERS_VARIABLE", "CHILD_TIMEOUT_SECONDS",
            "CHILD_TIMEOUT_FACTOR"]
 
 T = TypeVar("T")
 
 #: The environment variable that caps the processes (``1``: no children)
 WORKERS_VARIABLE = "RECOMPUTE_GRAPH_WORKERS"
-#: A child still running this long after the parent finished its own task, and ...
+#: A child still running this long after the parent finished its own tasks, and ...
 CHILD_TIMEOUT_SECONDS = 60.0
-#: ... this many times the parent's task's seconds, is killed and its task run in the parent
+#: ... this many times the parent's tasks' seconds, is killed and its tasks run in the parent
 CHILD_TIMEOUT_FACTOR = 10.0
 
 
 def available_workers() -> int:
-    """The processes :func:`run_forked` may use: the cores this process may run on, at most
+    """The processes :func:`run_queued` may use: the cores this process may run on, at most
     ``RECOMPUTE_GRAPH_WORKERS`` when set; 1 outside Linux (module docstring)."""
     if not (sys.platform.startswith("linux") and hasattr(os, "fork") and hasattr(os, "sched_getaffinity")):
         return 1
@@ -54,38 +55,13 @@ def available_workers() -> int:
     return max(1, cores)
 
 
-def run_forked(tasks: Sequence[Callable[[], T]]) -> list[T]:
-    """``[task() for task in tasks]``, the tasks after the first in forked children when
-    ``available_workers()`` allows (one child per task, so pass at most that many tasks). Each result
-    must pickle. A child's failure runs its task here, where its error is raised as usual."""
-    if len(tasks) <= 1 or available_workers() < 2:
-        return [task() for task in tasks]
-    children = [_fork(task) for task in tasks[1:]]
-    pending = [child for child in children if child is not None]
-    try:
-        start = time.perf_counter()
-        results: list[T] = [tasks[0]()]
-        timeout = max(CHILD_TIMEOUT_SECONDS, CHILD_TIMEOUT_FACTOR * (time.perf_counter() - start))
-        for task, child in zip(tasks[1:], children):
-            outcome = None
-            if child is not None:
-                pending.remove(child)
-                outcome = _read(child, timeout)
-            results.append(outcome[0] if outcome is not None else task())
-        return results
-    finally:  # after an error or an interrupt here, the children not read yet are stopped
-        for child in pending:
-            _kill(child)
-            os.close(child[1])
-
-
 def run_queued(tasks: Sequence[Callable[[], T]]) -> list[T]:
     """``[task() for task in tasks]`` over up to ``available_workers()`` processes, this one and forked
     children, each taking the next task nobody has taken whenever it finishes one (list scheduling:
     given the tasks heaviest first, the processes finish close together whatever the tasks' real
     costs, where a fixed split by guessed weights leaves one process waiting on another). The results
     come back in the tasks' order. A child's tasks that did not come back (it failed, died or ran past
-    the timeout, as in :func:`run_forked`) run here."""
+    the timeout) run here."""
     workers = min(available_workers(), len(tasks))
     if workers < 2:
         return [task() for task in tasks]

@@ -1,5 +1,5 @@
-"""``forked_work.run_forked`` and ``run_queued``: tasks run in forked children, with the same results as in
-one process; a child that fails, dies or hangs has its task run in the parent; and the planner's pool
+"""``forked_work.run_queued``: tasks run in this process and forked children, with the same results as in
+one process; a child that fails, dies or hangs has its tasks run in the parent; and the planner's pool
 built that way holds the same plans, in the same order, as one process builds."""
 import os
 import pickle
@@ -21,45 +21,44 @@ def two_workers(monkeypatch):
     monkeypatch.setattr(forked_work, "available_workers", lambda: 2)
 
 
-def test_children_run_the_later_tasks_and_their_results_come_back_in_order(two_workers):
-    parent = os.getpid()
-    results = forked_work.run_forked([lambda: ("first", os.getpid()), lambda: ("second", os.getpid()),
-                                      lambda: ("third", [1, 2, 3])])
-    assert results[0] == ("first", parent)
-    assert results[1][0] == "second" and results[1][1] != parent  # ran in a child
-    assert results[2] == ("third", [1, 2, 3])
-
-
-def test_a_task_that_fails_in_its_child_runs_in_the_parent(two_workers):
-    parent = os.getpid()
-
-    def fails_in_a_child():
+def _in_the_parent_only(parent, failure):
+    """A task that fails in a child (``failure()``) and returns "ran here" in the parent, after a pause
+    in which the child takes the next task."""
+    def task():
         if os.getpid() != parent:
-            raise RuntimeError("only in the child")
+            failure()
+        time.sleep(0.2)
         return "ran here"
+    return task
 
-    def dies_in_a_child():
-        if os.getpid() != parent:
-            os._exit(3)
-        return "ran here too"
-    assert forked_work.run_forked([lambda: 0, fails_in_a_child, dies_in_a_child]) == [0, "ran here",
-                                                                                        "ran here too"]
+
+def _raise():
+    raise RuntimeError("only in the child")
+
+
+@pytest.mark.parametrize("failure", [_raise, lambda: os._exit(3)], ids=["raises", "dies"])
+def test_queued_tasks_a_child_lost_run_in_the_parent(two_workers, monkeypatch, failure):
+    outcomes, read = [], forked_work._read
+
+    def watched_read(child, timeout_seconds):
+        outcomes.append(read(child, timeout_seconds))
+        return outcomes[-1]
+    monkeypatch.setattr(forked_work, "_read", watched_read)
+    task = _in_the_parent_only(os.getpid(), failure)
+    assert forked_work.run_queued([task] * 4) == ["ran here"] * 4
+    assert outcomes == [None]  # the child failed with a task taken
 
 
 def test_a_child_past_its_time_is_stopped_and_its_task_run_in_the_parent(two_workers, monkeypatch):
     monkeypatch.setattr(forked_work, "CHILD_TIMEOUT_SECONDS", 0.5)
-    parent = os.getpid()
-
-    def hangs_in_a_child():
-        if os.getpid() != parent:
-            time.sleep(60)
-        return "ran here"
+    monkeypatch.setattr(forked_work, "CHILD_TIMEOUT_FACTOR", 1.0)
+    task = _in_the_parent_only(os.getpid(), lambda: time.sleep(60))
     start = time.perf_counter()
-    assert forked_work.run_forked([lambda: 0, hangs_in_a_child]) == [0, "ran here"]
+    assert forked_work.run_queued([task] * 3) == ["ran here"] * 3
     assert time.perf_counter() - start < 30
 
 
-def test_an_error_everywhere_is_raised_from_the_parent(two_workers, monkeypatch):
+def test_an_error_everywhere_is_raised_from_the_parent_and_every_child_is_stopped(two_workers, monkeypatch):
     forked, fork = [], forked_work._fork
 
     def recorded_fork(task):
@@ -67,20 +66,23 @@ def test_an_error_everywhere_is_raised_from_the_parent(two_workers, monkeypatch)
         forked.append(child[0])
         return child
     monkeypatch.setattr(forked_work, "_fork", recorded_fork)
+
     def fails():
+        time.sleep(0.1)
         raise ValueError("a task's own error")
     with pytest.raises(ValueError, match="a task's own error"):
-        forked_work.run_forked([lambda: 0, fails])
+        forked_work.run_queued([fails] * 3)
     parent = os.getpid()
 
     def hangs_in_a_child():
         if os.getpid() != parent:
             time.sleep(60)
-        return 0
+        raise ValueError("a task's own error")
     start = time.perf_counter()
     with pytest.raises(ValueError, match="a task's own error"):
-        forked_work.run_forked([fails, hangs_in_a_child])  # the parent's task fails: its child is stopped
+        forked_work.run_queued([hangs_in_a_child] * 2)  # the parent's task fails: its child is stopped
     assert time.perf_counter() - start < 30
+    assert len(forked) == 2
     for pid in forked:
         with pytest.raises(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)  # every child is stopped and reaped
@@ -91,7 +93,7 @@ def test_the_workers_variable_caps_the_processes(monkeypatch):
     monkeypatch.setenv(forked_work.WORKERS_VARIABLE, "1")
     assert forked_work.available_workers() == 1
     parent = os.getpid()
-    assert forked_work.run_forked([os.getpid, os.getpid]) == [parent, parent]
+    assert forked_work.run_queued([os.getpid, os.getpid]) == [parent, parent]
     monkeypatch.setenv(forked_work.WORKERS_VARIABLE, "3")
     assert forked_work.available_workers() == 3
     monkeypatch.delenv(forked_work.WORKERS_VARIABLE)
@@ -142,23 +144,6 @@ def test_queued_tasks_go_to_whichever_process_is_free_and_come_back_in_order(two
     assert len(set(results[1:])) == 1 and results[1] != results[0]
     assert os.getpid() in results  # the parent took its share
     assert forked_work.run_queued([lambda k=k: k * k for k in range(7)]) == [k * k for k in range(7)]
-
-
-def test_queued_tasks_a_child_lost_run_in_the_parent(two_workers, monkeypatch):
-    parent, outcomes, read = os.getpid(), [], forked_work._read
-
-    def dies_in_a_child():
-        if os.getpid() != parent:
-            os._exit(3)
-        time.sleep(0.3)  # the child takes some meanwhile
-        return "ran here"
-
-    def watched_read(child, timeout_seconds):
-        outcomes.append(read(child, timeout_seconds))
-        return outcomes[-1]
-    monkeypatch.setattr(forked_work, "_read", watched_read)
-    assert forked_work.run_queued([dies_in_a_child] * 4) == ["ran here"] * 4
-    assert outcomes == [None]  # the child died with a task taken
 
 
 def test_the_pools_tasks_run_heaviest_first_and_small_graphs_stay_in_one_process(monkeypatch):
