@@ -4,11 +4,14 @@
 # that matters most, sized to leave time for a second call:
 #     run(command="bash scripts/device_check.sh short", timeout_s=450)     # first: 5 min at most
 #     run(command="bash scripts/device_check.sh executor", timeout_s=450)  # if time is left: 6.8 min at most
+#     run(command="bash scripts/device_check.sh peers", timeout_s=520)     # or this: 8.3 min at most
 # short: exact gradients (float64, then float32), the allocator's peak against the prediction and
-# step-time ratios on the zoo (cuda_check.py), beside the Gruslys target on the compiler path. executor: the rest, the Gruslys
-# check on the executor, the executor's cost per op, the store-all step ratios. compiler: the Gruslys check
-# on the compiler path with a longer capture limit. No argument: cuda_check, executor and compiler, one
-# after the other, for a machine without those limits. Uses the device machine's own python3 (PyTorch
+# step-time ratios on the zoo (cuda_check.py), beside the Gruslys target on the compiler path.
+# executor: the rest, the Gruslys check on the executor, the executor's cost per op, the store-all step
+# ratios. peers: `recompute-graph bench --peers --device cuda` on ResNet-50, GPT-2 small and U-Net at
+# the sizes. compiler: the Gruslys check on the compiler path with a longer capture limit. No
+# argument: cuda_check, executor, peers and compiler, one after the other, for a machine without those
+# limits. Uses the device machine's own python3 (PyTorch
 # with CUDA) and imports this working tree. Each check has its own time limit so that one slow check
 # leaves the others their turn; outputs also go to $OUT.
 set -uo pipefail
@@ -41,6 +44,17 @@ if [[ $part == all || $part == executor ]]; then
         --memory 0.05 2>&1 | tee "$out/gruslys_cuda.md"
     timeout 90 python3 scripts/store_all_step.py --device cuda --models resnet50 gpt2 --rounds 5 2>&1 \
         | tee "$out/store_all_step_cuda.md"
+fi
+if [[ $part == all || $part == peers ]]; then
+    # the peer table on the GPU: the compiler path at two budgets against per-block checkpointing,
+    # checkpoint_sequential and torch.compile's activation_memory_budget, each model in one run
+    bench=(python3 -m recompute_graph.cli bench --fractions 0.5 0.3 --solvers --peers --compiled --repeats 7
+           --device cuda -q)
+    timeout 200 "${bench[@]}" resnet50 --preset paper --size batch=8 2>&1 | quiet | tee "$out/peers_resnet50_cuda.md"
+    timeout 150 "${bench[@]}" gpt2 --preset paper --size batch=2 --size seq_len=512 2>&1 | quiet \
+        | tee "$out/peers_gpt2_cuda.md"
+    timeout 150 "${bench[@]}" unet --preset small --size batch=2 --size image_size=256 --size width=32 2>&1 \
+        | quiet | tee "$out/peers_unet_cuda.md"
 fi
 if [[ $part == all || $part == compiler ]]; then
     # the Gruslys target on the compiler path: >= 95 % of the activations saved at <= x1.33,

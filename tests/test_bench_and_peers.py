@@ -52,7 +52,7 @@ def test_the_profiler_meter_agrees_with_the_storage_meter_on_an_eager_step(name,
 
 def test_bench_measures_our_plans_and_the_peers_against_store_all(capsys):
     code = main(["bench", "unet", "--preset", "tiny", "--timing", "flops", "--fractions", "0.6",
-                 "--solvers", "dp_exact", "--peers", "--repeats", "1", "--json", "-q"])
+                 "--solvers", "dp_exact", "--peers", "--repeats", "1", "--device", "cpu", "--json", "-q"])
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert code == 0
     rows = {row["label"]: row for row in result["rows"]}
@@ -67,6 +67,14 @@ def test_bench_measures_our_plans_and_the_peers_against_store_all(capsys):
         if row["peak_bytes"] is not None:
             assert row["original_seconds"] == original > 0
             assert row["time_ratio"] == row["seconds"] / original
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where no GPU is seen")
+def test_bench_on_a_device_torch_cannot_see_says_what_to_do(capsys):
+    for device, says in (("cuda", "sees no CUDA device"), ("mps", "bench measures on cpu or cuda"),
+                         ("gpu0", "give cpu or cuda")):
+        code = main(["bench", "mlp", "--preset", "tiny", "--device", device, "--solvers", "-q"])
+        assert code == 2 and says in capsys.readouterr().err
 
 
 def test_bench_measures_our_compiler_path_with_its_prediction(capsys, monkeypatch):

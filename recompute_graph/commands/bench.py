@@ -1,7 +1,8 @@
 """``recompute-graph bench MODEL``: measured peak memory and step time of one training step, for the
 original model (store-all autograd), our plans at a budget sweep (any solvers, ``auto`` = the best plan)
 and, with ``--peers``, the peer systems (``peers.py``), all on the same inputs with the same meter
-(``measure.profiler_peak_memory``, which also sees ``torch.compile``d steps) in one run, as ratios to
+(``measure.profiler_peak_memory``, which also sees ``torch.compile``d steps; with ``--device cuda``
+the CUDA caching allocator's trace, ``measure.cuda_allocator_peak_memory``) in one run, as ratios to
 the original. Every row's step is timed in the same rounds, each round running every step once in
 turn (``measure.time_steps_in_turn``), so that a slow spell of the machine hits all rows alike and two
 rows' times compare as directly as each row's with the original's; the compiled rows each keep their
@@ -31,6 +32,9 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--peers", action="store_true", help="also measure the peer systems")
     parser.add_argument("--compiled", action="store_true",
                         help="also measure our compiler path: torch.compile(model, backend=rg.backend(f))")
+    parser.add_argument("--device", default="cpu",
+                        help="where the model and its inputs run: cpu (default) or cuda[:N]; on CUDA the peak is "
+                             "the caching allocator's, and the timings synchronize the device")
     parser.add_argument("--repeats", type=int, default=3,
                         help="timing rounds, every row's step once per round in turn (medians; default 3)")
     add_output_flags(parser)
@@ -63,12 +67,13 @@ def _run_count(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from ..errors import InfeasibleBudgetError, SolverError
-    from ..measure import default_loss, profiler_peak_memory, time_steps_in_turn
+    from ..measure import default_loss, peak_memory, profiler_peak_memory, time_steps_in_turn
     from ..optimized_module import run_schedule
     from ..planner import make_plan
     from ..progress import progress_bar
     from ..rewrite import ScheduleExecutor
-    model, inputs, label, traced, graph = profile_positional_model(args, "bench", args.solvers)
+    cuda = _cuda_device(args.device)
+    model, inputs, label, traced, graph = profile_positional_model(args, "bench", args.solvers, device=cuda)
     rows: list[dict[str, Any]] = []
 
     original_step = _training_step(model, inputs)
@@ -80,7 +85,7 @@ def _run(args: argparse.Namespace) -> int:
         # gradients freed inside the profiled step were allocated before it: the profiler cannot see
         # their release, which shifts its baseline, so the step starts without them
         module.zero_grad(set_to_none=True)
-        peak = profiler_peak_memory(step)
+        peak = profiler_peak_memory(step) if cuda is None else peak_memory(step, device=cuda)
         row = {"label": row_label, "peak_bytes": peak, "predicted_peak_bytes": predicted, "note": note}
         rows.append(row)
         timed.append((row, step))
@@ -110,7 +115,7 @@ def _run(args: argparse.Namespace) -> int:
         if args.peers:
             _measure_peers(args, model, inputs, measure, rows, bar)
     # every row in the same rounds, in turn: their times compare with each other's as with the original's
-    timings = time_steps_in_turn([step for _, step in timed], rounds=args.repeats, warmup=0)
+    timings = time_steps_in_turn([step for _, step in timed], rounds=args.repeats, warmup=0, device=cuda)
     original_seconds = timings[0].median_seconds
     for (row, _), timing in zip(timed, timings):
         row.update(seconds=timing.median_seconds, original_seconds=original_seconds,
@@ -132,6 +137,23 @@ def _run(args: argparse.Namespace) -> int:
         print(f"  {row['label']:<36} {format_bytes(row['peak_bytes']):>10} {row['peak_ratio']:>7.2f} "
               f"{row['seconds'] * 1000:>7.1f}ms {row['time_ratio']:>7.2f}  {row['note'][:60]}")
     return 0
+
+
+def _cuda_device(device: str) -> Any:
+    """None for ``cpu``; the CUDA device for ``cuda[:N]``, or a ValueError that says what to do."""
+    import torch
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"--device {device!r}: give cpu or cuda[:N]") from None
+    if parsed.type == "cpu":
+        return None
+    if parsed.type != "cuda":
+        raise ValueError(f"--device {device!r}: bench measures on cpu or cuda[:N]")
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {device!r}: this torch sees no CUDA device; run on cpu, or on a machine "
+                         "with a GPU and a CUDA build of torch")
+    return parsed
 
 
 def _measure_compiled(args: argparse.Namespace, model: Any, inputs: tuple, measure: Any, rows: list,

@@ -51,10 +51,11 @@ def print_json(result: dict[str, Any]) -> None:
     print(json.dumps(result))
 
 
-def profile_positional_model(args: argparse.Namespace, command: str, solvers: list[str]
+def profile_positional_model(args: argparse.Namespace, command: str, solvers: list[str], device: Any = None
                              ) -> tuple[Any, Any, str, Any, Any]:
     """For ``bench`` and ``plot``: check the solver names (``auto`` aside), load MODEL (which must take
-    positional inputs), put it in training mode and profile it; ``(model, inputs, label, traced, graph)``."""
+    positional inputs), move it and its tensor inputs to ``device`` when given, put it in training mode
+    and profile it there; ``(model, inputs, label, traced, graph)``."""
     from ..costs import profile_model
     from ..model_specs import load_model, parse_sizes
     from ..solvers import get_solver
@@ -65,6 +66,10 @@ def profile_positional_model(args: argparse.Namespace, command: str, solvers: li
     if isinstance(inputs, dict):
         raise ValueError(f"{args.model} returns keyword inputs: `{command}` takes models called with positional "
                          "inputs; `recompute-graph plan` and optimize(..., example_kwargs=) take keyword inputs")
+    if device is not None:
+        import torch
+        model = model.to(device)
+        inputs = tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in inputs)
     model.train()
     traced, graph = profile_model(model, inputs, timing=args.timing, progress=not args.quiet, name=label)
     return model, inputs, label, traced, graph
