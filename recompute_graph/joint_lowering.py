@@ -14,8 +14,8 @@ joint graph, then extracting the two graphs AOTAutograd runs with torch's
   when it was last computed with a tape (the originals for a unit taped in the forward), as the
   simulator prices it. ``Backward(v)`` releases unit ``v``'s backward nodes, each emitted
   as soon as the backward nodes it reads have been. A gradient sum (an ``add`` of two gradients) is
-  emitted as soon as both terms exist, wherever it was placed, as autograd accumulates and the
-  simulator prices it. ``FreeValue`` needs no code: fx frees a value after its last use.
+  emitted once both terms exist, right after the kernels that made the last one, wherever it was
+  placed, as the simulator prices it. ``FreeValue`` needs no code: fx frees a value after its last use.
 * the *saved* values are the forward originals the backward section reads (and the primals it reads).
 
 A random node (dropout) of a unit the schedule recomputes gets an RNG snapshot in the forward
@@ -137,19 +137,16 @@ def _copy_batch_norm(graph: fx.Graph, node: fx.Node, read: Callable[[fx.Node], f
 
 
 def _is_gradient_sum(node: fx.Node, units: JointUnits) -> bool:
-    """An ``add`` of two gradients (backward values, no forward value read), a tangent among them: the
-    output's gradient plus a branch's term (a residual stream the model returns) is made as soon as the
-    branch's term exists, as the simulator sums it."""
+    """An ``add`` of two gradients (backward values, no forward value read), a tangent among them (the
+    output's gradient plus a branch's term, in a residual stream the model returns)."""
     return node in units.backward and is_gradient_sum(node, units.backward, tangent_terms=True)
 
 
 def _term_views(sums: list[fx.Node], units: JointUnits) -> list[fx.Node]:
-    """The backward nodes between a gradient sum and the kernel that made one of its terms that only
-    view it (a linear weight's gradient ``t(mm(...))``: the ``t`` belongs to the backward of the weight's
-    transpose unit, the ``mm`` to the step's): emitted as soon as the term exists, with the sum, as the
-    simulator prices it. Left with their unit, they waited for its ``Backward`` op, and a schedule that
-    recomputes between the two backward ops held the weight-sized term through the recomputation (an
-    unrolled LSTM's ``weight_hh`` gradient, 4 KB over the prediction for five of a step's recomputations)."""
+    """The backward nodes between a gradient sum and the kernel that made one of its terms that only view
+    it (a linear weight's gradient ``t(mm(...))``, the ``t`` of the weight transpose unit's backward):
+    emitted with the sum. Left for their unit's ``Backward``, a recomputation between the two held the
+    term (an unrolled LSTM's ``weight_hh`` gradient: 4 KB over the prediction)."""
     views: dict[fx.Node, None] = {}  # ordered, for a deterministic emission order
     stack = [a for s in sums for a in s.all_input_nodes]
     while stack:
@@ -277,7 +274,7 @@ def lower_schedule(joint: fx.GraphModule, units: JointUnits, schedule: Schedule,
                 if not waiting[user]:
                     heapq.heappush(ready, (position[user], user))
         if node in tree_of_term:
-            add_term(node)
+            terms_made.append(node)
 
     def add_term(term: fx.Node) -> None:
         """Add ``term`` to its sum's terms so far; the last one makes the sum: the first addition into a
@@ -302,19 +299,25 @@ def lower_schedule(joint: fx.GraphModule, units: JointUnits, schedule: Schedule,
             env[root] = partial_sum[root]
             made(root)
 
-    def emit_ready() -> None:
-        while ready:
-            _, node = heapq.heappop(ready)
-            env[node] = new.node_copy(node, reader_of(node))
-            if node.name in units.in_place_sums:  # names change here; the mark travels with the node
-                env[node].meta[ACCUMULATE_IN_PLACE] = True
-            del waiting[node]
-            made(node)
+    terms_made: list[fx.Node] = []  # terms made by the kernels being emitted, summed after them
 
-    # gradient sums are emitted as soon as both terms exist, as autograd accumulates and the simulator
-    # prices it: a sum left for the backward that reads it keeps each term's storage alive until then
-    # (DenseNet: each feature's gradient is a slice of every later concatenation's gradient; summed
-    # late, every concatenation's gradient lived to the end of its block, 5.8 MB over the plan)
+    def emit_ready() -> None:
+        """The ready backward nodes in the joint graph's order, then the sums of the terms they made, as the
+        simulator makes them (made at its term, HF RWKV's token-shift sum held a kernel's product: +3.8 KB)."""
+        while ready or terms_made:
+            while ready:
+                _, node = heapq.heappop(ready)
+                env[node] = new.node_copy(node, reader_of(node))
+                if node.name in units.in_place_sums:  # names change here; the mark travels with the node
+                    env[node].meta[ACCUMULATE_IN_PLACE] = True
+                del waiting[node]
+                made(node)
+            made_now, terms_made[:] = list(terms_made), []
+            for term in made_now:
+                add_term(term)
+
+    # gradient sums are emitted once both terms exist (``emit_ready``): a sum left for the backward that
+    # reads it kept each term alive until then (DenseNet's concatenations' gradients: 5.8 MB over the plan)
     sums = [n for n in old.nodes if _is_gradient_sum(n, units)]
     release(_term_views(sums, units))
     release(sums)
@@ -458,9 +461,8 @@ def graph_live_bytes(forward_graph: fx.GraphModule, backward_graph: fx.GraphModu
 
     points: list[tuple[str, str, int]] = []
     forward_outputs = _outputs(forward_graph)
-    if tangents_held is None:
-        tangents_held = tangents_held_through_backward()
-    held_tangents = {n for n in backward_graph.graph.nodes if is_tangent(n)} if tangents_held else set()
+    held = tangents_held if tangents_held is not None else tangents_held_through_backward()
+    held_tangents = {n for n in backward_graph.graph.nodes if is_tangent(n)} if held else set()
     for tag, graph_module, kept in (("forward", forward_graph, set(forward_outputs)),
                                     ("backward", backward_graph, set(_outputs(backward_graph)) | held_tangents)):
         nodes = list(graph_module.graph.nodes)
