@@ -10,7 +10,7 @@ Two meters implement it (``peak_memory(..., meter=...)``):
   makes, those inside kernels included (mkldnn buffers, cuBLAS/cuDNN workspaces, attention scratch). On
   CPU, ``torch.profiler``'s memory events (:class:`AllocatorRecorder`); on CUDA, the caching allocator's
   own trace of allocations and frees (:func:`cuda_allocator_peak_memory`, with the 512-byte rounding of
-  every block), checked against ``torch.cuda.max_memory_allocated()``. Both read the step's peak as the
+  every block; ``torch.cuda.max_memory_allocated()`` when the trace is full). Both read the step's peak as the
   largest rise of the running total above its lowest point before it: a step that first frees what was
   allocated before it (``zero_grad(set_to_none=True)`` dropping the last step's gradients) is charged for
   what it allocates, as the plan prices it. ``max_memory_allocated()`` minus the level before the step
@@ -35,11 +35,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["storage_key", "unique_storages", "StorageTracker", "AllocatorRecorder", "allocator_peak_memory", "cuda_allocator_peak_memory",
-           "trace_peak_bytes",
-           "peak_memory", "METERS", "saved_tensor_bytes", "time_step", "time_steps_in_turn", "StepTiming",
-           "make_training_step",
-           "default_loss", "sum_loss"]
+__all__ = ["storage_key", "unique_storages", "StorageTracker", "AllocatorRecorder", "allocator_peak_memory",
+           "cuda_allocator_peak_memory", "trace_peak_bytes", "peak_memory", "METERS", "saved_tensor_bytes",
+           "time_step", "time_steps_in_turn", "StepTiming", "make_training_step", "default_loss", "sum_loss"]
 
 
 def storage_key(tensor: torch.Tensor) -> int | None:
@@ -124,8 +122,9 @@ def peak_memory(step: Callable[[], Any], *, device: str | torch.device | None = 
     """Peak bytes allocated while ``step()`` runs, above what was allocated before it.
 
     ``meter="allocator"`` (default) reads the allocator: on a CUDA ``device`` the caching allocator's
-    trace (:func:`cuda_allocator_peak_memory`); elsewhere ``torch.profiler``'s memory events (:func:`allocator_peak_memory`),
-    which see kernel temporaries no tensor holds (mkldnn buffers, attention workspaces). This is the meter
+    trace (:func:`cuda_allocator_peak_memory`); elsewhere ``torch.profiler``'s memory events
+    (:func:`allocator_peak_memory`), which see kernel temporaries no tensor holds (mkldnn buffers,
+    attention workspaces). This is the meter
     that decides whether a plan fits its budget. ``meter="storage"`` is the :class:`StorageTracker`
     (tensor storages only): it attributes bytes to nodes but is blind to allocations inside kernels.
     """
@@ -195,12 +194,14 @@ class AllocatorRecorder:
 
     After exit, :meth:`peak_bytes` is the largest rise of the running total of allocations minus frees:
     its highest value above the lowest value reached before it (0 at entry). The cyclic garbage
-    collector is held off during the recording, so it frees no earlier work's garbage inside. A step that first frees
-    memory allocated before it (``zero_grad(set_to_none=True)`` dropping last step's gradients) and then
-    allocates is charged for what it allocates, as the storage tracker charges it; the CUDA meter
-    (``max_memory_allocated`` minus the level before the step) would net the two. And :meth:`window_peaks` gives, for each ``torch.profiler.record_function`` range whose name starts
-    with ``prefix``, ``(level at start, peak inside, level at end)`` of that running total. Memory of
-    other devices is ignored (a CUDA step is metered by the caching allocator instead).
+    collector is held off during the recording, so it frees no earlier work's garbage inside. A step
+    that first frees memory allocated before it (``zero_grad(set_to_none=True)`` dropping last step's
+    gradients) and then allocates is charged for what it allocates, as the storage tracker charges it
+    (``max_memory_allocated`` minus the level before the step would net the two, which is why the CUDA
+    meter reads the allocator's trace). And :meth:`window_peaks` gives, for each
+    ``torch.profiler.record_function`` range whose name starts with ``prefix``, ``(level at start, peak
+    inside, level at end)`` of that running total. Memory of other devices is ignored (a CUDA step is
+    metered by the caching allocator instead).
     """
 
     def __init__(self) -> None:
