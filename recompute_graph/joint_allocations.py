@@ -35,8 +35,8 @@ def kernel_workspace_bytes(joint: fx.GraphModule, joint_inputs: Sequence[Any]) -
     mkldnn buffers of a CPU convolution's backward, a reduction's scratch), by the allocator
     (``loss_pricing.allocator_windows``: ``torch.profiler`` memory events on CPU, the caching
     allocator's statistics on CUDA), from one run of the joint graph on real tensors shaped like
-    ``joint_inputs`` (random floats, zero integers), after an unmeasured one on CUDA. Empty when they cannot be made (meta, symbolic
-    shapes) or the run fails: the liveness model alone is used then."""
+    ``joint_inputs`` (random floats, zero integers), after an unmeasured one on CUDA. Empty when they
+    cannot be made (meta, symbolic shapes) or the run fails: the liveness model alone is used then."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     with unset_fake_temporarily():  # a partitioner runs under AOTAutograd's fake mode
         return _kernel_workspace_bytes(joint, joint_inputs)
