@@ -227,11 +227,14 @@ def inductor_excess_bytes(lowered: Any) -> int | None:
 
 
 def fit_plan_to_inductor(lowered: Any, budget_bytes: int, replan: Any) -> Any:
-    """``lowered`` with ``inductor_excess_bytes`` measured. Where the plan's predicted step with that
-    excess runs over ``budget_bytes``, the graph is planned again with the excess taken from the budget
+    """``lowered`` with ``inductor_excess_bytes`` measured. Where the plan's smallest budget
+    (``RecomputePlan.min_budget_bytes``, what the planner judged it by) with that excess runs over
+    ``budget_bytes``, the graph is planned again with the excess taken from the budget
     (``replan(budget_bytes)`` -> a new lowering), up to ``INDUCTOR_REPLANS`` times; the first plan that
     fits is kept, else the one predicted lowest with its excess, and an :class:`InductorBudgetWarning`
-    says by how much it is over."""
+    says by how much it is over. An excess of 0 or less keeps the plan as it is, also one the planner
+    could not fit (a floor plan, or ``store_all`` under its step): inductor adds nothing to it. An excess
+    as large as the budget is not planned again (no budget would be left)."""
     import dataclasses
 
     tried = []
@@ -241,21 +244,24 @@ def fit_plan_to_inductor(lowered: Any, budget_bytes: int, replan: Any) -> Any:
         if excess is None:
             return lowered
         lowered = dataclasses.replace(lowered, inductor_excess_bytes=excess)
-        step = lowered.predicted_step_peak_bytes
-        if step <= budget_bytes:
+        if excess <= 0 or lowered.plan.min_budget_bytes + excess <= budget_bytes:
             return lowered
+        step = lowered.predicted_step_peak_bytes
         tried.append((step, attempt, lowered))
         excess_taken = max(excess_taken, excess)
-        if attempt == INDUCTOR_REPLANS:
+        if attempt == INDUCTOR_REPLANS or excess_taken >= budget_bytes:
             break
         replanned = replan(budget_bytes - excess_taken)
         if any(replanned.plan.schedule == other.plan.schedule for _, _, other in tried):
             break  # at the floor, or back to a plan measured already
         lowered = replanned
     step, _, best = min(tried, key=lambda t: (t[0], t[1]))
+    again = "after planning again with less budget" if len(tried) > 1 else (
+        "more than the budget, so it was not planned again" if excess_taken >= budget_bytes
+        else "and planning again with less budget made the same plan")
     warnings.warn(f"inductor's code for the plan holds {best.inductor_excess_bytes} bytes more than the plan "
-                  f"predicts: its step is predicted at {step} bytes, {step - budget_bytes} over the budget of "
-                  f"{budget_bytes}, after planning again with less budget. Lower the budget, or leave "
-                  "graph_compiler unset: the generated graphs hold what the plan predicts.",
+                  f"predicts ({again}): its step is predicted at {step} bytes against the budget of "
+                  f"{budget_bytes}. Lower the budget, or leave graph_compiler unset: the generated graphs "
+                  "hold what the plan predicts.",
                   InductorBudgetWarning, stacklevel=3)
     return best

@@ -88,14 +88,18 @@ def checkpoint_sequentials(model: nn.Module) -> nn.Module:
     return copied
 
 
-def compile_with_budget(model: nn.Module) -> nn.Module:
+def compile_with_budget(model: nn.Module, graph_compiler: str | None = None) -> nn.Module:
     """A ``torch.compile``d copy of ``model`` with the min-cut partitioner; compile and run it inside
     ``memory_budget(fraction)`` (the setting is read at compilation and is part of the compiled
     artifact's key, so steps outside it would compile again). Each copy gets a backend of its own, so
     that Dynamo's cache never hands one budget's code to another's copy and nothing compiled before
-    (other peers, other budgets) is reset."""
+    (other peers, other budgets) is reset. ``graph_compiler``: None (``aot_eager_decomp_partition``: the
+    partitioned graphs run op by op) or ``"inductor"`` (inductor's code for them, ``torch.compile``'s
+    default)."""
     from torch._dynamo.backends.registry import lookup_backend
-    partitioned = lookup_backend("aot_eager_decomp_partition")
+    if graph_compiler not in (None, "inductor"):
+        raise ValueError(f"graph_compiler={graph_compiler!r}: use None (the graphs run op by op) or 'inductor'")
+    partitioned = lookup_backend(graph_compiler or "aot_eager_decomp_partition")
 
     def backend(graph_module: Any, example_inputs: Any) -> Any:
         return partitioned(graph_module, example_inputs)

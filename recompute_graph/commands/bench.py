@@ -32,6 +32,9 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--peers", action="store_true", help="also measure the peer systems")
     parser.add_argument("--compiled", action="store_true",
                         help="also measure our compiler path: torch.compile(model, backend=rg.backend(f))")
+    parser.add_argument("--graph-compiler", choices=["inductor"], default=None,
+                        help="inductor: the --compiled rows' generated graphs, and the torch.compile peer's, are "
+                             "compiled by inductor (default: both run their graphs as generated, op by op)")
     parser.add_argument("--device", default="cpu",
                         help="where the model and its inputs run: cpu (default) or cuda[:N]; on CUDA the peak is "
                              "the caching allocator's, and the timings synchronize the device")
@@ -169,8 +172,9 @@ def _measure_compiled(args: argparse.Namespace, model: Any, inputs: tuple, measu
     for fraction in args.fractions:
         row_label = f"ours compiled @ {fraction:.0%}"
         try:  # a copy per row, compiled with its own backend: its code stays while the others compile
-            compiled = torch.compile(copy.deepcopy(model), backend=budget_backend(fraction, on_infeasible="floor",
-                                                                                  loss_fn=default_loss))
+            backend = budget_backend(fraction, on_infeasible="floor", loss_fn=default_loss,
+                                     **({"graph_compiler": args.graph_compiler} if args.graph_compiler else {}))
+            compiled = torch.compile(copy.deepcopy(model), backend=backend)
             step = _training_step(compiled, inputs)
             step()  # compiles, so that the plan is known before the row is measured
             lowered = last_lowering()
@@ -199,10 +203,10 @@ def _measure_peers(args: argparse.Namespace, model: Any, inputs: tuple, measure:
         row_label = f"torch.compile budget {fraction:.0%}"
         try:
             with peers.memory_budget(fraction):
-                compiled = peers.compile_with_budget(model)
+                compiled = peers.compile_with_budget(model, args.graph_compiler)
                 compiled.train()
             measure(row_label, _budgeted_step(_training_step(compiled, inputs), fraction),
-                    note="aot_eager_decomp_partition", module=compiled)
+                    note=args.graph_compiler or "aot_eager_decomp_partition", module=compiled)
         except Exception as error:  # noqa: BLE001 - a peer failing is a result to report, not a crash
             rows.append({"label": row_label, "peak_bytes": None, "seconds": None, "predicted_peak_bytes": None,
                          "note": f"{type(error).__name__}: {str(error).splitlines()[0][:80]}"})
