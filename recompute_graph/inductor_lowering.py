@@ -39,6 +39,7 @@ from typing import Any, Sequence
 import torch
 from torch import fx
 
+from .errors import InfeasibleBudgetError, SolverError
 from .joint_capture import op_name
 from .joint_lowering import replay_random, rng_snapshot
 from .joint_partition import boxed_interpreter
@@ -234,11 +235,14 @@ def fit_plan_to_inductor(lowered: Any, budget_bytes: int, replan: Any) -> Any:
     fits is kept, else the one predicted lowest with its excess, and an :class:`InductorBudgetWarning`
     says by how much it is over. An excess of 0 or less keeps the plan as it is, also one the planner
     could not fit (a floor plan, or ``store_all`` under its step): inductor adds nothing to it. An excess
-    as large as the budget is not planned again (no budget would be left)."""
+    as large as the budget is not planned again (no budget would be left), and one that no plan fits
+    keeps the plans measured (``replan`` raised ``InfeasibleBudgetError``: ``store_all``, or the floor).
+    """
     import dataclasses
 
     tried = []
     excess_taken = 0
+    no_plan = ""
     for attempt in range(INDUCTOR_REPLANS + 1):
         excess = inductor_excess_bytes(lowered)
         if excess is None:
@@ -251,14 +255,19 @@ def fit_plan_to_inductor(lowered: Any, budget_bytes: int, replan: Any) -> Any:
         excess_taken = max(excess_taken, excess)
         if attempt == INDUCTOR_REPLANS or excess_taken >= budget_bytes:
             break
-        replanned = replan(budget_bytes - excess_taken)
+        try:
+            replanned = replan(budget_bytes - excess_taken)
+        except (InfeasibleBudgetError, SolverError) as error:  # no plan at that budget (store_all's own)
+            no_plan = str(error).split(";")[0]
+            break
         if any(replanned.plan.schedule == other.plan.schedule for _, _, other in tried):
             break  # at the floor, or back to a plan measured already
         lowered = replanned
     step, _, best = min(tried, key=lambda t: (t[0], t[1]))
-    again = "after planning again with less budget" if len(tried) > 1 else (
-        "more than the budget, so it was not planned again" if excess_taken >= budget_bytes
-        else "and planning again with less budget made the same plan")
+    again = ("after planning again with less budget" if len(tried) > 1 else
+             f"and planning again with less budget failed: {no_plan}" if no_plan else
+             "more than the budget, so it was not planned again" if excess_taken >= budget_bytes
+             else "and planning again with less budget made the same plan")
     warnings.warn(f"inductor's code for the plan holds {best.inductor_excess_bytes} bytes more than the plan "
                   f"predicts ({again}): its step is predicted at {step} bytes against the budget of "
                   f"{budget_bytes}. Lower the budget, or leave graph_compiler unset: the generated graphs "

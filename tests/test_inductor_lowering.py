@@ -117,6 +117,16 @@ def test_a_plan_whose_inductor_code_holds_more_is_planned_again_with_that_taken_
     with pytest.warns(InductorBudgetWarning, match="not planned again"):
         fitted = fit_plan_to_inductor(lowering(900, "f"), 1000, replan)
     assert budgets == [] and fitted.plan.schedule == "f"
+    # no plan fits the budget less the excess (store_all's own budget on CUDA, where cuBLAS and cuDNN
+    # took workspace): warned, and the plan measured is kept, not raised out of the compilation
+    from recompute_graph.errors import InfeasibleBudgetError
+
+    def infeasible(budget_bytes):
+        raise InfeasibleBudgetError("no plan of 'store_all' fits; ...", budget_bytes=budget_bytes,
+                                    min_budget_bytes=900)
+    with pytest.warns(InductorBudgetWarning, match="planning again with less budget failed: no plan of 'store_all'"):
+        fitted = fit_plan_to_inductor(lowering(900, "a"), 1000, infeasible)
+    assert fitted.plan.schedule == "a" and fitted.inductor_excess_bytes == 300
 
 
 def test_a_graph_compiler_name_other_than_inductor_is_a_value_error():
