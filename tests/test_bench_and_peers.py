@@ -97,3 +97,33 @@ def test_bench_measures_our_compiler_path_with_its_prediction(capsys, monkeypatc
     assert rows["ours compiled @ 50%"]["peak_bytes"] < rows["ours compiled @ 90%"]["peak_bytes"]
     # each compiled row planned once: the timing rounds ran the code compiled for it, none compiled again
     assert planned == [0.9, 0.5]
+
+
+def test_bench_with_graph_compiler_inductor_compiles_our_graphs_and_the_compile_peers_with_inductor(
+        capsys, monkeypatch):
+    """``--graph-compiler inductor`` (the GPU's like-for-like table): the ``--compiled`` rows' generated
+    graphs go to inductor (``inductor_lowering.inductor_graph_compiler``, the forward and the backward,
+    each once for the step and again to measure what inductor's code holds), and torch.compile's peer
+    uses inductor as its backend, not ``aot_eager_decomp_partition``."""
+    from recompute_graph import inductor_lowering
+    compiled, compile_graph = [], inductor_lowering.inductor_graph_compiler
+
+    def counted(gm, example_inputs):
+        compiled.append(any(n.name.startswith("tangents") for n in gm.graph.nodes if n.op == "placeholder"))
+        return compile_graph(gm, example_inputs)
+    monkeypatch.setattr(inductor_lowering, "inductor_graph_compiler", counted)
+    backends = []
+    monkeypatch.setattr(peers, "compile_with_budget", lambda model, graph_compiler=None: (
+        backends.append(graph_compiler), torch.compile(model, backend="eager"))[1])
+    code = main(["bench", "mlp", "--preset", "tiny", "--timing", "flops", "--fractions", "0.5", "--solvers",
+                 "--compiled", "--peers", "--graph-compiler", "inductor", "--repeats", "1", "--json", "-q"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0
+    rows = {row["label"]: row for row in result["rows"]}
+    assert rows["ours compiled @ 50%"]["peak_bytes"] and False in compiled and True in compiled
+    assert backends == ["inductor"] and rows["torch.compile budget 50%"]["note"] == "inductor"
+
+
+def test_the_compile_peer_takes_only_the_graph_compilers_it_knows():
+    with pytest.raises(ValueError, match="use None .* or 'inductor'"):
+        peers.compile_with_budget(torch.nn.Linear(2, 2), "tvm")
