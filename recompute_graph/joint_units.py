@@ -167,7 +167,9 @@ def joint_units(joint: fx.GraphModule, num_fwd_outputs: int) -> JointUnits:
     for seq, backward_nodes in by_seq_backward.items():
         owner = _owner_of_backward(backward_nodes, candidates[seq], units, unit_of)
         backward_of[_consumer_that_reads_it_all(owner, backward_nodes, units, unit_of)].extend(backward_nodes)
-    unplaced = _place_by_reads(_gradient_sums_out(backward_of, backward) + unplaced, units, unit_of, backward_of)
+    sums = _gradient_sums_out(backward_of, backward)
+    _move_custom_backward_chains(backward_of, units, unit_of)
+    unplaced = _place_by_reads(sums + unplaced, units, unit_of, backward_of)
     units, unit_of, backward_of = _topological(units, unit_of, backward_of)
     result = JointUnits(forward, backward, units, unit_of, backward_of, unplaced, num_fwd_outputs)
     returned = [g for g in result.gradient_outputs(joint.graph) if isinstance(g, fx.Node)]
@@ -357,6 +359,47 @@ def _connected_parts(members: list[fx.Node]) -> list[list[fx.Node]]:
     for n in members:
         parts.setdefault(find(n), []).append(n)
     return list(parts.values())
+
+
+def _move_custom_backward_chains(backward_of: list[list[fx.Node]], units: list[list[fx.Node]],
+                                 unit_of: dict[fx.Node, int]) -> None:
+    """Move out of a unit's backward the nodes that read a gradient made by the backward of a unit
+    wholly before it in the graph (one its forward reads, whose backward runs after its own): a custom
+    ``autograd.Function``'s backward, traced in Python, carries the sequence number of the last forward
+    op for every application (BLOOM's scripted GELU: the four layers' ``coefficient * grad`` all went to
+    the last GELU's backward, which then held every layer's coefficient and let them all go at once,
+    two tensors under the generated backward's liveness). Such a node goes to the unit whose output's
+    gradient it reads: of the units the making unit's forward reads, the last whose output has the
+    gradient's shape and dtype; a node reading a node moved so goes with it. Left in place when no unit
+    matches."""
+    position = {n: k for k, n in enumerate(next(iter(unit_of)).graph.nodes)} if unit_of else {}
+    first = [min(position[n] for n in members) for members in units]
+    last = [max(position[n] for n in members) for members in units]
+    placed = {b: i for i, nodes in enumerate(backward_of) for b in nodes}
+    moved: dict[fx.Node, int] = {}
+    for owner, nodes in enumerate(backward_of):
+        for b in list(nodes):
+            target = None
+            for g in b.all_input_nodes:
+                if g in moved:
+                    target = moved[g]
+                    break
+                maker = placed.get(g)
+                if maker is None or maker == owner or last[maker] >= first[owner]:
+                    continue
+                value = g.meta.get("val")
+                read = sorted({unit_of[a] for n in units[maker] for a in n.all_input_nodes if a in unit_of},
+                              key=lambda i: last[i])
+                target = next((i for i in reversed(read) if isinstance(value, torch.Tensor) and any(
+                    _is_tensor(n) and n.meta["val"].shape == value.shape and n.meta["val"].dtype == value.dtype
+                    for n in units[i])), None)
+                break
+            if target is not None and target != owner:
+                nodes.remove(b)
+                backward_of[target].append(b)
+                moved[b] = placed[b] = target
+    for nodes in backward_of:
+        nodes.sort(key=position.get)
 
 
 def _owner_of_backward(backward_nodes: list[fx.Node], candidates: list[int], units: list[list[fx.Node]],
