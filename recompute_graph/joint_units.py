@@ -13,7 +13,10 @@ the gradient it reads); moved to the unit that consumes it when they read values
 not (a linear's weight gradient, traced under the weight transpose's number, reads the linear's
 input). Backward nodes whose number no forward unit has (functionalized in-place ops: EfficientNet's
 ``silu_``) are placed by what they read, preferring a unit the forward reads on (the ``silu``, not the
-``clone`` kept for its backward). Units are ordered so that every edge points
+``clone`` kept for its backward). A custom ``autograd.Function``'s backward, traced in Python, carries
+one number for every application (BLOOM's scripted GELU): a node that reads a gradient made by the
+backward of a unit wholly before its owner goes to the unit whose output's gradient it reads
+(``_move_custom_backward_chains``). Units are ordered so that every edge points
 forward, including from the values a unit's backward reads (they must be live when it runs, so they
 are its predecessors); units caught in a cycle are merged.
 
