@@ -27,8 +27,11 @@ graphs as generated run once each on real tensors shaped like the example inputs
 (:func:`compiled_graphs_peak_bytes`), and what the first holds beyond the second
 (:func:`inductor_excess_bytes`, ``Lowered.inductor_excess_bytes``) is added to the plan's predicted
 step; where that is over the budget, the excess is taken from the budget and the graph planned again
-(T5 of the conformance sample held 8 % more than its plan at 80 %, over the budget, before). This is
-opt-in, not ``optimize()``'s path: it compiles each graph twice.
+(T5 of the conformance sample held 8 % more than its plan at 80 %, over the budget, before). Where no
+plan fits so, each plan's code is measured again with inductor's fusion limited (``FUSION_LIMITED``,
+carried to :func:`inductor_graph_compiler` in the graphs' ``meta``): an unrolled LSTM's fused kernels
+spanned time steps and held 5.6x its plan. This is opt-in, not ``optimize()``'s path: it compiles each
+graph at least twice.
 """
 from __future__ import annotations
 
@@ -127,13 +130,15 @@ def inductor_graph_compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -
     from torch.fx.experimental.proxy_tensor import make_fx
 
     is_backward = any(n.op == "placeholder" and n.name.startswith("tangents") for n in gm.graph.nodes)
+    settings = dict(gm.meta.get(CONFIG_KEY, {}))  # a fusion limit ``fit_plan_to_inductor`` chose
     gm = _copy_of(gm)  # the Lowered keeps the graph as generated
     why = _with_custom_ops(gm)
     if why is not None:
         warnings.warn(f"{'backward' if is_backward else 'forward'} graph runs uncompiled: {why}",
                       InductorFallbackWarning, stacklevel=2)
         return boxed_interpreter(gm, example_inputs)
-    with inductor_config.patch(fallback_random=True, layout_optimization=False, reorder_for_peak_memory=False):
+    with inductor_config.patch(fallback_random=True, layout_optimization=False, reorder_for_peak_memory=False,
+                               **settings):
         decompositions = {op: fn for op, fn in select_decomp_table().items()
                           if op_name(op) != "native_dropout"}
         fake_mode = torch._guards.detect_fake_mode(example_inputs)  # AOTAutograd's: constants made fake too
@@ -143,11 +148,19 @@ def inductor_graph_compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -
 
 
 class InductorBudgetWarning(UserWarning):
-    """Inductor's code for a plan measured over the budget, and re-planning did not bring it within."""
+    """Inductor's code for a plan measured over the budget, and re-planning did not bring it within;
+    or only limiting inductor's fusion did (the message says which)."""
 
 
 #: How many times a plan is made again with less budget when inductor's code measures over it.
 INDUCTOR_REPLANS = 3
+
+#: Where a generated graph carries the ``torch._inductor.config`` settings it is compiled with (its
+#: ``GraphModule.meta``), and the fusion limit tried when no plan fits with inductor's default fusion:
+#: fused kernels of ops far apart in the graph (an unrolled LSTM's time steps) hold all their outputs
+#: at once (``scripts/inductor_fusion_memory.py``: 5.6x the LSTM's store-all graphs, 1.005x unfused).
+CONFIG_KEY = "recompute_graph_inductor_config"
+FUSION_LIMITED = {"max_fusion_size": 1}
 
 
 def _placeholders(gm: fx.GraphModule) -> list[fx.Node]:
@@ -263,7 +276,28 @@ def fit_plan_to_inductor(lowered: Any, budget_bytes: int, replan: Any) -> Any:
         if any(replanned.plan.schedule == other.plan.schedule for _, _, other in tried):
             break  # at the floor, or back to a plan measured already
         lowered = replanned
-    step, _, best = min(tried, key=lambda t: (t[0], t[1]))
+    fused_less = []  # each plan's code with fusion limited, the budget's own plan first
+    for _, attempt, plan in tried:
+        limited = _fused_less(plan)
+        if limited is not None:
+            fused_less.append((limited.predicted_step_peak_bytes, attempt, limited))
+            if limited.inductor_excess_bytes <= 0 or \
+                    limited.plan.min_budget_bytes + limited.inductor_excess_bytes <= budget_bytes:
+                break  # it fits
+    fits = fused_less and (fused_less[-1][2].inductor_excess_bytes <= 0 or fused_less[-1][2].plan.min_budget_bytes
+                           + fused_less[-1][2].inductor_excess_bytes <= budget_bytes)
+    step, _, best = fused_less[-1] if fits else min(tried + fused_less, key=lambda t: (t[0], t[1]))
+    for _, _, limited in fused_less:
+        if limited is not best:
+            _set_fusion_limit(limited, False)
+    if any(limited is best for _, _, limited in fused_less):
+        fused = next(plan for _, _, plan in tried if plan.plan is best.plan)
+        warnings.warn(f"inductor's fused code for the plan held {fused.inductor_excess_bytes} bytes more than the plan "
+                      f"predicts, more than the budget of {budget_bytes} leaves room for; compiled with "
+                      f"{FUSION_LIMITED} it holds {best.inductor_excess_bytes} bytes more (its step predicted at "
+                      f"{step} bytes{', within the budget' if fits else ''}) and runs slower. Raise the budget for "
+                      "inductor's fused code, or leave graph_compiler unset.", InductorBudgetWarning, stacklevel=3)
+        return best
     again = ("after planning again with less budget" if len(tried) > 1 else
              f"and planning again with less budget failed: {no_plan}" if no_plan else
              "more than the budget, so it was not planned again" if excess_taken >= budget_bytes
@@ -274,3 +308,23 @@ def fit_plan_to_inductor(lowered: Any, budget_bytes: int, replan: Any) -> Any:
                   "hold what the plan predicts.",
                   InductorBudgetWarning, stacklevel=3)
     return best
+
+
+def _set_fusion_limit(lowered: Any, limited: bool) -> None:
+    for graph_module in (lowered.forward_graph, lowered.backward_graph):
+        if limited:
+            graph_module.meta[CONFIG_KEY] = dict(FUSION_LIMITED)
+        else:
+            graph_module.meta.pop(CONFIG_KEY, None)
+
+
+def _fused_less(lowered: Any) -> Any:
+    """``lowered`` with its graphs set to compile with ``FUSION_LIMITED`` and that code's excess; None
+    (the graphs as they were) when it cannot be measured."""
+    import dataclasses
+    _set_fusion_limit(lowered, True)
+    excess = inductor_excess_bytes(lowered)
+    if excess is None:
+        _set_fusion_limit(lowered, False)
+        return None
+    return dataclasses.replace(lowered, inductor_excess_bytes=excess)

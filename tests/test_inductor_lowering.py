@@ -84,13 +84,23 @@ def test_a_plan_whose_inductor_code_holds_more_is_planned_again_with_that_taken_
     @dataclasses.dataclass(frozen=True)
     class FakeLowered:
         plan: SimpleNamespace
+        forward_graph: SimpleNamespace
+        backward_graph: SimpleNamespace
         inductor_excess_bytes: int | None = None
         predicted_step_peak_bytes = Lowered.predicted_step_peak_bytes
 
     def lowering(step: int, schedule: str) -> FakeLowered:
-        return FakeLowered(SimpleNamespace(predicted_step_peak_bytes=step, min_budget_bytes=step, schedule=schedule))
+        return FakeLowered(SimpleNamespace(predicted_step_peak_bytes=step, min_budget_bytes=step, schedule=schedule),
+                           SimpleNamespace(meta={}), SimpleNamespace(meta={}))
     excess = {"a": 300, "b": 100, "c": 250}
-    monkeypatch.setattr(inductor_lowering, "inductor_excess_bytes", lambda lowered: excess[lowered.plan.schedule])
+    limited_excess = {}  # with fusion limited (``FUSION_LIMITED`` in the graphs' meta); None: not measured
+
+    def measured(lowered):
+        if inductor_lowering.CONFIG_KEY in lowered.forward_graph.meta:
+            assert lowered.backward_graph.meta[inductor_lowering.CONFIG_KEY] == inductor_lowering.FUSION_LIMITED
+            return limited_excess.get(lowered.plan.schedule)
+        return excess[lowered.plan.schedule]
+    monkeypatch.setattr(inductor_lowering, "inductor_excess_bytes", measured)
     budgets = []
 
     def replan(budget_bytes):
@@ -127,6 +137,50 @@ def test_a_plan_whose_inductor_code_holds_more_is_planned_again_with_that_taken_
     with pytest.warns(InductorBudgetWarning, match="planning again with less budget failed: no plan of 'store_all'"):
         fitted = fit_plan_to_inductor(lowering(900, "a"), 1000, infeasible)
     assert fitted.plan.schedule == "a" and fitted.inductor_excess_bytes == 300
+    assert "recompute_graph_inductor_config" not in fitted.forward_graph.meta
+
+
+def test_inductor_code_that_fits_only_with_fusion_limited_is_compiled_so(monkeypatch):
+    """The unrolled LSTM's store-all plan: inductor's fused code held 5.6x the generated graphs, since it
+    fuses ops of many time steps into one kernel whose outputs exist at once, an excess no plan can
+    make room for. Where no plan fits with inductor's default fusion, each measured plan's code is
+    measured again with fusion limited (``FUSION_LIMITED``, in the graphs' meta, which
+    ``inductor_graph_compiler`` compiles with): the first that fits is kept, else the lowest of all,
+    with a warning that says so; a plan whose fused code is lower keeps inductor's default fusion."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from recompute_graph import inductor_lowering
+    from recompute_graph.inductor_lowering import CONFIG_KEY, FUSION_LIMITED, InductorBudgetWarning, fit_plan_to_inductor
+
+    @dataclasses.dataclass(frozen=True)
+    class FakeLowered:
+        plan: SimpleNamespace
+        forward_graph: SimpleNamespace
+        backward_graph: SimpleNamespace
+        inductor_excess_bytes: int | None = None
+        predicted_step_peak_bytes = Lowered.predicted_step_peak_bytes
+
+    def lowering(step: int, schedule: str) -> FakeLowered:
+        return FakeLowered(SimpleNamespace(predicted_step_peak_bytes=step, min_budget_bytes=step, schedule=schedule),
+                           SimpleNamespace(meta={}), SimpleNamespace(meta={}))
+    fused, unfused = {"a": 5000, "b": 50, "c": 5000}, {"a": 50, "b": 500, "c": 150}
+    monkeypatch.setattr(inductor_lowering, "inductor_excess_bytes", lambda lowered: (
+        unfused if CONFIG_KEY in lowered.forward_graph.meta else fused)[lowered.plan.schedule])
+    # the fused excess is over the whole budget: not planned again; unfused, the plan fits
+    with pytest.warns(InductorBudgetWarning, match=r"fused code .* held 5000 .* holds 50 bytes more .* within the budget"):
+        fitted = fit_plan_to_inductor(lowering(900, "a"), 1000, lambda b: pytest.fail("planned again"))
+    assert fitted.inductor_excess_bytes == 50 and fitted.predicted_step_peak_bytes == 950
+    assert fitted.forward_graph.meta[CONFIG_KEY] == fitted.backward_graph.meta[CONFIG_KEY] == FUSION_LIMITED
+    # nothing fits either way: the lowest step of all, here the unfused code of the budget's own plan
+    with pytest.warns(InductorBudgetWarning, match=r"fused code .* held 5000 .* holds 150 bytes more"):
+        fitted = fit_plan_to_inductor(lowering(900, "c"), 1000, lambda b: lowering(880, "c"))
+    assert fitted.inductor_excess_bytes == 150 and fitted.forward_graph.meta[CONFIG_KEY] == FUSION_LIMITED
+    # the fused code is the lower (1050 against 1500 unfused): it keeps inductor's default fusion
+    with pytest.warns(InductorBudgetWarning, match="made the same plan") as caught:
+        fitted = fit_plan_to_inductor(lowering(1000, "b"), 1000, lambda b: lowering(990, "b"))
+    assert fitted.plan.schedule == "b" and fitted.inductor_excess_bytes == 50
+    assert CONFIG_KEY not in fitted.forward_graph.meta and "fused code" not in str(caught[0].message)
 
 
 def test_a_graph_compiler_name_other_than_inductor_is_a_value_error():
