@@ -250,6 +250,9 @@ def fit_plan_to_inductor(lowered: Any, budget_bytes: int, replan: Any) -> Any:
     could not fit (a floor plan, or ``store_all`` under its step): inductor adds nothing to it. An excess
     as large as the budget is not planned again (no budget would be left), and one that no plan fits
     keeps the plans measured (``replan`` raised ``InfeasibleBudgetError``: ``store_all``, or the floor).
+    Where no plan fits, each measured plan's code is measured again with inductor's fusion limited
+    (``FUSION_LIMITED``, set in the graphs' ``meta``): the first that fits is kept, else the lowest step
+    of all, fused or not, and the warning says which.
     """
     import dataclasses
 
@@ -261,7 +264,7 @@ def fit_plan_to_inductor(lowered: Any, budget_bytes: int, replan: Any) -> Any:
         if excess is None:
             return lowered
         lowered = dataclasses.replace(lowered, inductor_excess_bytes=excess)
-        if excess <= 0 or lowered.plan.min_budget_bytes + excess <= budget_bytes:
+        if _fits(lowered, budget_bytes):
             return lowered
         step = lowered.predicted_step_peak_bytes
         tried.append((step, attempt, lowered))
@@ -281,11 +284,9 @@ def fit_plan_to_inductor(lowered: Any, budget_bytes: int, replan: Any) -> Any:
         limited = _fused_less(plan)
         if limited is not None:
             fused_less.append((limited.predicted_step_peak_bytes, attempt, limited))
-            if limited.inductor_excess_bytes <= 0 or \
-                    limited.plan.min_budget_bytes + limited.inductor_excess_bytes <= budget_bytes:
-                break  # it fits
-    fits = fused_less and (fused_less[-1][2].inductor_excess_bytes <= 0 or fused_less[-1][2].plan.min_budget_bytes
-                           + fused_less[-1][2].inductor_excess_bytes <= budget_bytes)
+            if _fits(limited, budget_bytes):
+                break
+    fits = bool(fused_less) and _fits(fused_less[-1][2], budget_bytes)
     step, _, best = fused_less[-1] if fits else min(tried + fused_less, key=lambda t: (t[0], t[1]))
     for _, _, limited in fused_less:
         if limited is not best:
@@ -308,6 +309,13 @@ def fit_plan_to_inductor(lowered: Any, budget_bytes: int, replan: Any) -> Any:
                   "hold what the plan predicts.",
                   InductorBudgetWarning, stacklevel=3)
     return best
+
+
+def _fits(lowered: Any, budget_bytes: int) -> bool:
+    """Whether ``lowered``'s plan, with inductor's measured excess, fits ``budget_bytes`` as the planner
+    judges a plan (``min_budget_bytes``); an excess of 0 or less adds nothing to the plan's own fit."""
+    excess = lowered.inductor_excess_bytes
+    return excess <= 0 or lowered.plan.min_budget_bytes + excess <= budget_bytes
 
 
 def _set_fusion_limit(lowered: Any, limited: bool) -> None:
