@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -68,6 +70,22 @@ def test_inductor_runs_a_plan_with_replayed_dropouts_and_batch_norm_to_eagers_gr
     assert lowered.plan.predicted_step_peak_bytes + max(0, lowered.inductor_excess_bytes) <= lowered.plan.budget_bytes
 
 
+@dataclasses.dataclass(frozen=True)
+class _FakeLowered:
+    """What ``fit_plan_to_inductor`` reads of a lowering: the plan, the graphs' ``meta``, the excess."""
+    plan: SimpleNamespace
+    forward_graph: SimpleNamespace
+    backward_graph: SimpleNamespace
+    inductor_excess_bytes: int | None = None
+    predicted_step_peak_bytes = Lowered.predicted_step_peak_bytes
+
+
+def lowering(step: int, schedule: str) -> _FakeLowered:
+    """A plan predicted at ``step`` bytes, fitting a budget of ``step``, named ``schedule``."""
+    return _FakeLowered(SimpleNamespace(predicted_step_peak_bytes=step, min_budget_bytes=step, schedule=schedule),
+                        SimpleNamespace(meta={}), SimpleNamespace(meta={}))
+
+
 def test_a_plan_whose_inductor_code_holds_more_is_planned_again_with_that_taken_from_the_budget(monkeypatch):
     """``fit_plan_to_inductor``: the excess inductor's code holds over the generated graphs is taken from
     the budget and the graph planned again; the first plan that fits with its excess is kept, else the
@@ -75,23 +93,8 @@ def test_a_plan_whose_inductor_code_holds_more_is_planned_again_with_that_taken_
     blamed on inductor when inductor adds nothing, and an excess as large as the budget is not planned
     again (the compiler path fell back to the executor on a negative budget, the LSTM of
     scripts/store_all_step.py --small --inductor)."""
-    import dataclasses
-    from types import SimpleNamespace
-
     from recompute_graph import inductor_lowering
     from recompute_graph.inductor_lowering import InductorBudgetWarning, fit_plan_to_inductor
-
-    @dataclasses.dataclass(frozen=True)
-    class FakeLowered:
-        plan: SimpleNamespace
-        forward_graph: SimpleNamespace
-        backward_graph: SimpleNamespace
-        inductor_excess_bytes: int | None = None
-        predicted_step_peak_bytes = Lowered.predicted_step_peak_bytes
-
-    def lowering(step: int, schedule: str) -> FakeLowered:
-        return FakeLowered(SimpleNamespace(predicted_step_peak_bytes=step, min_budget_bytes=step, schedule=schedule),
-                           SimpleNamespace(meta={}), SimpleNamespace(meta={}))
     excess = {"a": 300, "b": 100, "c": 250}
     limited_excess = {}  # with fusion limited (``FUSION_LIMITED`` in the graphs' meta); None: not measured
 
@@ -147,23 +150,8 @@ def test_inductor_code_that_fits_only_with_fusion_limited_is_compiled_so(monkeyp
     measured again with fusion limited (``FUSION_LIMITED``, in the graphs' meta, which
     ``inductor_graph_compiler`` compiles with): the first that fits is kept, else the lowest of all,
     with a warning that says so; a plan whose fused code is lower keeps inductor's default fusion."""
-    import dataclasses
-    from types import SimpleNamespace
-
     from recompute_graph import inductor_lowering
     from recompute_graph.inductor_lowering import CONFIG_KEY, FUSION_LIMITED, InductorBudgetWarning, fit_plan_to_inductor
-
-    @dataclasses.dataclass(frozen=True)
-    class FakeLowered:
-        plan: SimpleNamespace
-        forward_graph: SimpleNamespace
-        backward_graph: SimpleNamespace
-        inductor_excess_bytes: int | None = None
-        predicted_step_peak_bytes = Lowered.predicted_step_peak_bytes
-
-    def lowering(step: int, schedule: str) -> FakeLowered:
-        return FakeLowered(SimpleNamespace(predicted_step_peak_bytes=step, min_budget_bytes=step, schedule=schedule),
-                           SimpleNamespace(meta={}), SimpleNamespace(meta={}))
     fused, unfused = {"a": 5000, "b": 50, "c": 5000}, {"a": 50, "b": 500, "c": 150}
     monkeypatch.setattr(inductor_lowering, "inductor_excess_bytes", lambda lowered: (
         unfused if CONFIG_KEY in lowered.forward_graph.meta else fused)[lowered.plan.schedule])
