@@ -14,9 +14,8 @@
 # the issue's sizes. inductor: the store-all step with the plan's graphs compiled by inductor
 # (ResNet-50, GPT-2 small); inductor-peers: ResNet-50's peer table with inductor compiling our graphs
 # and torch.compile's peer alike. compiler: the Gruslys check on the compiler path with a longer
-# capture limit. No
-# argument: cuda_check, executor, peers and compiler, one after the other, for a machine without those
-# limits. Uses the device machine's own python3 (PyTorch
+# capture limit. No argument: cuda_check, executor, peers, inductor, inductor-peers and compiler, one
+# after the other, for a machine without those limits. Uses the device machine's own python3 (PyTorch
 # with CUDA) and imports this working tree. Each check has its own time limit so that one slow check
 # leaves the others their turn; outputs also go to $OUT.
 set -uo pipefail

@@ -13,7 +13,8 @@ itself). ``--inductor`` adds two steps to each round: ``optimize(model, 1.0, sol
 graph_compiler="inductor")`` (the same plan, its generated graphs compiled by inductor) and
 ``torch.compile(model)`` (inductor's own partition and code), so that the plan's graphs under inductor are
 judged against eager and against inductor by itself. ``--small``: the zoo's small presets instead of the
-issue's sizes, to try the script quickly on a CPU. Every step is forward, the ``sum of squares`` loss, backward, with gradients set to None first.
+issue's sizes, to try the script quickly on a CPU. Every step is forward, the ``sum of squares`` loss,
+backward, with gradients set to None first.
 Prints one Markdown row per run: median and fastest step time and the ratios of the medians to eager.
 ``--profile N``: then, for each run, the N aten ops of most self CPU time over 3 steps
 (``torch.profiler``: calls, total and mean microseconds per call), to see where a gap comes from.
