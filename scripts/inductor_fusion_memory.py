@@ -6,7 +6,9 @@ The model's store-all plan on the compiler path (``optimize(model, 1.0, solver="
 graph_compiler="inductor")``, the zoo's small preset) is lowered to its two generated graphs; each is
 then compiled by inductor (``inductor_lowering.compiled_graphs_peak_bytes``) with
 ``torch._inductor.config.max_fusion_size`` at each size, and run once on real tensors. Prints the
-generated graphs' peak (what the plan predicts) and inductor's at each size, in bytes and as a ratio.
+generated graphs' peak (what the plan predicts) and inductor's at each size, in bytes and as a ratio;
+then ``optimize``'s own choice (``fit_plan_to_inductor``: the fusion limit where no plan fits with
+inductor's default), its predicted step and one step's peak by the profiler's allocator events.
 The unrolled LSTM's store-all plan held 5.6x its graphs' peak under inductor's default (64): inductor
 fuses ops of many time steps into one kernel, whose outputs all exist at once (docs/compiler.md,
 session 32).
@@ -41,6 +43,24 @@ def main() -> None:
         with inductor_config.patch(max_fusion_size=size):
             peak = inductor_lowering.compiled_graphs_peak_bytes(forward, backward)
         print(f"| | {size} | {peak:,} | {peak / generated:.3f} |", flush=True)
+    import warnings
+
+    from recompute_graph.joint_lowering import last_lowering
+    from recompute_graph.measure import make_training_step, profiler_peak_memory
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        optimized = optimize(model, 1.0, example_inputs=inputs, solver="store_all", graph_compiler="inductor")
+        step = make_training_step(optimized, inputs)
+        step()
+    chosen = last_lowering()
+    optimized.zero_grad(set_to_none=True)
+    measured = profiler_peak_memory(step)
+    settings = chosen.forward_graph.meta.get(inductor_lowering.CONFIG_KEY, "inductor's default fusion")
+    print(f"\noptimize(..., graph_compiler='inductor') compiled with {settings}: predicted step "
+          f"{chosen.predicted_step_peak_bytes:,} B, measured {measured:,} B, budget {chosen.plan.budget_bytes:,} B")
+    for warning in caught:
+        if issubclass(warning.category, inductor_lowering.InductorBudgetWarning):
+            print(f"warning: {warning.message}")
 
 
 if __name__ == "__main__":

@@ -378,9 +378,14 @@ def test_an_edge_that_only_orders_a_unit_is_not_a_read_of_its_value():
     """ConvBERT's mixing: a unit's backward reads a gradient another unit's backward makes, an edge that
     orders the units but reads no value. Counted as a read, the value was kept to every computation of
     the reader: a recomputed rotary view held GPT-NeoX's query-key-value projection through the
-    attention's backward, 7.8 % over the graphs. (The RMS norm's pow was the example here, its backward
-    placed with the ``2 * h`` unit the joint graph computes for it; it is now the pow's own backward,
-    ``test_a_custom_functions_backward_goes_to_each_application``, and orders nothing.)"""
+    attention's backward, 7.8 % over the graphs. The edge still orders the units; the value is let go
+    of after its real last reader, before the ordered unit is computed. (The RMS norm's pow was the
+    example here, its backward placed with the ``2 * h`` unit the joint graph computes for it; it is now
+    the pow's own backward, ``test_a_custom_functions_backward_goes_to_each_application``, and orders
+    nothing.)"""
+    from recompute_graph.schedule import Forward, FreeValue
+    from recompute_graph.solvers import get_solver
+
     torch.manual_seed(0)
     compiled_step_matches_eager(_SpanConvMixer(), (torch.randn(4, 32, 64),),
                                 budget_backend(1.0, solver="store_all", price_kernels=False))
@@ -388,9 +393,15 @@ def test_an_edge_that_only_orders_a_unit_is_not_a_read_of_its_value():
     graph = lowered.graph
     ordered = [n for n in graph.nodes if n.order_only_predecessors]
     assert ordered
+    ops = list(get_solver("store_all")(graph, None).schedule.forward_ops)
+
+    def computed(index: int) -> int:
+        return next(at for at, op in enumerate(ops) if isinstance(op, Forward) and op.node == index)
     for node in ordered:
         assert set(node.order_only_predecessors) <= set(node.predecessors)
         assert not set(node.order_only_predecessors) & set(node.read_predecessors)
+        for before in node.order_only_predecessors:
+            assert FreeValue(before) in ops[computed(before):computed(node.index)]
     assert simulate(graph, lowered.plan.schedule).peak_bytes == graph_peak_bytes(lowered.forward_graph,
                                                                                   lowered.backward_graph)
 
