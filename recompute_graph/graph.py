@@ -199,6 +199,12 @@ class CostGraph:
     last use (T5 holds 35 KB of cached keys' and values' gradients that it frees early: 1.113 of the
     allocator's peak with them held).
 
+    ``estimated_costs``: when the nodes' costs are measured, each node's ``(forward, backward)`` seconds
+    as the device profile's FLOP roofline estimates them (empty otherwise). Measured times carry the
+    machine's noise, and a solver's plan near its floor follows small differences in them; the planner
+    also plans on these estimates and prices what it finds with the measured times
+    (``planner.estimated_times_graph``).
+
     ``implicit_backward``: True (traced models, Kusumoto graphs) when every node is a forward operation
     whose backward is described by its ``backward_*`` fields. False for plain scheduling DAGs whose nodes
     already are every computation to schedule: Checkmate's joint forward+backward graphs (nodes with
@@ -219,6 +225,7 @@ class CostGraph:
     rng_state_bytes: int = 0
     loss_gradient_outputs: tuple[int, ...] | None = None
     output_gradients_held: bool = True
+    estimated_costs: tuple[tuple[float, float], ...] = ()
     _index_by_name: dict[str, int] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -245,6 +252,10 @@ class CostGraph:
             if not 0 <= o < len(nodes):
                 raise GraphError(f"CostGraph {self.name!r}: output {o} is not a node")
         object.__setattr__(self, "_index_by_name", names)
+        object.__setattr__(self, "estimated_costs", tuple((float(f), float(b)) for f, b in self.estimated_costs))
+        if self.estimated_costs and len(self.estimated_costs) != len(nodes):
+            raise GraphError(f"CostGraph {self.name!r}: {len(self.estimated_costs)} estimated costs for "
+                             f"{len(nodes)} nodes")
         for name in ("input_bytes", "parameter_bytes", "buffer_bytes"):
             if getattr(self, name) < 0:
                 raise GraphError(f"CostGraph {self.name!r}: {name} is negative")
@@ -400,6 +411,7 @@ class CostGraph:
             "loss_gradient_outputs": (None if self.loss_gradient_outputs is None
                                       else list(self.loss_gradient_outputs)),
             "output_gradients_held": self.output_gradients_held,
+            **({"estimated_costs": [list(pair) for pair in self.estimated_costs]} if self.estimated_costs else {}),
             "nodes": [{k: v for k, v in n.to_dict().items() if k != "successors"} for n in self.nodes],
         }
 
@@ -426,6 +438,7 @@ class CostGraph:
         kwargs["loss_bytes"] = data.get("loss_bytes")
         kwargs["rng_state_bytes"] = int(data.get("rng_state_bytes", 0))
         kwargs["output_gradients_held"] = bool(data.get("output_gradients_held", True))
+        kwargs["estimated_costs"] = tuple(tuple(pair) for pair in data.get("estimated_costs", ()))
         gradient_outputs = data.get("loss_gradient_outputs")
         kwargs["loss_gradient_outputs"] = None if gradient_outputs is None else tuple(gradient_outputs)
         return cls(nodes=tuple(nodes), **kwargs)

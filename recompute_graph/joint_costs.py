@@ -45,7 +45,8 @@ Pricing (:func:`joint_cost_graph`), bytes from the fake tensors of ``meta["val"]
 * costs: each node's seconds as measured on real tensors (``joint_allocations.node_seconds``), or
   else its FLOPs, run on meta tensors under ``FlopCounterMode``, turned into seconds by a
   ``device_profiles.DeviceProfile`` with the bytes the node reads and writes (a view, a ``getitem``:
-  none, they move nothing).
+  none, they move nothing). When they are measured, the roofline's seconds are kept beside them
+  (``CostGraph.estimated_costs``) for the planner's second opinion.
 
 A unit holding a random op (dropout) is ``random``, one reading state the step updates (BatchNorm)
 ``stateful``; ``joint_lowering`` replays a recomputed random op from an RNG snapshot and recomputes a
@@ -271,6 +272,7 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
     requires_grad: list[bool] = []
     parameter_views: list[bool] = []
     nodes: list[CostNode] = []
+    estimated: list[tuple[float, float]] = []  # the roofline's seconds beside measured ones
     unit_predecessors: list[tuple[int, ...]] = []
     has_backward = [bool(b) for b in units.backward_of]
     unit_inputs = [{units.unit_of[a] for n in members for a in n.all_input_nodes
@@ -371,6 +373,8 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
         # overlaps none of them): the workspace is what the unit holds beyond its outputs at its peak
         internal = internal_peak_bytes(members, own_keys, kept_internal | read_outside) - output_bytes
         targets = {op_name(n.target) for n in members if n.op == "call_function"}
+        estimated.append((sum(profile.seconds(flops[n], _moved_bytes(n)) for n in members),
+                          sum(profile.seconds(flops[b], _moved_bytes(b)) for b in backward_nodes)))
         nodes.append(CostNode(
             index=index, name=members[0].name, kind="function", target=op_name(members[0].target),
             predecessors=predecessors,
@@ -412,4 +416,5 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
                      loss_gradient_outputs=outputs,
                      # the generated backward drops each after its last use, where AOTAutograd's runtime
                      # lets go of them (torch 2.13 on); before, they live until its backward returns
-                     output_gradients_held=tangents_held_through_backward())
+                     output_gradients_held=tangents_held_through_backward(),
+                     estimated_costs=tuple(estimated) if measured else ())

@@ -6,6 +6,7 @@ predicted peak plus the planning margin), so that ``1.0`` always fits.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import math
@@ -320,15 +321,52 @@ def _build_pool(graph: CostGraph, variant: str) -> tuple[Solution, ...]:
     store_all = store_all_plan(graph)
     names = [name for name in auto_solvers(graph) if name != "store_all"]
     order = sorted(names, key=lambda n: -POOL_SOLVER_WEIGHTS.get(n, 0.5))
+    estimated = estimated_times_graph(graph)
+    second = [name for name in order if name in ESTIMATED_TIMES_SOLVERS] if estimated is not None else []
+    tasks = [functools.partial(_solver_pool, graph, name, variant) for name in order]
+    tasks += [functools.partial(_estimated_times_plans, graph, estimated, name, variant) for name in second]
     with full_collections_deferred():
-        by_solver = dict(zip(order, _run_tasks(graph, [functools.partial(_solver_pool, graph, name, variant)
-                                                       for name in order])))
+        results = _run_tasks(graph, tasks)
+    by_solver = dict(zip(order, results))
     pool = {store_all.schedule: store_all}
     for index in (0, 1):  # each solver's plans at the grid's budgets, then those simulated on the way
         for name in names:
             for solution in by_solver[name][index]:
                 pool.setdefault(solution.schedule, solution)
+    for plans in results[len(order):]:  # then those planned on the estimated times
+        for solution in plans:
+            pool.setdefault(solution.schedule, solution)
     return _relaxed_pool(graph, _undominated(graph, list(pool.values())))
+
+
+#: The solvers the pool also runs on the estimated times (``estimated_times_graph``): those whose plans
+#: follow the times. BLOOM's joint graph (``models_zoo.third_party``) with measured times: chain_dp's and
+#: chain_dp_fine's lowest plans need 207,258 and 215,591 B, on the estimated times 192,327 B both, priced
+#: with the measured ones (the same schedule simulates to the same bytes on either).
+ESTIMATED_TIMES_SOLVERS = ("chain_dp", "chain_dp_fine", "dp_exact", "dp_approx")
+
+
+def estimated_times_graph(graph: CostGraph) -> CostGraph | None:
+    """``graph`` with the FLOP roofline's times (``CostGraph.estimated_costs``) in place of the measured
+    ones, made once per graph; None when it has none. Its plans are schedules of ``graph`` too (same
+    nodes, same bytes), and the pool prices them on ``graph``: a second opinion on which recomputations
+    pay, steadier between captures than times measured on a busy machine."""
+    if not graph.estimated_costs:
+        return None
+
+    def build() -> CostGraph:
+        nodes = tuple(dataclasses.replace(node, forward_cost=forward, backward_cost=backward)
+                      for node, (forward, backward) in zip(graph.nodes, graph.estimated_costs))
+        return dataclasses.replace(graph, nodes=nodes, estimated_costs=(),
+                                   cost_source=f"flop-estimate beside {graph.cost_source}")
+    return memoized(graph, ("planner.estimated_times_graph",), build)
+
+
+def _estimated_times_plans(graph: CostGraph, estimated: CostGraph, name: str, variant: str) -> list[Solution]:
+    """Solver ``name``'s plans on ``estimated`` (``_solver_grid``), each simulated on ``graph``."""
+    plans = _solver_grid(estimated, name, variant).values()
+    return [Solution.of(p.solver, graph, p.schedule, f"{p.description}; planned on estimated times".lstrip("; "))
+            for p in plans]
 
 
 def _run_tasks(graph: CostGraph, tasks: list) -> list:

@@ -36,7 +36,8 @@ _TIME_FIELDS = ("forward_cost", "backward_cost", "forward_flops", "backward_flop
                 # meta) and are re-priced when a plan is reused, like times
                 "workspace_bytes", "backward_workspace_bytes", "backward_step_workspace_bytes")
 #: Graph fields left out of the fingerprint.
-_GRAPH_FIELDS_IGNORED = ("name", "cost_source", "source", "nodes", "format", "loss_bytes", "rng_state_bytes")
+_GRAPH_FIELDS_IGNORED = ("name", "cost_source", "source", "nodes", "format", "loss_bytes", "rng_state_bytes",
+                         "estimated_costs")
 
 
 def _structure(graph: CostGraph) -> dict[str, Any]:
