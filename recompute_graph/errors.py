@@ -45,6 +45,13 @@ class InfeasibleBudgetError(RecomputeError, ValueError):
         self.min_budget_bytes = min_budget_bytes
 
 
+class DynamicShapesError(RecomputeError, ValueError):
+    """``rg.backend`` was handed a graph with symbolic shapes. A plan's bytes hold for one shape, so
+    each shape is planned on its own: ``torch.compile(model, backend=rg.backend(...), dynamic=False)``
+    (a new shape compiles and plans again), or ``rg.optimize``, which compiles so. ``torch.compile``
+    turns dynamic shapes on by itself when an input's shape changes between calls."""
+
+
 class PlanFileError(RecomputeError, ValueError):
     """A saved plan cannot be read (missing file, not JSON, not a plan, malformed)."""
 

@@ -47,7 +47,8 @@ from .errors import TraceError
 from .losses import default_training_loss
 from .model_state import preserved_state
 
-__all__ = ["CaptureError", "JointGraph", "capture_joint", "RANDOM_TARGETS", "reachable", "op_name"]
+__all__ = ["CaptureError", "JointGraph", "capture_joint", "RANDOM_TARGETS", "reachable", "op_name",
+           "refuse_symbolic_shapes"]
 
 #: aten ops that draw from the random generators (overload packets, compared by name).
 RANDOM_TARGETS = frozenset({"native_dropout", "bernoulli", "bernoulli_", "rand", "rand_like", "randn",
@@ -241,3 +242,24 @@ def _describe_failure(model: nn.Module, error: BaseException) -> str:
             f"{type(error).__name__}: {first_line}{where}\n  Data-dependent control flow and ops without "
             "a fake-tensor implementation cannot be captured whole; the module-level path still plans "
             "such a model.")
+
+
+def refuse_symbolic_shapes(joint: fx.GraphModule) -> None:
+    """``DynamicShapesError`` when an input of ``joint`` has a symbolic size (or is one): the graph was
+    compiled for a range of shapes, and its bytes cannot be priced. Before this check, such a graph
+    was priced with sizes that were ``SymInt``s, and the solvers' arithmetic on them ran for minutes."""
+    symbolic = []
+    for node in joint.graph.find_nodes(op="placeholder"):
+        value = node.meta.get("val")
+        sizes = (value,) if isinstance(value, torch.SymInt) else (
+            tuple(value.shape) if isinstance(value, torch.Tensor) else ())
+        if any(isinstance(size, torch.SymInt) for size in sizes):
+            symbolic.append(f"{node.name} {tuple(str(s) for s in sizes) if len(sizes) > 1 else sizes[0]}")
+    if symbolic:
+        from .errors import DynamicShapesError
+        raise DynamicShapesError(
+            f"the graph has symbolic shapes ({', '.join(symbolic[:3])}{', ...' if len(symbolic) > 3 else ''}): "
+            "torch.compile compiled it for a range of shapes, as it does when an input's shape changes "
+            "between calls, and a plan's bytes hold for one shape. Compile with "
+            "torch.compile(model, backend=rg.backend(...), dynamic=False), which plans each new shape "
+            "again, or use rg.optimize(model, budget), which does so.")

@@ -45,7 +45,7 @@ from .collector import full_collections_deferred
 from .errors import InfeasibleBudgetError
 from .graph import CostGraph
 from .gradient_accumulation import ACCUMULATE_IN_PLACE, accumulate_in_place, arrival_order_sums
-from .joint_capture import RANDOM_TARGETS, op_name
+from .joint_capture import RANDOM_TARGETS, op_name, refuse_symbolic_shapes
 from .joint_allocations import kernel_workspace_bytes, node_seconds, outputs_loss_bytes
 from .joint_costs import joint_cost_graph, rng_state_bytes
 from .joint_units import JointUnits, is_gradient_sum, is_tangent, joint_units, tangents_held_through_backward
@@ -560,13 +560,12 @@ def budget_backend(budget: Any, solver: str = "auto", schedule_pass: SchedulePas
     keeps its module's own). ``on_joint(joint, joint_inputs)``: called before planning with each joint
     graph and its inputs as AOTAutograd hands them over (fake primals and tangents; scripts that time or
     inspect the graph a plan was made on).
-    ``saved_plan``, ``device_profile`` and ``timing``: as in :func:`plan_and_lower`.
-    A model ``torch.compile`` splits into several graphs (graph breaks) is planned graph by graph, each
-    at ``budget`` (a fraction: of that graph's own store-all step)."""
-    if on_infeasible not in ("raise", "floor"):
-        raise ValueError(f"on_infeasible={on_infeasible!r}: use 'raise' or 'floor'")
-    if timing not in ("measure", "flops"):
-        raise ValueError(f"timing={timing!r}: use 'measure' (time the joint graph's nodes) or 'flops'")
+    ``saved_plan``, ``device_profile``, ``timing``: as in :func:`plan_and_lower`. A model that
+    ``torch.compile`` splits (graph breaks) is planned graph by graph, each at ``budget`` (a fraction: of
+    that graph's own store-all step). Symbolic shapes are refused: ``refuse_symbolic_shapes``."""
+    if on_infeasible not in ("raise", "floor") or timing not in ("measure", "flops"):
+        raise ValueError(f"on_infeasible={on_infeasible!r}, timing={timing!r}: use 'raise' or 'floor', and "
+                         "'measure' (time the joint graph's nodes) or 'flops'")
     inductor = graph_compiler == "inductor"  # by name: its code is measured and the plan fitted to it
     if isinstance(graph_compiler, str):
         if graph_compiler != "inductor":
@@ -585,6 +584,7 @@ def budget_backend(budget: Any, solver: str = "auto", schedule_pass: SchedulePas
                                   joint_inputs=joint_inputs if price_kernels else None,
                                   loss_fn=loss_fn if price_kernels else None, on_infeasible=on_infeasible,
                                   saved_plan=saved_plan, device_profile=device_profile, timing=timing)
+        refuse_symbolic_shapes(joint)
         if on_joint is not None:
             on_joint(joint, joint_inputs)
         with full_collections_deferred():  # also a recompilation's planning, inside the user's step

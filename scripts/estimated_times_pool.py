@@ -1,10 +1,10 @@
 """What planning on the FLOP roofline's times as well as the measured ones buys, per model.
 
     python scripts/estimated_times_pool.py [--models hf_bloom resnet50 ...] [--preset small]
-                                           [--fractions 1.0 0.9 0.8 0.7 0.6 0.5]
+                                           [--size batch=8] [--fractions 1.0 0.9 0.8 0.7 0.6 0.5]
 
 Compiles one training step of each model with ``rg.backend(1.0, solver="store_all")`` on CPU (a
-conformance model of ``models_zoo.third_party`` by its name, else a zoo model at ``--preset``), takes
+conformance model of ``models_zoo.third_party`` by its name, else a zoo model at ``--preset`` and ``--size``), takes
 the joint cost graph it priced with measured node times (``rg.last_lowering().graph``), and builds
 ``auto``'s pool twice: with the plans the solvers make on the roofline's times
 (``planner.estimated_times_graph``) and without them (the same graph less ``estimated_costs``). For
@@ -31,14 +31,14 @@ from recompute_graph.graph import CostGraph
 from recompute_graph.losses import default_training_loss
 
 
-def captured_graph(name: str, preset: str) -> CostGraph:
+def captured_graph(name: str, preset: str, sizes: dict[str, int] | None = None) -> CostGraph:
     """The joint cost graph of one compiled training step of model ``name``."""
     torch.manual_seed(0)
     if name in third_party.CONFORMANCE_MODELS:
         model, call = third_party.build(name)
         args, kwargs = call_of(call)
     else:
-        model, inputs = models_zoo.get_model(name, preset)
+        model, inputs = models_zoo.get_model(name, preset, **(sizes or {}))
         args, kwargs = tuple(inputs), {}
     compiled = torch.compile(model, backend=rg.backend(1.0, solver="store_all"))
     with warnings.catch_warnings():
@@ -73,10 +73,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["hf_bloom", "hf_llama", "resnet50", "unet"])
     parser.add_argument("--preset", default="small", help="the zoo models' preset (default small)")
+    parser.add_argument("--size", action="append", default=[], help="NAME=INT for the zoo models, e.g. batch=8")
     parser.add_argument("--fractions", nargs="+", type=float, default=[1.0, 0.9, 0.8, 0.7, 0.6, 0.5])
     args = parser.parse_args()
     for name in args.models:
-        report(name, captured_graph(name, args.preset), args.fractions)
+        sizes = {k: int(v) for k, v in (s.split("=") for s in args.size)}
+        report(name, captured_graph(name, args.preset, sizes), args.fractions)
 
 
 if __name__ == "__main__":

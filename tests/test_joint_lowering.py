@@ -353,6 +353,37 @@ def test_a_budget_below_a_graphs_floor_raises_or_is_planned_at_the_floor_on_requ
         budget_backend(0.3, on_infeasible="ignore")
 
 
+def test_a_graph_of_symbolic_shapes_is_refused_and_each_static_shape_planned():
+    """torch.compile recompiles with dynamic shapes when an input's shape changes. Such a graph was priced
+    with SymInt sizes, and the solvers' arithmetic on them ran for minutes; it is now refused at once,
+    with what to do, and with ``dynamic=False`` each shape gets its own plan."""
+    import time
+
+    from recompute_graph.errors import DynamicShapesError
+    torch.manual_seed(0)
+    model = nn.Sequential(*[layer for _ in range(4) for layer in (nn.Linear(32, 32), nn.Tanh())])
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=budget_backend(0.7))
+    square_loss(compiled(torch.randn(512, 32))).backward()
+    started = time.perf_counter()
+    with pytest.raises(Exception) as raised:
+        square_loss(compiled(torch.randn(384, 32))).backward()
+    assert time.perf_counter() - started < 60
+    chain, error = [], raised.value
+    while error is not None:
+        chain.append(error)
+        error = error.__cause__ or getattr(error, "inner_exception", None)
+    assert any(isinstance(e, DynamicShapesError) for e in chain)
+    assert "dynamic=False" in str(raised.value) and "symbolic shapes" in str(raised.value)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=budget_backend(0.7), dynamic=False)
+    peaks = []
+    for batch in (512, 384):
+        square_loss(compiled(torch.randn(batch, 32))).backward()
+        peaks.append(last_lowering().plan.store_all_peak_bytes)
+    assert peaks[1] < peaks[0]  # the second shape planned for itself
+
+
 @pytest.mark.parametrize("name", ["timm_vit_tiny"])
 def test_third_party_models_train_exactly_and_are_predicted_under_the_compiler_path(name):
     """ViT's attention backward reads views of one qkv storage (a view's gradient is the view's size).
