@@ -45,6 +45,12 @@ class InfeasibleBudgetError(RecomputeError, ValueError):
         self.min_budget_bytes = min_budget_bytes
 
 
+class GraphBreakWarning(UserWarning):
+    """``torch.compile(model, backend=rg.backend(...))`` split the model at a graph break. Each graph is
+    planned within the budget alone, and a step holds what the earlier graphs saved while the later
+    ones run, so its peak can exceed the budget; the message names the break and what to do."""
+
+
 class DynamicShapesError(RecomputeError, ValueError):
     """``rg.backend`` was handed a graph with symbolic shapes. A plan's bytes hold for one shape, so
     each shape is planned on its own: ``torch.compile(model, backend=rg.backend(...), dynamic=False)``

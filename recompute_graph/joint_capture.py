@@ -48,7 +48,8 @@ from .losses import default_training_loss
 from .model_state import preserved_state
 
 __all__ = ["CaptureError", "JointGraph", "capture_joint", "RANDOM_TARGETS", "reachable", "op_name",
-           "refuse_symbolic_shapes"]
+           "refuse_symbolic_shapes",
+           "warning_on_graph_breaks"]
 
 #: aten ops that draw from the random generators (overload packets, compared by name).
 RANDOM_TARGETS = frozenset({"native_dropout", "bernoulli", "bernoulli_", "rand", "rand_like", "randn",
@@ -263,3 +264,27 @@ def refuse_symbolic_shapes(joint: fx.GraphModule) -> None:
             "between calls, and a plan's bytes hold for one shape. Compile with "
             "torch.compile(model, backend=rg.backend(...), dynamic=False), which plans each new shape "
             "again, or use rg.optimize(model, budget), which does so.")
+
+
+def warning_on_graph_breaks(backend: Callable[..., Any]) -> Callable[..., Any]:
+    """``backend`` (a Dynamo backend), warning with a ``GraphBreakWarning`` when Dynamo hands it a graph
+    that a graph break ended (its ``compile_subgraph_reason``): the graphs of one step are planned one
+    at a time, each within the whole budget, which the step as a whole can then exceed."""
+    def recompute_graph_backend(gm: fx.GraphModule, example_inputs: Any) -> Any:
+        reason = getattr(gm, "compile_subgraph_reason", None)
+        if getattr(reason, "graph_break", False):
+            import warnings
+
+            from .errors import GraphBreakWarning
+            stack = getattr(reason, "user_stack", None) or []
+            where = f" at {stack[-1].filename}:{stack[-1].lineno}" if stack else ""
+            why = (str(getattr(reason, "reason", "")).strip().splitlines() or ["no reason given"])[0]
+            warnings.warn(
+                f"torch.compile split the model at a graph break{where} ({why}). "
+                "rg.backend plans each graph within the budget alone, and a training step holds what the "
+                "earlier graphs saved while the later ones run, so its peak can exceed the budget. Remove "
+                "the break (torch.compile(..., fullgraph=True) raises at it), or use rg.optimize(model, "
+                "budget), which captures the model whole or plans it with the schedule executor.",
+                GraphBreakWarning, stacklevel=2)
+        return backend(gm, example_inputs)
+    return recompute_graph_backend

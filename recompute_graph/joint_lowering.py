@@ -45,7 +45,7 @@ from .collector import full_collections_deferred
 from .errors import InfeasibleBudgetError
 from .graph import CostGraph
 from .gradient_accumulation import ACCUMULATE_IN_PLACE, accumulate_in_place, arrival_order_sums
-from .joint_capture import RANDOM_TARGETS, op_name, refuse_symbolic_shapes
+from .joint_capture import RANDOM_TARGETS, op_name, refuse_symbolic_shapes, warning_on_graph_breaks
 from .joint_allocations import kernel_workspace_bytes, node_seconds, outputs_loss_bytes
 from .joint_costs import joint_cost_graph, rng_state_bytes
 from .joint_units import JointUnits, is_gradient_sum, is_tangent, joint_units, tangents_held_through_backward
@@ -580,8 +580,7 @@ def budget_backend(budget: Any, solver: str = "auto", schedule_pass: SchedulePas
                   ) -> tuple[fx.GraphModule, fx.GraphModule]:
         def lower_at(budget: Any, saved_plan: Any = None) -> Lowered:
             return plan_and_lower(joint, budget, num_fwd_outputs=num_fwd_outputs, solver=solver,
-                                  schedule_pass=schedule_pass,
-                                  joint_inputs=joint_inputs if price_kernels else None,
+                                  schedule_pass=schedule_pass, joint_inputs=joint_inputs if price_kernels else None,
                                   loss_fn=loss_fn if price_kernels else None, on_infeasible=on_infeasible,
                                   saved_plan=saved_plan, device_profile=device_profile, timing=timing)
         refuse_symbolic_shapes(joint)
@@ -597,4 +596,5 @@ def budget_backend(budget: Any, solver: str = "auto", schedule_pass: SchedulePas
             on_lowered(lowered)
         return lowered.forward_graph, lowered.backward_graph
 
-    return aot_autograd(fw_compiler=graph_compiler, bw_compiler=graph_compiler, partition_fn=partition)
+    return warning_on_graph_breaks(aot_autograd(fw_compiler=graph_compiler, bw_compiler=graph_compiler,
+                                                partition_fn=partition))

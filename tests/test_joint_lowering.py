@@ -384,6 +384,37 @@ def test_a_graph_of_symbolic_shapes_is_refused_and_each_static_shape_planned():
     assert peaks[1] < peaks[0]  # the second shape planned for itself
 
 
+class _BrokenMLP(nn.Module):
+    """Two halves of tanh layers with a graph break between them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Sequential(*[layer for _ in range(3) for layer in (nn.Linear(32, 32), nn.Tanh())])
+        self.second = nn.Sequential(*[layer for _ in range(3) for layer in (nn.Linear(32, 32), nn.Tanh())])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.first(x)
+        torch._dynamo.graph_break()
+        return self.second(x)
+
+
+def test_a_graph_break_is_warned_about_and_the_graphs_still_train_exactly():
+    import warnings
+
+    from recompute_graph.errors import GraphBreakWarning
+    torch.manual_seed(0)
+    x = torch.randn(256, 32)
+    torch._dynamo.reset()
+    with pytest.warns(GraphBreakWarning, match=r"graph break at .*test_joint_lowering.py:\d+.*rg.optimize"):
+        error, _ = compiled_step_matches_eager(_BrokenMLP(), (x,), budget_backend(0.8, on_infeasible="floor"))
+    assert error == 0.0
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled_step_matches_eager(nn.Sequential(nn.Linear(32, 32), nn.Tanh()), (x,), budget_backend(1.0))
+    assert not [w for w in caught if issubclass(w.category, GraphBreakWarning)]
+
+
 @pytest.mark.parametrize("name", ["timm_vit_tiny"])
 def test_third_party_models_train_exactly_and_are_predicted_under_the_compiler_path(name):
     """ViT's attention backward reads views of one qkv storage (a view's gradient is the view's size).
