@@ -540,10 +540,10 @@ def budget_backend(budget: Any, solver: str = "auto", schedule_pass: SchedulePas
                    on_lowered: Callable[[Lowered], None] | None = None, saved_plan: Any = None,
                    device_profile: Any = "cpu", timing: str = "measure",
                    on_joint: Callable[[fx.GraphModule, Any], None] | None = None) -> Callable[..., Any]:
-    """``torch.compile(model, backend=budget_backend("6GiB"))``: AOTAutograd whose partitioner plans
-    the joint graph with our solvers at ``budget`` (bytes, a size string, or a fraction of store-all)
-    and lowers the plan (:func:`plan_and_lower`); the graphs run as they are
-    (``joint_partition.boxed_interpreter``).
+    """``torch.compile(model, backend=budget_backend("6GiB"), dynamic=False)``: AOTAutograd whose
+    partitioner plans the joint graph with our solvers at ``budget`` (bytes, a size string, or a fraction
+    of store-all) and lowers the plan (:func:`plan_and_lower`); the graphs run as they are
+    (``joint_partition.boxed_interpreter``). A graph break warns (``GraphBreakWarning``).
     ``last_lowering()`` shows the plan, the saved values and the backward's code. ``price_kernels``:
     measure each node's kernel workspace, and with ``timing="measure"`` its run time, on real tensors
     first (``joint_allocations.kernel_workspace_bytes``, ``node_seconds``); without it the plan prices
