@@ -277,10 +277,14 @@ def warning_on_graph_breaks(backend: Callable[..., Any]) -> Callable[..., Any]:
 
             from .errors import GraphBreakWarning
             stack = getattr(reason, "user_stack", None) or []
-            where = f" at {stack[-1].filename}:{stack[-1].lineno}" if stack else ""
+            where = ""
+            if stack:
+                import linecache
+                code = linecache.getline(stack[-1].filename, stack[-1].lineno).strip()
+                where = f" at {stack[-1].filename}:{stack[-1].lineno}" + (f" (`{code}`)" if code else "")
             why = (str(getattr(reason, "reason", "")).strip().splitlines() or ["no reason given"])[0]
             warnings.warn(
-                f"torch.compile split the model at a graph break{where} ({why}). "
+                f"torch.compile split the model at a graph break{where}, Dynamo's reason: {why}. "
                 "rg.backend plans each graph within the budget alone, and a training step holds what the "
                 "earlier graphs saved while the later ones run, so its peak can exceed the budget. Remove "
                 "the break (torch.compile(..., fullgraph=True) raises at it), or use rg.optimize(model, "

@@ -405,7 +405,8 @@ def test_a_graph_break_is_warned_about_and_the_graphs_still_train_exactly():
     torch.manual_seed(0)
     x = torch.randn(256, 32)
     torch._dynamo.reset()
-    with pytest.warns(GraphBreakWarning, match=r"graph break at .*test_joint_lowering.py:\d+.*rg.optimize"):
+    where = r"graph break at .*test_joint_lowering.py:\d+ \(`torch._dynamo.graph_break\(\)`\).*rg.optimize"
+    with pytest.warns(GraphBreakWarning, match=where):
         error, _ = compiled_step_matches_eager(_BrokenMLP(), (x,), budget_backend(0.8, on_infeasible="floor"))
     assert error == 0.0
     torch._dynamo.reset()
