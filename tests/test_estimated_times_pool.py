@@ -9,12 +9,13 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from recompute_graph import planner
-from recompute_graph.errors import GraphError, InfeasibleBudgetError
+from recompute_graph.errors import GraphError
 from recompute_graph.graph import JOINT_COST_SOURCE, CostGraph
 from recompute_graph.saved_plans import structure_fingerprint
 from recompute_graph.simulate import simulate
 
 from strategies import cost_graphs
+from test_schedule_relaxation import auto_peaks_as_the_budget_shrinks, blocks
 
 
 @st.composite
@@ -40,12 +41,7 @@ def test_plans_made_on_the_estimates_are_priced_on_the_measured_times_and_only_l
     assert budgets == sorted(budgets)
     assert all(a.recompute_cost > b.recompute_cost for a, b in zip(pool, pool[1:]))
     assert _floor(graph) <= _floor(without)
-    peaks = []
-    for fraction in (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4):
-        try:
-            peaks.append(planner.make_plan(graph, fraction).predicted_peak_bytes)
-        except InfeasibleBudgetError:
-            break
+    peaks = auto_peaks_as_the_budget_shrinks(graph)
     assert peaks == sorted(peaks, reverse=True)
 
 
@@ -70,7 +66,6 @@ def test_the_estimated_times_graph_swaps_the_times_and_keeps_the_rest():
 
 
 def _example_graph() -> CostGraph:
-    from test_schedule_relaxation import blocks
     graph = blocks(count=3, width=4)
     return dataclasses.replace(graph, estimated_costs=tuple((0.5 * i, 2.0) for i in range(len(graph))))
 

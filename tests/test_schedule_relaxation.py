@@ -113,13 +113,20 @@ def test_the_pool_of_a_joint_cost_graph_stays_undominated_and_auto_monotone_with
     budgets = [planner.min_budget_for_step(joint, s.simulation) for s in pool]
     assert budgets == sorted(budgets)
     assert all(a.recompute_cost > b.recompute_cost for a, b in zip(pool, pool[1:]))
+    peaks = auto_peaks_as_the_budget_shrinks(joint)
+    assert peaks == sorted(peaks, reverse=True)
+
+
+def auto_peaks_as_the_budget_shrinks(graph: CostGraph) -> list[int]:
+    """``auto``'s predicted peak at 100 %, 90 %, ... of the store-all budget, down to the first that
+    has no plan."""
     peaks = []
     for fraction in (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4):
         try:
-            peaks.append(planner.make_plan(joint, fraction).predicted_peak_bytes)
+            peaks.append(planner.make_plan(graph, fraction).predicted_peak_bytes)
         except InfeasibleBudgetError:
             break
-    assert peaks == sorted(peaks, reverse=True)
+    return peaks
 
 
 def test_the_pool_of_residual_blocks_holds_relaxed_plans_that_beat_their_solvers():
