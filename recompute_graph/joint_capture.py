@@ -32,10 +32,16 @@ source line; ``optimize()`` then keeps the module-level path.
 :meth:`JointGraph.run` executes the captured step on the model's current parameters and buffers and
 returns the loss, the parameter gradients by name and the buffers' new values, so a capture can be
 checked against eager autograd (tests/test_joint_capture.py).
+
+Under a user's own ``torch.compile(model, backend=rg.backend(...))`` two things of the captured graphs
+are checked before planning: symbolic shapes are refused (:func:`refuse_symbolic_shapes`, a plan's bytes
+hold for one shape), and a graph a graph break ended is warned about (:func:`warning_on_graph_breaks`).
 """
 from __future__ import annotations
 
+import linecache
 import traceback
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -43,7 +49,7 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .errors import TraceError
+from .errors import DynamicShapesError, GraphBreakWarning, TraceError
 from .losses import default_training_loss
 from .model_state import preserved_state
 
@@ -257,7 +263,6 @@ def refuse_symbolic_shapes(joint: fx.GraphModule) -> None:
         if any(isinstance(size, torch.SymInt) for size in sizes):
             symbolic.append(f"{node.name} {tuple(str(s) for s in sizes) if len(sizes) > 1 else sizes[0]}")
     if symbolic:
-        from .errors import DynamicShapesError
         raise DynamicShapesError(
             f"the graph has symbolic shapes ({', '.join(symbolic[:3])}{', ...' if len(symbolic) > 3 else ''}): "
             "torch.compile compiled it for a range of shapes, as it does when an input's shape changes "
@@ -273,13 +278,9 @@ def warning_on_graph_breaks(backend: Callable[..., Any]) -> Callable[..., Any]:
     def recompute_graph_backend(gm: fx.GraphModule, example_inputs: Any) -> Any:
         reason = getattr(gm, "compile_subgraph_reason", None)
         if getattr(reason, "graph_break", False):
-            import warnings
-
-            from .errors import GraphBreakWarning
             stack = getattr(reason, "user_stack", None) or []
             where = ""
             if stack:
-                import linecache
                 code = linecache.getline(stack[-1].filename, stack[-1].lineno).strip()
                 where = f" at {stack[-1].filename}:{stack[-1].lineno}" + (f" (`{code}`)" if code else "")
             why = (str(getattr(reason, "reason", "")).strip().splitlines() or ["no reason given"])[0]

@@ -302,7 +302,9 @@ def candidate_pool(graph: CostGraph, variant: str = "time") -> tuple[Solution, .
     is held at the end of the forward, the step's peak lies in the backward). Each solver also plans
     at ``POOL_ABOVE_FLOOR`` budgets just above its floor. Every plan the model-based solvers simulate on
     the way (``solvers.collecting_plans``) joins the pool, and only the plans no other beats in both least
-    budget and recomputation are kept (``_undominated``), each schedule once. On a joint cost graph each
+    budget and recomputation are kept (``_undominated``), each schedule once. A graph with measured
+    times and ``estimated_costs`` also gets the plans of ``ESTIMATED_TIMES_SOLVERS`` made on the
+    estimated times (``estimated_times_graph``), priced with the measured ones. On a joint cost graph each
     kept plan is then relaxed (``_relaxed_pool``) and the undominated of both kept."""
     return memoized(graph, ("planner.candidate_pool", variant), lambda: _build_pool(graph, variant))
 
