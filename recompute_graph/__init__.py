@@ -10,8 +10,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .errors import (BudgetExceededWarning, CompilerFallbackWarning, DynamicShapesError, GraphBreakWarning, GraphError, InfeasibleBudgetError, PlanFileError, PlanMismatchWarning, ProfileError,
-                     RecomputeError, RewriteError, ScheduleError, SolverError, TraceError)
+from .errors import (BudgetExceededWarning, CompilerFallbackWarning, DynamicShapesError, GraphBreakWarning, GraphError,
+                     InfeasibleBudgetError, PlanFileError, PlanMismatchWarning, ProfileError, RecomputeError,
+                     RewriteError, ScheduleError, SolverError, TraceError)
 from .graph import CostGraph, CostNode
 from .units import format_bytes, parse_bytes
 
@@ -41,8 +42,8 @@ _LAZY = {
 
 __all__ = ["CostGraph", "CostNode", "RecomputeError", "TraceError", "ProfileError", "GraphError",
            "SolverError", "InfeasibleBudgetError", "ScheduleError", "RewriteError", "PlanFileError",
-           "PlanMismatchWarning", "BudgetExceededWarning", "CompilerFallbackWarning", "DynamicShapesError", "GraphBreakWarning",
-           "parse_bytes", "format_bytes", *_LAZY]
+           "PlanMismatchWarning", "BudgetExceededWarning", "CompilerFallbackWarning", "DynamicShapesError",
+           "GraphBreakWarning", "parse_bytes", "format_bytes", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

@@ -124,8 +124,9 @@ def peak_memory(step: Callable[[], Any], *, device: str | torch.device | None = 
     ``meter="allocator"`` (default) reads the allocator: on a CUDA ``device`` the caching allocator's
     trace (:func:`cuda_allocator_peak_memory`); elsewhere ``torch.profiler``'s memory events
     (:func:`allocator_peak_memory`), which see kernel temporaries no tensor holds (mkldnn buffers,
-    attention workspaces). This is the meter that decides whether a plan fits its budget. ``meter="storage"`` is the :class:`StorageTracker`
-    (tensor storages only): it attributes bytes to nodes but is blind to allocations inside kernels.
+    attention workspaces). This is the meter that decides whether a plan fits its budget.
+    ``meter="storage"`` is the :class:`StorageTracker` (tensor storages only): it attributes bytes to
+    nodes but is blind to allocations inside kernels.
     """
     if meter not in METERS:
         raise ValueError(f"unknown meter {meter!r}; use one of {', '.join(METERS)}")

@@ -88,7 +88,8 @@ def print_top_ops(title: str, step, count: int, steps: int = 3) -> None:
                     key=lambda e: e.self_cpu_time_total, reverse=True)[:count]
     print(f"\n{title}, {steps} steps:\n\n| op | calls | self CPU | per call |\n|---|---|---|---|")
     for e in events:
-        print(f"| {e.key} | {e.count} | {e.self_cpu_time_total / 1e3:.1f} ms | {e.self_cpu_time_total / e.count:.1f} µs |")
+        per_call = e.self_cpu_time_total / e.count
+        print(f"| {e.key} | {e.count} | {e.self_cpu_time_total / 1e3:.1f} ms | {per_call:.1f} µs |")
 
 
 if __name__ == "__main__":

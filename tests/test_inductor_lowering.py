@@ -151,12 +151,14 @@ def test_inductor_code_that_fits_only_with_fusion_limited_is_compiled_so(monkeyp
     ``inductor_graph_compiler`` compiles with): the first that fits is kept, else the lowest of all,
     with a warning that says so; a plan whose fused code is lower keeps inductor's default fusion."""
     from recompute_graph import inductor_lowering
-    from recompute_graph.inductor_lowering import CONFIG_KEY, FUSION_LIMITED, InductorBudgetWarning, fit_plan_to_inductor
+    from recompute_graph.inductor_lowering import (CONFIG_KEY, FUSION_LIMITED, InductorBudgetWarning,
+                                                   fit_plan_to_inductor)
     fused, unfused = {"a": 5000, "b": 50, "c": 5000}, {"a": 50, "b": 500, "c": 150}
     monkeypatch.setattr(inductor_lowering, "inductor_excess_bytes", lambda lowered: (
         unfused if CONFIG_KEY in lowered.forward_graph.meta else fused)[lowered.plan.schedule])
     # the fused excess is over the whole budget: not planned again; unfused, the plan fits
-    with pytest.warns(InductorBudgetWarning, match=r"fused code .* held 5000 .* holds 50 bytes more .* within the budget"):
+    fits_unfused = r"fused code .* held 5000 .* holds 50 bytes more .* within the budget"
+    with pytest.warns(InductorBudgetWarning, match=fits_unfused):
         fitted = fit_plan_to_inductor(lowering(900, "a"), 1000, lambda b: pytest.fail("planned again"))
     assert fitted.inductor_excess_bytes == 50 and fitted.predicted_step_peak_bytes == 950
     assert fitted.forward_graph.meta[CONFIG_KEY] == fitted.backward_graph.meta[CONFIG_KEY] == FUSION_LIMITED
