@@ -36,7 +36,7 @@ _LAZY = {
     "peak_memory": ("measure", "peak_memory"),
     "time_step": ("measure", "time_step"),
     "load_graph": ("benchmark_graphs", "load_graph"),
-    "backend": ("joint_lowering", "budget_backend"),
+    "backend": ("compile_backend", "budget_backend"),
     "last_lowering": ("joint_lowering", "last_lowering"),
 }
 

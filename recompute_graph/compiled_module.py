@@ -41,7 +41,8 @@ from torch.utils._pytree import tree_flatten
 from .collector import full_collections_deferred
 from .errors import CompilerFallbackWarning, InfeasibleBudgetError, RecomputeError
 from .joint_capture import CaptureError
-from .joint_lowering import Lowered, budget_backend
+from .compile_backend import budget_backend
+from .joint_lowering import Lowered
 from .model_state import preserved_state
 from .optimized_module import PeakWatch, SharedModelModule, _cuda_device, _signature_key
 

@@ -1,7 +1,7 @@
 """Inductor as the code generator of the compiler path: ``rg.backend(budget, graph_compiler="inductor")``.
 
 The plan is made, and lowered, exactly as for the default (``aot_eager``-style) graphs
-(``joint_lowering.budget_backend``): on the joint graph AOTAutograd traces without decompositions,
+(``compile_backend.budget_backend``): on the joint graph AOTAutograd traces without decompositions,
 whose ops the planner's rules know (a training BatchNorm recomputed without its statistics, a dropout
 replayed from an RNG snapshot). Only then is each generated graph, the forward and the backward with its
 recompute nodes, handed to inductor (:func:`inductor_graph_compiler`):

@@ -35,7 +35,7 @@ checked against eager autograd (tests/test_joint_capture.py).
 
 Under a user's own ``torch.compile(model, backend=rg.backend(...))`` two things of the captured graphs
 are checked before planning: symbolic shapes are refused (:func:`refuse_symbolic_shapes`, a plan's bytes
-hold for one shape), and a graph a graph break ended is warned about (:func:`warning_on_graph_breaks`).
+hold for one shape), and a graph a graph break ended is warned about (:func:`warn_of_graph_break`).
 """
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ from .model_state import preserved_state
 
 __all__ = ["CaptureError", "JointGraph", "capture_joint", "RANDOM_TARGETS", "reachable", "op_name",
            "refuse_symbolic_shapes",
-           "warning_on_graph_breaks"]
+           "warn_of_graph_break", "RESUME_PREFIX"]
 
 #: aten ops that draw from the random generators (overload packets, compared by name).
 RANDOM_TARGETS = frozenset({"native_dropout", "bernoulli", "bernoulli_", "rand", "rand_like", "randn",
@@ -271,25 +271,29 @@ def refuse_symbolic_shapes(joint: fx.GraphModule) -> None:
             "again, or use rg.optimize(model, budget), which does so.")
 
 
-def warning_on_graph_breaks(backend: Callable[..., Any]) -> Callable[..., Any]:
-    """``backend`` (a Dynamo backend), warning with a ``GraphBreakWarning`` when Dynamo hands it a graph
-    that a graph break ended (its ``compile_subgraph_reason``): the graphs of one step are planned one
-    at a time, each within the whole budget, which the step as a whole can then exceed."""
-    def recompute_graph_backend(gm: fx.GraphModule, example_inputs: Any) -> Any:
-        reason = getattr(gm, "compile_subgraph_reason", None)
-        if getattr(reason, "graph_break", False):
-            stack = getattr(reason, "user_stack", None) or []
-            where = ""
-            if stack:
-                code = linecache.getline(stack[-1].filename, stack[-1].lineno).strip()
-                where = f" at {stack[-1].filename}:{stack[-1].lineno}" + (f" (`{code}`)" if code else "")
-            why = (str(getattr(reason, "reason", "")).strip().splitlines() or ["no reason given"])[0]
-            warnings.warn(
-                f"torch.compile split the model at a graph break{where}, Dynamo's reason: {why}. "
-                "rg.backend plans each graph within the budget alone, and a training step holds what the "
-                "earlier graphs saved while the later ones run, so its peak can exceed the budget. Remove "
-                "the break (torch.compile(..., fullgraph=True) raises at it), or use rg.optimize(model, "
-                "budget), which captures the model whole or plans it with the schedule executor.",
-                GraphBreakWarning, stacklevel=2)
-        return backend(gm, example_inputs)
-    return recompute_graph_backend
+#: The name Dynamo gives the code after a graph break (a resume function's frame)
+RESUME_PREFIX = "torch_dynamo_resume_in_"
+
+
+def warn_of_graph_break(gm: fx.GraphModule) -> bool:
+    """Whether the graph Dynamo hands a backend is one of several graphs of a step: it ends at a graph
+    break (its ``compile_subgraph_reason``), which is warned about with a ``GraphBreakWarning`` naming
+    the break's file, line and code, or it is the code after one (a resume function's)."""
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    stack = getattr(reason, "user_stack", None) or []
+    resumed = any(frame.name.startswith(RESUME_PREFIX) for frame in stack)
+    if not getattr(reason, "graph_break", False):
+        return resumed
+    where = ""
+    if stack:
+        code = linecache.getline(stack[-1].filename, stack[-1].lineno).strip()
+        where = f" at {stack[-1].filename}:{stack[-1].lineno}" + (f" (`{code}`)" if code else "")
+    why = (str(getattr(reason, "reason", "")).strip().splitlines() or ["no reason given"])[0]
+    warnings.warn(
+        f"torch.compile split the model at a graph break{where}, Dynamo's reason: {why}. rg.backend "
+        "learns the step's graphs in the first step, which runs each graph at its smallest-memory plan, "
+        "then plans them together within the budget from the second step on (the backend's step_plan); "
+        "what runs at the break itself is not counted. Remove the break (torch.compile(..., "
+        "fullgraph=True) raises at it), or use rg.optimize(model, budget), which captures the model "
+        "whole or plans it with the schedule executor.", GraphBreakWarning, stacklevel=3)
+    return True

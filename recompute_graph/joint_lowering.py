@@ -28,8 +28,9 @@ other BatchNorm forms are never copied (their outputs are saved).
 :func:`graph_peak_bytes` is the liveness of the generated graphs, from the fake values of their nodes:
 the judge of what a plan costs once lowered, beside the simulator's prediction.
 
-:func:`budget_backend` is the ``torch.compile`` backend: AOTAutograd with a partitioner that prices
-the joint graph, plans it with ``planner.make_plan`` at the budget, and lowers the plan.
+:func:`plan_and_lower` prices the joint graph (:func:`price_joint`), plans it with ``planner.make_plan``
+at the budget, and lowers the plan (:func:`lower_plan`); ``compile_backend.budget_backend``, the
+``torch.compile`` backend, calls them from AOTAutograd's partitioner.
 """
 from __future__ import annotations
 
@@ -41,20 +42,19 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import fx
 
-from .collector import full_collections_deferred
 from .errors import InfeasibleBudgetError
 from .graph import CostGraph
 from .gradient_accumulation import ACCUMULATE_IN_PLACE, accumulate_in_place, arrival_order_sums
-from .joint_capture import RANDOM_TARGETS, op_name, refuse_symbolic_shapes, warning_on_graph_breaks
+from .joint_capture import RANDOM_TARGETS, op_name
 from .joint_allocations import kernel_workspace_bytes, node_seconds, outputs_loss_bytes
 from .joint_costs import joint_cost_graph, rng_state_bytes
 from .joint_units import JointUnits, is_gradient_sum, is_tangent, joint_units, tangents_held_through_backward
 from .joint_storage import storage_of as _storage
-from .joint_partition import STATE_READING_TARGETS, boxed_interpreter, extract_graphs
+from .joint_partition import STATE_READING_TARGETS, extract_graphs
 from .schedule import Backward, Forward, Schedule, dead_recomputations
 
-__all__ = ["Lowered", "lower_schedule", "graph_peak_bytes", "budget_backend", "last_lowering",
-           "InfeasibleBudgetWarning"]
+__all__ = ["Lowered", "lower_schedule", "graph_peak_bytes", "price_joint", "lower_plan", "plan_and_lower",
+           "last_lowering", "set_last_lowering", "InfeasibleBudgetWarning"]
 
 
 @dataclass(frozen=True)
@@ -102,8 +102,14 @@ SchedulePass = Callable[[CostGraph, Schedule], Schedule]
 
 
 def last_lowering() -> Lowered | None:
-    """The :class:`Lowered` of the most recent :func:`budget_backend` partition, or None."""
+    """The :class:`Lowered` of the most recent lowering (``compile_backend.budget_backend``'s partition),
+    or None."""
     return _LAST[-1] if _LAST else None
+
+
+def set_last_lowering(lowered: Lowered) -> None:
+    """What :func:`last_lowering` returns from now on (a plan fitted to inductor's code after lowering)."""
+    _LAST[:] = [lowered]
 
 
 def _training_batch_norm(node: fx.Node) -> bool:
@@ -490,20 +496,14 @@ def _outputs(graph_module: fx.GraphModule) -> list[fx.Node]:
     return [n for n in tree_flatten(output.args)[0] if isinstance(n, fx.Node)]
 
 
-def plan_and_lower(joint: fx.GraphModule, budget: Any, *, num_fwd_outputs: int, solver: str = "auto",
-                   name: str = "compiled", schedule_pass: SchedulePass | None = None,
-                   joint_inputs: Any = None, loss_fn: Any = None, on_infeasible: str = "raise",
-                   saved_plan: Any = None, device_profile: Any = "cpu", timing: str = "measure") -> Lowered:
-    """Price ``joint``, plan it at ``budget`` (``planner.make_plan``) and lower the plan, after
-    ``schedule_pass(graph, schedule)`` when given (a hook to lower other valid schedules).
-    ``saved_plan``: a ``RecomputePlan`` to reuse instead of solving when its cost graph has the joint
-    cost graph's structure and fits the budget (``saved_plans.reuse_plan``; a ``PlanMismatchWarning``
-    says why not otherwise). ``timing``: ``"measure"`` times each node on real tensors shaped like
-    ``joint_inputs`` (``joint_allocations.node_seconds``) when they are given; ``"flops"``, or nodes
-    that could not be timed (meta inputs), are priced from their FLOPs by ``device_profile``
-    (``device_profiles.DEVICE_PROFILES``)."""
-    from .planner import make_plan
-    from .saved_plans import reuse_plan
+def price_joint(joint: fx.GraphModule, *, num_fwd_outputs: int, name: str = "compiled", joint_inputs: Any = None,
+                loss_fn: Any = None, device_profile: Any = "cpu", timing: str = "measure"
+                ) -> tuple[JointUnits, CostGraph]:
+    """``joint``'s units and cost graph. ``timing``: ``"measure"`` times each node on real tensors
+    shaped like ``joint_inputs`` (``joint_allocations.node_seconds``) when they are given, and their
+    kernels' workspace is measured on them; ``"flops"``, or nodes that could not be timed (meta
+    inputs), are priced from their FLOPs by ``device_profile`` (``device_profiles.DEVICE_PROFILES``).
+    ``loss_fn``: the loss on the outputs, priced (``joint_allocations.outputs_loss_bytes``)."""
     if timing not in ("measure", "flops"):
         raise ValueError(f"timing={timing!r}: use 'measure' (time the joint graph's nodes) or 'flops'")
     units = joint_units(joint, num_fwd_outputs)
@@ -513,16 +513,13 @@ def plan_and_lower(joint: fx.GraphModule, budget: Any, *, num_fwd_outputs: int, 
     loss_bytes = outputs_loss_bytes(joint, units, loss_fn) if loss_fn is not None else None
     graph = joint_cost_graph(joint, units, name, workspace=workspace, loss_bytes=loss_bytes,
                              device_profile=device_profile, node_seconds=seconds)
-    try:
-        plan = reuse_plan(saved_plan, graph, budget) if saved_plan is not None else None
-        plan = plan or make_plan(graph, budget, solver)
-    except InfeasibleBudgetError as error:
-        if on_infeasible != "floor":
-            raise
-        warnings.warn(f"graph {name!r}: {error} Planning it at its smallest feasible budget, "
-                      f"{error.min_budget_bytes} bytes (on_infeasible='floor').", InfeasibleBudgetWarning,
-                      stacklevel=2)
-        plan = make_plan(graph, error.min_budget_bytes, solver)
+    return units, graph
+
+
+def lower_plan(joint: fx.GraphModule, units: JointUnits, graph: CostGraph, plan: Any, *, num_fwd_outputs: int,
+               schedule_pass: SchedulePass | None = None) -> Lowered:
+    """``plan`` (a ``RecomputePlan`` of ``graph``, the cost graph of ``joint``'s ``units``) lowered into
+    the forward and backward graphs, after ``schedule_pass(graph, schedule)`` when given."""
     schedule = schedule_pass(graph, plan.schedule) if schedule_pass is not None else plan.schedule
     module, saved, saved_sym, recomputed = lower_schedule(joint, units, schedule, graph)
     forward_graph, backward_graph = extract_graphs(module, saved, saved_sym, num_fwd_outputs=num_fwd_outputs,
@@ -534,67 +531,28 @@ def plan_and_lower(joint: fx.GraphModule, budget: Any, *, num_fwd_outputs: int, 
     return lowered
 
 
-def budget_backend(budget: Any, solver: str = "auto", schedule_pass: SchedulePass | None = None,
-                   price_kernels: bool = True, loss_fn: Any = None, on_infeasible: str = "raise",
-                   graph_compiler: "Callable[..., Any] | str" = boxed_interpreter,
-                   on_lowered: Callable[[Lowered], None] | None = None, saved_plan: Any = None,
-                   device_profile: Any = "cpu", timing: str = "measure",
-                   on_joint: Callable[[fx.GraphModule, Any], None] | None = None) -> Callable[..., Any]:
-    """``torch.compile(model, backend=budget_backend("6GiB"), dynamic=False)``: AOTAutograd whose
-    partitioner plans the joint graph with our solvers at ``budget`` (bytes, a size string, or a fraction
-    of store-all) and lowers the plan (:func:`plan_and_lower`); the graphs run as they are
-    (``joint_partition.boxed_interpreter``). A graph break warns (``GraphBreakWarning``).
-    ``last_lowering()`` shows the plan, the saved values and the backward's code. ``price_kernels``:
-    measure each node's kernel workspace, and with ``timing="measure"`` its run time, on real tensors
-    first (``joint_allocations.kernel_workspace_bytes``, ``node_seconds``); without it the plan prices
-    the graphs' liveness alone, timed from FLOPs. ``loss_fn``: the loss the training loop computes on
-    the compiled module's output (default ``losses.default_training_loss``), priced on the outputs'
-    shapes and kept free beside the step (``planner.loss_allowance_bytes``).
-    ``on_infeasible``: ``"raise"`` (``InfeasibleBudgetError``, with the smallest feasible budget) or
-    ``"floor"``: plan that graph at its smallest feasible budget, with an ``InfeasibleBudgetWarning``.
-    ``graph_compiler``: what runs the generated graphs (AOTAutograd's boxed convention; the node-marking
-    interpreter of ``joint_timeline`` measures them node by node; ``"inductor"``: inductor's code for
-    them, ``inductor_lowering``, measured on the example inputs and planned again with less budget
-    where it holds more than the plan, ``inductor_lowering.fit_plan_to_inductor``).
-    ``on_lowered(lowered)``: called with each graph's :class:`Lowered` (``optimize(..., compiler=True)``
-    keeps its module's own). ``on_joint(joint, joint_inputs)``: called before planning with each joint
-    graph and its inputs as AOTAutograd hands them over (fake primals and tangents; scripts that time or
-    inspect the graph a plan was made on).
-    ``saved_plan``, ``device_profile``, ``timing``: as in :func:`plan_and_lower`. A model that
-    ``torch.compile`` splits (graph breaks) is planned graph by graph, each at ``budget`` (a fraction: of
-    that graph's own store-all step). Symbolic shapes are refused: ``refuse_symbolic_shapes``."""
-    if on_infeasible not in ("raise", "floor") or timing not in ("measure", "flops"):
-        raise ValueError(f"on_infeasible={on_infeasible!r}, timing={timing!r}: use 'raise' or 'floor', and "
-                         "'measure' (time the joint graph's nodes) or 'flops'")
-    inductor = graph_compiler == "inductor"  # by name: its code is measured and the plan fitted to it
-    if isinstance(graph_compiler, str):
-        if graph_compiler != "inductor":
-            raise ValueError(f"graph_compiler={graph_compiler!r}: use 'inductor' or an AOTAutograd compiler")
-        from .inductor_lowering import inductor_graph_compiler
-        graph_compiler = inductor_graph_compiler
-    from .losses import default_training_loss
-    loss_fn = loss_fn or default_training_loss
-    from torch._dynamo.backends.common import aot_autograd
-
-    def partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **_: Any
-                  ) -> tuple[fx.GraphModule, fx.GraphModule]:
-        def lower_at(budget: Any, saved_plan: Any = None) -> Lowered:
-            return plan_and_lower(joint, budget, num_fwd_outputs=num_fwd_outputs, solver=solver,
-                                  schedule_pass=schedule_pass, joint_inputs=joint_inputs if price_kernels else None,
-                                  loss_fn=loss_fn if price_kernels else None, on_infeasible=on_infeasible,
-                                  saved_plan=saved_plan, device_profile=device_profile, timing=timing)
-        refuse_symbolic_shapes(joint)
-        if on_joint is not None:
-            on_joint(joint, joint_inputs)
-        with full_collections_deferred():  # also a recompilation's planning, inside the user's step
-            lowered = lower_at(budget, saved_plan)
-            if inductor and price_kernels:  # inductor's code measured, the plan made again if over
-                from .inductor_lowering import fit_plan_to_inductor
-                lowered = fit_plan_to_inductor(lowered, lowered.plan.budget_bytes, lower_at)
-                _LAST[:] = [lowered]
-        if on_lowered is not None:
-            on_lowered(lowered)
-        return lowered.forward_graph, lowered.backward_graph
-
-    return warning_on_graph_breaks(aot_autograd(fw_compiler=graph_compiler, bw_compiler=graph_compiler,
-                                                partition_fn=partition))
+def plan_and_lower(joint: fx.GraphModule, budget: Any, *, num_fwd_outputs: int, solver: str = "auto",
+                   name: str = "compiled", schedule_pass: SchedulePass | None = None,
+                   joint_inputs: Any = None, loss_fn: Any = None, on_infeasible: str = "raise",
+                   saved_plan: Any = None, device_profile: Any = "cpu", timing: str = "measure") -> Lowered:
+    """Price ``joint`` (:func:`price_joint`), plan it at ``budget`` (``planner.make_plan``) and lower the
+    plan (:func:`lower_plan`), after ``schedule_pass(graph, schedule)`` when given (a hook to lower
+    other valid schedules). ``saved_plan``: a ``RecomputePlan`` to reuse instead of solving when its
+    cost graph has the joint cost graph's structure and fits the budget (``saved_plans.reuse_plan``; a
+    ``PlanMismatchWarning`` says why not otherwise). ``on_infeasible``: ``"raise"``, or ``"floor"``:
+    plan at the smallest feasible budget, with an ``InfeasibleBudgetWarning``."""
+    from .planner import make_plan
+    from .saved_plans import reuse_plan
+    units, graph = price_joint(joint, num_fwd_outputs=num_fwd_outputs, name=name, joint_inputs=joint_inputs,
+                               loss_fn=loss_fn, device_profile=device_profile, timing=timing)
+    try:
+        plan = reuse_plan(saved_plan, graph, budget) if saved_plan is not None else None
+        plan = plan or make_plan(graph, budget, solver)
+    except InfeasibleBudgetError as error:
+        if on_infeasible != "floor":
+            raise
+        warnings.warn(f"graph {name!r}: {error} Planning it at its smallest feasible budget, "
+                      f"{error.min_budget_bytes} bytes (on_infeasible='floor').", InfeasibleBudgetWarning,
+                      stacklevel=2)
+        plan = make_plan(graph, error.min_budget_bytes, solver)
+    return lower_plan(joint, units, graph, plan, num_fwd_outputs=num_fwd_outputs, schedule_pass=schedule_pass)

@@ -1,7 +1,7 @@
 """Node by node, what the allocator sees in a compiled step beside the generated graphs' own liveness.
 
 ``compiled_timeline(model, inputs, budget)`` compiles ``model`` with our backend
-(``joint_lowering.budget_backend``), runs its forward and backward graphs through an interpreter that
+(``compile_backend.budget_backend``), runs its forward and backward graphs through an interpreter that
 wraps every node in an empty-named ``torch.profiler.record_function`` range, and returns one
 :class:`TimelinePoint` per node: the bytes the graphs' liveness holds while it runs
 (``joint_lowering.graph_live_bytes``, activations only, no kernel workspace), and what the CPU allocator
@@ -74,7 +74,8 @@ def compiled_timeline(model: torch.nn.Module, inputs: Sequence[Any], budget: Any
     """``(points, lowered)`` of one compiled training step of ``model`` at ``budget`` (module docstring);
     ``lowered`` is ``joint_lowering.last_lowering()``; ``kwargs``: keyword inputs of the model's call.
     Parameter gradients are cleared first."""
-    from .joint_lowering import budget_backend, graph_live_bytes, last_lowering
+    from .compile_backend import budget_backend
+    from .joint_lowering import graph_live_bytes, last_lowering
     lowerings: list[Any] = []
     backend = budget_backend(budget, solver=solver, loss_fn=loss_fn, on_infeasible=on_infeasible,
                              graph_compiler=marked_interpreter)

@@ -27,7 +27,7 @@ from .solvers.lower_set_dp import dp_for
 from .units import format_bytes, parse_bytes
 
 __all__ = ["Budget", "parse_budget", "RecomputePlan", "make_plan", "AUTO_SOLVERS", "auto_solvers",
-           "min_feasible_budget", "replan_schedule", "loss_allowance_bytes", "usable_bytes_of",
+           "min_feasible_budget", "replan_schedule", "plan_from_solution", "loss_allowance_bytes", "usable_bytes_of",
            "planning_margin", "step_peak_bytes", "min_budget_for_step", "candidate_pool", "POOL_FRACTIONS",
            "POOL_FRACTIONS_LARGE", "LARGE_GRAPH_NODES", "pool_fractions", "LOWER_SET_DP_MAX_NODES"]
 
@@ -557,6 +557,13 @@ def min_budget_for_peak(peak_bytes: int, allowance_bytes: int = 0, margin: float
     while usable_bytes_of(budget, allowance_bytes, margin) < peak_bytes:
         budget += 1
     return budget
+
+
+def plan_from_solution(graph: CostGraph, chosen: Solution, budget_bytes: int) -> RecomputePlan:
+    """``chosen`` (a plan of ``graph``) as a :class:`RecomputePlan` at ``budget_bytes`` (``step_graphs``:
+    a graph's share of a step planned as a whole)."""
+    store_all = store_all_plan(graph)
+    return _plan(chosen, graph, budget_bytes, store_all, store_all.simulation.compute_cost)
 
 
 def _plan(chosen: Solution, graph: CostGraph, budget_bytes: int, store_all: Solution,

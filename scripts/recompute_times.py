@@ -20,7 +20,8 @@ from torch import fx
 
 import models_zoo
 from recompute_graph.joint_capture import op_name
-from recompute_graph.joint_lowering import budget_backend, last_lowering
+from recompute_graph.compile_backend import budget_backend
+from recompute_graph.joint_lowering import last_lowering
 from recompute_graph.losses import default_training_loss
 from recompute_graph.schedule import Forward
 

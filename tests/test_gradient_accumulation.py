@@ -10,7 +10,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import models_zoo
 from recompute_graph.gradient_accumulation import accumulator
 from recompute_graph.joint_capture import op_name
-from recompute_graph.joint_lowering import budget_backend, graph_peak_bytes, last_lowering
+from recompute_graph.compile_backend import budget_backend
+from recompute_graph.joint_lowering import graph_peak_bytes, last_lowering
 from recompute_graph.simulate import simulate
 
 

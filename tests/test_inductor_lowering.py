@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from recompute_graph.joint_capture import RANDOM_TARGETS, op_name
-from recompute_graph.joint_lowering import Lowered, budget_backend, last_lowering
+from recompute_graph.compile_backend import budget_backend
+from recompute_graph.joint_lowering import Lowered, last_lowering
 from recompute_graph.measure import allocator_peak_memory
 
 pytestmark = pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")),

@@ -9,7 +9,8 @@ from torch import nn
 
 import models_zoo
 from recompute_graph.joint_capture import RANDOM_TARGETS, op_name
-from recompute_graph.joint_lowering import budget_backend, graph_live_bytes, graph_peak_bytes, last_lowering
+from recompute_graph.compile_backend import budget_backend
+from recompute_graph.joint_lowering import graph_live_bytes, graph_peak_bytes, last_lowering
 from recompute_graph.measure import allocator_peak_memory
 from recompute_graph.schedule import Backward, Forward, Schedule
 from recompute_graph.simulate import simulate

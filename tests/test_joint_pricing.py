@@ -5,7 +5,8 @@ import pytest
 import torch
 from torch import nn
 
-from recompute_graph.joint_lowering import budget_backend, graph_peak_bytes, last_lowering
+from recompute_graph.compile_backend import budget_backend
+from recompute_graph.joint_lowering import graph_peak_bytes, last_lowering
 from recompute_graph.joint_units import makes_no_gradient, passes_no_gradient
 from recompute_graph.simulate import simulate
 

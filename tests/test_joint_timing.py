@@ -10,7 +10,7 @@ from torch import fx, nn
 from recompute_graph.joint_allocations import node_seconds
 from recompute_graph.joint_capture import op_name
 from recompute_graph.joint_costs import VIEW_TARGETS, _moved_bytes, joint_cost_graph
-from recompute_graph.joint_lowering import budget_backend
+from recompute_graph.compile_backend import budget_backend
 
 from compiled_steps import square_loss
 

@@ -167,7 +167,8 @@ def _measure_compiled(args: argparse.Namespace, model: Any, inputs: tuple, measu
 
     import torch
 
-    from ..joint_lowering import budget_backend, last_lowering
+    from ..compile_backend import budget_backend
+    from ..joint_lowering import last_lowering
     from ..measure import default_loss
     for fraction in args.fractions:
         row_label = f"ours compiled @ {fraction:.0%}"
