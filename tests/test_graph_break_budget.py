@@ -90,3 +90,34 @@ def test_a_budget_no_choice_of_plans_fits_is_refused_at_every_step_before_it_run
         step(compiled)
     assert backend.step_plan.budget_bytes == raised.value.min_budget_bytes
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_hugging_face_gpt2_split_at_its_loss_shares_the_budget_exactly():
+    """transformers' GPT-2 given labels breaks the graph at its loss function (a logging call inside
+    it) under a user's own torch.compile: two graphs, the model's and the loss's, planned together."""
+    import copy
+
+    from models_zoo import third_party
+    from recompute_graph.verification import parameter_gradient_error
+    if not third_party.available("hf_gpt2"):
+        pytest.skip("transformers is not installed")
+    model, call = third_party.build("hf_gpt2")
+    reference = copy.deepcopy(model)
+
+    def step(module: nn.Module) -> None:
+        module.zero_grad(set_to_none=True)
+        torch.manual_seed(0)
+        loss = module(**call).loss  # the outputs are dropped before the backward, as in a training loop
+        loss.backward()
+    budget = int(0.8 * allocator_peak_memory(lambda: step(reference)))
+    backend = budget_backend(budget)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    with pytest.warns(GraphBreakWarning, match="modeling_gpt2.py"):
+        step(compiled)
+    measured = allocator_peak_memory(lambda: step(compiled))
+    assert len(backend.graphs) == 2 and backend.step_plan is not None
+    assert measured <= budget
+    assert 0.9 <= measured / backend.step_plan.predicted_step_peak_bytes <= 1.1
+    step(reference)
+    assert parameter_gradient_error(model, reference) < 1e-5
