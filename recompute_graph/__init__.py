@@ -11,8 +11,8 @@ import importlib
 from typing import Any
 
 from .errors import (BudgetExceededWarning, CompilerFallbackWarning, DynamicShapesError, GraphBreakWarning, GraphError,
-                     InfeasibleBudgetError, PlanFileError, PlanMismatchWarning, ProfileError, RecomputeError,
-                     RewriteError, ScheduleError, SolverError, TraceError)
+                     InfeasibleBudgetError, PlanFileError, PlanMismatchWarning, ProfileError, ProfilerActiveWarning,
+                     RecomputeError, RewriteError, ScheduleError, SolverError, TraceError)
 from .graph import CostGraph, CostNode
 from .units import format_bytes, parse_bytes
 
@@ -43,7 +43,7 @@ _LAZY = {
 __all__ = ["CostGraph", "CostNode", "RecomputeError", "TraceError", "ProfileError", "GraphError",
            "SolverError", "InfeasibleBudgetError", "ScheduleError", "RewriteError", "PlanFileError",
            "PlanMismatchWarning", "BudgetExceededWarning", "CompilerFallbackWarning", "DynamicShapesError",
-           "GraphBreakWarning", "parse_bytes", "format_bytes", *_LAZY]
+           "GraphBreakWarning", "ProfilerActiveWarning", "parse_bytes", "format_bytes", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

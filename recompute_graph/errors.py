@@ -73,6 +73,13 @@ class BudgetExceededWarning(UserWarning):
     with is not the one planned for: pass it to ``optimize(..., loss_fn=...)``; ``rg.verify`` says more."""
 
 
+class ProfilerActiveWarning(UserWarning):
+    """A graph was priced on the CPU while a ``torch.profiler`` session was recording (a user's profile
+    around the step that compiles): reading the allocator would end that session, so the kernels'
+    temporaries are left out and the loss is priced by the liveness of the storages it makes. Compile
+    (run the first step) outside the profiler for prices by the allocator."""
+
+
 class CompilerFallbackWarning(UserWarning):
     """``optimize(..., compiler="auto")`` could not take the compiler path for this model (the message
     says why: a graph ``torch.compile`` cannot capture, an op the lowering does not handle) and plans it

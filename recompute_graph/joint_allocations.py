@@ -42,12 +42,30 @@ def kernel_workspace_bytes(joint: fx.GraphModule, joint_inputs: Sequence[Any]) -
         return _kernel_workspace_bytes(joint, joint_inputs)
 
 
+def _cpu_allocator_blind() -> bool:
+    """A ``torch.profiler`` session is recording already (``loss_pricing.allocator_windows`` does not
+    start a second one, which would end it): the CPU allocator's events cannot be read. Warns."""
+    if not torch.autograd.profiler._is_profiler_enabled:
+        return False
+    import warnings
+
+    from .errors import ProfilerActiveWarning
+    warnings.warn("a torch.profiler session is recording while rg.backend prices a graph on the CPU: "
+                  "reading the allocator would end it, so the kernels' temporaries are left out of the plan "
+                  "and the loss is priced by the storages it makes. Run the first step (which compiles and "
+                  "plans) outside the profiler for prices by the allocator.", ProfilerActiveWarning,
+                  stacklevel=2)
+    return True
+
+
 def _kernel_workspace_bytes(joint: fx.GraphModule, joint_inputs: Sequence[Any]) -> dict[str, int]:
     from .loss_pricing import allocator_windows, node_window
     made = _real_inputs(joint_inputs)
     if made is None:
         return {}
     real, cuda = made
+    if cuda is None and _cpu_allocator_blind():
+        return {}
 
     class _Windowed(fx.Interpreter):
         def run_node(self, n: fx.Node) -> Any:
@@ -200,7 +218,8 @@ def outputs_loss_bytes(joint: fx.GraphModule, units: JointUnits, loss_fn: Any) -
                 loss = loss_fn(leaves[0] if len(leaves) == 1 else tuple(leaves))
                 return torch.autograd.grad(loss, [t for t in leaves if t.requires_grad], allow_unused=True)
         try:
-            if any(t.is_meta for t in real):  # nothing is allocated: the storages' own liveness
+            if any(t.is_meta for t in real) or (cuda is None and _cpu_allocator_blind()):
+                # nothing is allocated, or the allocator cannot be read: the storages' own liveness
                 with StorageTracker() as tracker:
                     grads = loss_and_gradients()
                 start, peak = 0, tracker.peak_bytes

@@ -78,13 +78,13 @@ def test_bench_on_a_device_torch_cannot_see_says_what_to_do(capsys):
 
 
 def test_bench_measures_our_compiler_path_with_its_prediction(capsys, monkeypatch):
-    from recompute_graph import joint_lowering
-    planned, plan_and_lower = [], joint_lowering.plan_and_lower
+    from recompute_graph import compile_backend
+    planned, plan_and_lower = [], compile_backend.plan_and_lower
 
     def counted(joint, budget, **kwargs):
         planned.append(budget)
         return plan_and_lower(joint, budget, **kwargs)
-    monkeypatch.setattr(joint_lowering, "plan_and_lower", counted)
+    monkeypatch.setattr(compile_backend, "plan_and_lower", counted)
     code = main(["bench", "unet", "--preset", "tiny", "--timing", "flops", "--fractions", "0.9", "0.5",
                  "--solvers", "store_all", "--compiled", "--repeats", "2", "--json", "-q"])
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

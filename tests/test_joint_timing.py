@@ -105,3 +105,32 @@ def test_nodes_doing_the_same_work_share_one_time():
     # the convolutions read 3 and 8 channels: other work, each its own time, both measured
     convolutions = [n.name for n in joint.graph.nodes if op_name(n.target) == "convolution"]
     assert len(convolutions) == 2 and all(seconds[c] > 0 for c in convolutions)
+
+
+def test_a_step_compiled_inside_a_users_memory_profile_is_priced_without_ending_it_and_says_so():
+    """A user's ``torch.profiler`` session around the first step: the allocator's events cannot be read
+    without ending it. The loss is priced by its storages' liveness (it read 0 before, and the plan left
+    the loss out), the kernels' temporaries are left out, a ``ProfilerActiveWarning`` says so, and the
+    user's profile keeps its memory events."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from recompute_graph.errors import ProfilerActiveWarning
+
+    def loss_bytes(profiled: bool) -> tuple:
+        torch._dynamo.reset()
+        lowered = []
+        model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64))
+        compiled = torch.compile(model, backend=budget_backend(1.0, on_lowered=lowered.append), dynamic=False)
+        if not profiled:
+            square_loss(compiled(torch.randn(256, 64))).backward()
+            return lowered[-1].graph.loss_bytes, None
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as session:
+            with pytest.warns(ProfilerActiveWarning, match="outside the profiler"):
+                square_loss(compiled(torch.randn(256, 64))).backward()
+        events = [e for e in session.events() if e.cpu_memory_usage]
+        return lowered[-1].graph.loss_bytes, events
+
+    plain, _ = loss_bytes(False)
+    profiled, events = loss_bytes(True)
+    assert plain > 0 and profiled == plain
+    assert events  # the user's session still recorded the step's allocations
