@@ -18,3 +18,21 @@ class MLPChain(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.layers(x)
+
+
+class BrokenHalves(nn.Module):
+    """Two halves of ``layers`` x (Linear(width, width) -> tanh) with ``torch._dynamo.graph_break()``
+    between them: under ``torch.compile`` a step of two graphs (scripts/graph_break_budget.py)."""
+
+    def __init__(self, width: int = 256, layers: int = 6) -> None:
+        super().__init__()
+        self.first = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
+        self.second = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.first:
+            x = torch.tanh(layer(x))
+        torch._dynamo.graph_break()
+        for layer in self.second:
+            x = torch.tanh(layer(x))
+        return x

@@ -4,28 +4,11 @@ import pytest
 import torch
 from torch import nn
 
+from models_zoo.mlp import BrokenHalves
 from recompute_graph.compile_backend import budget_backend
 from recompute_graph.errors import GraphBreakWarning, InfeasibleBudgetError
 from recompute_graph.joint_lowering import InfeasibleBudgetWarning
 from recompute_graph.measure import allocator_peak_memory
-
-
-class _Halves(nn.Module):
-    """Two halves of linear+tanh layers with a graph break between them (scripts/graph_break_budget.py,
-    smaller)."""
-
-    def __init__(self, width: int = 128, layers: int = 4) -> None:
-        super().__init__()
-        self.first = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
-        self.second = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.first:
-            x = torch.tanh(layer(x))
-        torch._dynamo.graph_break()
-        for layer in self.second:
-            x = torch.tanh(layer(x))
-        return x
 
 
 def _loss(out: torch.Tensor) -> torch.Tensor:
@@ -34,7 +17,7 @@ def _loss(out: torch.Tensor) -> torch.Tensor:
 
 def _setup():
     torch.manual_seed(0)
-    model, x = _Halves(), torch.randn(1024, 128)
+    model, x = BrokenHalves(width=128, layers=4), torch.randn(1024, 128)
 
     def step(module: nn.Module) -> None:
         module.zero_grad(set_to_none=True)
