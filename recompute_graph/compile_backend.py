@@ -13,8 +13,10 @@ plans a broken step's graphs together (``step_graphs``):
 1. A graph that ends at a break or resumes after one (``joint_capture.warn_of_graph_break``), and
    every graph compiled after one, is *shared*: at its first compilation it is priced and planned at
    its smallest-memory plan, since the graphs that run after it are not known yet.
-2. The backend counts the calls of its graphs' forwards and backwards. When every forward's backward
-   has run, a step ended: its calls, in forward order, are the step.
+2. The backend records its graphs' forward calls, and the backward of each graph; at the end of each
+   backward pass (a callback queued with autograd's engine) the forwards whose backward ran, in
+   forward order, are the step (a forward dropped without a backward, a validation call under grad
+   say, is not part of it).
 3. When the next step begins (the next forward), and the step just ended had several calls and a
    shared graph and differs from the last one planned, ``step_graphs.choose_step_plans`` chooses each
    graph's plan from its candidates (``planner.candidate_pool`` for ``"auto"``) so that the whole step
@@ -28,17 +30,19 @@ step on. What runs at the break (eager code between graphs) is not counted. With
 "raise"`` a budget that no choice fits raises ``InfeasibleBudgetError`` at the start of every step
 until it is raised (the graphs keep their floor plans); ``"floor"`` takes the choice of the least step
 peak, with an ``InfeasibleBudgetWarning``. Inductor's measured excess (``fit_plan_to_inductor``) is
-not taken from a shared budget. A forward whose backward never runs (its output dropped without
-``backward()``) leaves the step unfinished, and the graphs keep the plans they have.
+not taken from a shared budget. A step is one backward pass: with two losses backpropagated one after
+the other, each pass is planned as a step of its own.
 """
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 from torch import fx
+from torch.autograd import Variable
 
 from .collector import full_collections_deferred
 from .errors import InfeasibleBudgetError
@@ -50,7 +54,11 @@ from .joint_partition import boxed_interpreter
 from .joint_units import JointUnits, joint_units
 from .step_graphs import StepPlan, choose_step_plans
 
-__all__ = ["budget_backend", "RecomputeBackend"]
+__all__ = ["budget_backend", "RecomputeBackend", "MAX_STEP_CALLS"]
+
+#: Forwards of the backend's graphs remembered without a backward pass ending (a loop of forwards under
+#: grad without backward, say); beyond, they are forgotten
+MAX_STEP_CALLS = 10_000
 
 
 @dataclass(eq=False)
@@ -106,8 +114,10 @@ class RecomputeBackend:
         self.graphs: list[_CompiledGraph] = []
         self.step_plan: StepPlan | None = None
         self._breaks = False
-        self._calls: list[int] = []  # the forwards of the step in progress, by graph key
-        self._outstanding = 0  # forwards of that step whose backward has not run
+        self._calls: list[int] = []  # the forwards since the last backward pass, by graph key
+        self._backwards: Counter[int] = Counter()  # backwards of each graph in the pass running
+        self._pass_running = False  # the end of the backward pass is queued with autograd's engine
+        self._finished: tuple[int, ...] = ()  # the calls of the last step, not yet looked at
         self._planned_calls: tuple[int, ...] | None = None
 
     @property
@@ -148,7 +158,7 @@ class RecomputeBackend:
 
             def run(*args: Any) -> Any:
                 result = compiled(*args)
-                self._after_backward()
+                self._after_backward(record)
                 return result
             if getattr(compiled, "_boxed_call", False):
                 run._boxed_call = True  # type: ignore[attr-defined]
@@ -212,16 +222,36 @@ class RecomputeBackend:
 
     # ------------------------------------------------------------------ steps
     def _before_forward(self, record: _CompiledGraph) -> None:
-        if self._outstanding == 0:  # a new step begins
-            finished = tuple(self._calls)
-            if self._breaks and len(finished) > 1 and finished != self._planned_calls:
-                self._share_budget(finished)  # an error leaves the finished step to be planned again
-            self._calls = []
+        finished, self._finished = self._finished, ()
+        if self._breaks and len(finished) > 1 and finished != self._planned_calls:  # a new step begins
+            try:
+                self._share_budget(finished)
+            except BaseException:
+                self._finished = finished  # planned again at the next forward
+                raise
+        if len(self._calls) >= MAX_STEP_CALLS:  # forwards without a backward, on and on: not a step
+            self._calls.clear()
         self._calls.append(record.key)
-        self._outstanding += 1
 
-    def _after_backward(self) -> None:
-        self._outstanding = max(0, self._outstanding - 1)
+    def _after_backward(self, record: _CompiledGraph) -> None:
+        self._backwards[record.key] += 1
+        if not self._pass_running:
+            self._pass_running = True
+            Variable._execution_engine.queue_callback(self._backward_pass_ended)
+
+    def _backward_pass_ended(self) -> None:
+        """The step is the forwards whose backward ran in this pass, in forward order (of a graph's
+        forwards, the latest: the others were dropped without a backward, a validation call under
+        grad, say)."""
+        keep = Counter(self._backwards)
+        step = []
+        for key in reversed(self._calls):
+            if keep[key] > 0:
+                keep[key] -= 1
+                step.append(key)
+        self._finished = tuple(reversed(step))
+        self._calls, self._pass_running = [], False
+        self._backwards.clear()
 
     def _share_budget(self, calls: tuple[int, ...]) -> None:
         """Choose the step's plans together and compile each graph whose plan changed."""

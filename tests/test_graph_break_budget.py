@@ -49,8 +49,10 @@ def test_a_broken_steps_graphs_share_a_byte_budget_from_the_second_step():
     largest = max(r.abs().max() for r in reference)
     assert max((p.grad - r).abs().max() for p, r in zip(model.parameters(), reference)) / largest < 1e-6
     lowerings = backend.lowerings
+    compiled(torch.randn(1024, 128))  # a forward under grad whose output is dropped: no backward, no step
     assert allocator_peak_memory(lambda: step(compiled)) == measured  # a third step: nothing planned again
-    assert backend.lowerings == lowerings
+    assert backend.lowerings == lowerings and backend.step_plan.calls == (0, 1)
+    assert not backend._calls  # the dropped forward was forgotten when the step's backward pass ended
     assert "2 graphs, 2 of them sharing the budget" in repr(backend)
 
 
