@@ -61,8 +61,12 @@ def _model_and_step(name: str, batch: int) -> tuple[nn.Module, Callable[[nn.Modu
     def loss_of(out: Any) -> torch.Tensor:
         if getattr(out, "loss", None) is not None:
             return out.loss
-        first = (out.logits if getattr(out, "logits", None) is not None else out.to_tuple()[0] if hasattr(out, "to_tuple")
-                 else out[0] if isinstance(out, (tuple, list)) else out)
+        if getattr(out, "logits", None) is not None:
+            first = out.logits
+        elif hasattr(out, "to_tuple"):  # a transformers ModelOutput without logits (wav2vec2's hidden states)
+            first = out.to_tuple()[0]
+        else:
+            first = out[0] if isinstance(out, (tuple, list)) else out
         return first.float().square().mean()
 
     def model_step(module: nn.Module) -> None:
