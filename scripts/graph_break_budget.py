@@ -38,7 +38,7 @@ import recompute_graph as rg
 from models_zoo.mlp import BrokenHalves
 from recompute_graph.joint_lowering import InfeasibleBudgetWarning
 from recompute_graph.measure import allocator_peak_memory
-from recompute_graph.verification import parameter_gradient_error
+from recompute_graph.verification import model_gradient_error
 
 
 def _model_and_step(name: str, batch: int) -> tuple[nn.Module, Callable[[nn.Module], None], Any]:
@@ -104,7 +104,7 @@ def measure(name: str, fraction: float, batch: int, on_infeasible: str, verbose:
             if verbose:
                 print(f"compiled step {number}: predicted {predicted:,} B, measured {measured:,} B "
                       f"({measured / predicted:.3f} of the prediction, {measured / budget:.3f} of the budget)")
-    error = parameter_gradient_error(model, reference)
+    error = model_gradient_error(model, reference)  # of the model's largest gradient
     if verbose:
         print(backend.step_plan or backend.lowerings[-1].plan)
         print(f"gradient error of the last step (of the largest gradient): {error:.1e}")
