@@ -7,6 +7,7 @@
 #     run(command="bash scripts/device_check.sh peers", timeout_s=520)     # or this: 8.3 min at most
 #     run(command="bash scripts/device_check.sh inductor", timeout_s=400)  # or this: 6.2 min at most
 #     run(command="bash scripts/device_check.sh inductor-peers", timeout_s=520)  # or this: 8.3 min at most
+#     run(command="bash scripts/device_check.sh graph-breaks", timeout_s=300)  # or this: 4.5 min at most
 # short: exact gradients (float64, then float32), the allocator's peak against the prediction and
 # step-time ratios on the zoo (cuda_check.py), beside the issue's Gruslys target on the compiler path.
 # executor: the rest, the Gruslys check on the executor, the executor's cost per op, the store-all step
@@ -14,9 +15,11 @@
 # the issue's sizes. inductor: the store-all step with the plan's graphs compiled by inductor
 # (ResNet-50, GPT-2 small); inductor-peers: ResNet-50's peer table with inductor compiling our graphs
 # and torch.compile's peer alike. compiler: the Gruslys check on the compiler path with a longer
-# capture limit. No argument: cuda_check, executor, peers, inductor, inductor-peers and compiler, one
-# after the other, for a machine without those limits. Uses the device machine's own python3 (PyTorch
-# with CUDA) and imports this working tree. Each check has its own time limit so that one slow check
+# capture limit. graph-breaks: a user's torch.compile of models split by graph breaks (the halves, HF
+# GPT-2, wav2vec2), whose graphs share the budget, by the caching allocator. No argument: cuda_check,
+# executor, peers, inductor, inductor-peers, compiler and graph-breaks, one after the other, for a
+# machine without those limits. Uses the device machine's own python3 (PyTorch with CUDA) and imports
+# this working tree. Each check has its own time limit so that one slow check
 # leaves the others their turn; outputs also go to $OUT.
 set -uo pipefail
 part="${1:-all}"
@@ -80,4 +83,9 @@ if [[ $part == all || $part == compiler ]]; then
     # max_memory_allocated within 5 % of the prediction (capture of the 17,000-unit graph: minutes)
     timeout 420 python3 scripts/bptt_gruslys.py --device cuda --steps 1000 --batch 512 --hidden 2048 --input 512 \
         --memory 0.05 --compiler 2>&1 | tee "$out/gruslys_cuda_compiler.md"
+fi
+if [[ $part == all || $part == graph-breaks ]]; then
+    # the step's graphs planned together (compile_backend): measured against the step plan and the budget
+    timeout 260 python3 scripts/graph_break_budget.py --device cuda --models halves hf_gpt2 hf_wav2vec2 \
+        --fraction 0.6 --on-infeasible floor 2>&1 | quiet | tee "$out/graph_breaks_cuda.md"
 fi

@@ -2,15 +2,17 @@
 
     python scripts/graph_break_budget.py [--fraction 0.6] [--batch 4096] [--model halves|CONFORMANCE_NAME]
                                          [--on-infeasible raise|floor] [--models NAME ...] [--json]
+                                         [--device cpu|cuda]
 
 ``--model halves`` (the default): two halves of six 256-wide linear+tanh layers, with
 ``torch._dynamo.graph_break()`` between them, trained with a ``pow(2).sum()`` loss given to the backend
 as ``loss_fn``. A conformance model (``models_zoo.third_party``, e.g. ``hf_gpt2``, which breaks at its
 loss function) trains on its own loss (``output.loss``), or on its first output's ``float().square()
-.mean()``. One eager step is measured with the allocator (``measure.allocator_peak_memory``), then
-``torch.compile(model, backend=rg.backend(budget), dynamic=False)`` at ``--fraction`` of that peak in
-bytes (the backend warns with a ``GraphBreakWarning``). The first step compiles the graphs, each at its
-smallest-memory plan; the second begins by planning them together within the budget
+.mean()``. One eager step is measured with the allocator (``measure.peak_memory``: ``torch.profiler``'s
+memory events on the CPU, the caching allocator on ``--device cuda``), then ``torch.compile(model,
+backend=rg.backend(budget), dynamic=False)`` at ``--fraction`` of that peak in bytes (the backend warns
+with a ``GraphBreakWarning``). The first step compiles the graphs, each at its smallest-memory plan;
+the second begins by planning them together within the budget
 (``compile_backend``, ``step_graphs``) and compiling them again. The script prints the allocator's
 peak of the third and fourth steps against the step plan's prediction and the budget, and the
 gradients' error against eager's (relative to the largest gradient). The outputs are dropped before
@@ -37,16 +39,17 @@ from torch import nn
 import recompute_graph as rg
 from models_zoo.mlp import BrokenHalves
 from recompute_graph.joint_lowering import InfeasibleBudgetWarning
-from recompute_graph.measure import allocator_peak_memory
+from recompute_graph.measure import peak_memory
 from recompute_graph.verification import model_gradient_error
 
 
-def _model_and_step(name: str, batch: int) -> tuple[nn.Module, Callable[[nn.Module], None], Any]:
-    """The model, one training step of a module like it, and the backend's ``loss_fn`` (None: the
-    model's own loss, or the default)."""
+def _model_and_step(name: str, batch: int, device: torch.device = torch.device("cpu")
+                    ) -> tuple[nn.Module, Callable[[nn.Module], None], Any]:
+    """The model on ``device``, one training step of a module like it, and the backend's ``loss_fn``
+    (None: the model's own loss, or the default)."""
     torch.manual_seed(0)
     if name == "halves":
-        model, x = BrokenHalves(), torch.randn(batch, 256)
+        model, x = BrokenHalves().to(device), torch.randn(batch, 256, device=device)
 
         def loss_fn(out: torch.Tensor) -> torch.Tensor:
             return out.pow(2).sum()
@@ -57,6 +60,9 @@ def _model_and_step(name: str, batch: int) -> tuple[nn.Module, Callable[[nn.Modu
         return model, step, loss_fn
     from models_zoo import third_party
     model, call = third_party.build(name)
+    model = model.to(device)
+    call = ({key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in call.items()}
+            if isinstance(call, dict) else tuple(value.to(device) for value in call))
 
     def loss_of(out: Any) -> torch.Tensor:
         if getattr(out, "loss", None) is not None:
@@ -77,11 +83,13 @@ def _model_and_step(name: str, batch: int) -> tuple[nn.Module, Callable[[nn.Modu
     return model, model_step, None
 
 
-def measure(name: str, fraction: float, batch: int, on_infeasible: str, verbose: bool) -> dict[str, Any]:
-    """One model: its eager step, then its compiled steps 2 and 3 against the plan (module docstring)."""
-    model, step, loss_fn = _model_and_step(name, batch)
+def measure(name: str, fraction: float, batch: int, on_infeasible: str, verbose: bool,
+            device: torch.device = torch.device("cpu")) -> dict[str, Any]:
+    """One model: its eager step, then its compiled steps 3 and 4 against the plan (module docstring)."""
+    model, step, loss_fn = _model_and_step(name, batch, device)
     reference = copy.deepcopy(model)
-    eager_bytes = allocator_peak_memory(lambda: step(reference))
+    meter = device if device.type == "cuda" else None
+    eager_bytes = peak_memory(lambda: step(reference), device=meter)
     budget = int(fraction * eager_bytes)
     step(reference)
     backend = rg.backend(budget, loss_fn=loss_fn, on_infeasible=on_infeasible)
@@ -98,7 +106,7 @@ def measure(name: str, fraction: float, batch: int, on_infeasible: str, verbose:
         step(compiled)
         step(compiled)
         for number in (3, 4):
-            measured = allocator_peak_memory(lambda: step(compiled))
+            measured = peak_memory(lambda: step(compiled), device=meter)
             plan = backend.step_plan or backend.lowerings[-1].plan  # one graph: its own plan
             predicted = plan.predicted_step_peak_bytes
             if verbose:
@@ -135,6 +143,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="*", help="several models, each in a process of its own: a table")
     parser.add_argument("--on-infeasible", default="raise", choices=("raise", "floor"))
     parser.add_argument("--json", action="store_true", help="one line of JSON (for --models)")
+    parser.add_argument("--device", default="cpu", help="cuda: the CUDA caching allocator's peak")
     args = parser.parse_args()
     if args.models:
         print(f"{len(args.models)} models at {args.fraction:g} of their eager step, on_infeasible="
@@ -143,14 +152,15 @@ def main() -> None:
         print("|---|---|---|---|---|---|---|")
         for name in args.models:
             command = [sys.executable, __file__, "--model", name, "--fraction", str(args.fraction), "--batch",
-                       str(args.batch), "--on-infeasible", args.on_infeasible, "--json"]
+                       str(args.batch), "--on-infeasible", args.on_infeasible, "--device", args.device, "--json"]
             done = subprocess.run(command, capture_output=True, text=True)
             lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
             result = json.loads(lines[-1]) if lines else {
                 "model": name, "error": (done.stderr.strip().splitlines() or ["no output"])[-1][:150]}
             print(_row(result), flush=True)
         return
-    result = measure(args.model, args.fraction, args.batch, args.on_infeasible, verbose=not args.json)
+    result = measure(args.model, args.fraction, args.batch, args.on_infeasible, verbose=not args.json,
+                     device=torch.device(args.device))
     if args.json:
         print(json.dumps(result))
 
