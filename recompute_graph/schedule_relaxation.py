@@ -151,13 +151,17 @@ class _Intervals:
                 self.begins.append(begin)
                 self.ends.append(end)
 
-    def outside(self, start: int, stop: int) -> np.ndarray:
-        """Whether each index of ``range(start, stop)`` lies outside every run (a boolean array)."""
-        free = np.ones(stop - start, dtype=bool)
+    def free_runs(self, start: int, stop: int) -> list[tuple[int, int]]:
+        """The runs ``[lo, hi)`` of ``range(start, stop)`` outside every run of this storage."""
+        free, position = [], start
         run = bisect.bisect_left(self.ends, start)
         while run < len(self.begins) and self.begins[run] < stop:
-            free[max(self.begins[run], start) - start:min(self.ends[run] + 1, stop) - start] = False
+            if self.begins[run] > position:
+                free.append((position, self.begins[run]))
+            position = max(position, self.ends[run] + 1)
             run += 1
+        if position < stop:
+            free.append((position, stop))
         return free
 
 
@@ -182,7 +186,7 @@ def _choose(graph: CostGraph, schedule: Schedule, simulation: SimulationResult,
             continue
         candidates.append((-node.forward_cost, position, before, index))
     candidates.sort()
-    added = np.zeros(len(program), dtype=np.int64)
+    level = peaks.copy()  # each op's peak with what this round's choices keep on top
     chosen: list[int] = []
     touched: set[int] = set()
     for _, position, before, index in candidates:
@@ -191,25 +195,46 @@ def _choose(graph: CostGraph, schedule: Schedule, simulation: SimulationResult,
         if op.node in touched:
             continue
         node = graph.nodes[op.node]
-        window = slice(before, index + 1)
-        delta = np.zeros(index + 1 - before, dtype=np.int64)
+        # what keeping it adds, as runs [lo, hi) of program indices, each with its bytes:
         # the previous value lives on up to the recomputation
-        delta[1:] += _outside(held, op.node, before + 1, index + 1) * node.output_bytes
+        terms = [(lo, hi, node.output_bytes) for lo, hi in _free_runs(held, op.node, before + 1, index + 1)]
         if op.tape:  # what the tape saves, recorded at the previous computation instead
-            delta += node.saved_buffer_bytes
+            terms.append((before, index + 1, node.saved_buffer_bytes))
             for owner in {graph.storage_owner(q) for q in node.backward_needs} - {op.node}:
-                delta += _outside(held, owner, before, index + 1) * graph.nodes[owner].output_bytes
-        if np.any((peaks[window] + added[window] + delta > peak_limit_bytes) & (delta > 0)):
+                terms += [(lo, hi, graph.nodes[owner].output_bytes)
+                          for lo, hi in _free_runs(held, owner, before, index + 1)]
+        pieces = _constant_pieces(terms)
+        if any(level[lo:hi].max() + added > peak_limit_bytes for lo, hi, added in pieces):
             continue
-        added[window] += delta
+        for lo, hi, added in pieces:
+            level[lo:hi] += added
         chosen.append(position)
         touched.add(op.node)
     return chosen
 
 
-def _outside(held: dict[int, _Intervals], storage: int, start: int, stop: int) -> np.ndarray:
-    """Whether nothing holds ``storage`` at each program index of ``range(start, stop)``."""
-    return held[storage].outside(start, stop) if storage in held else np.ones(stop - start, dtype=bool)
+def _free_runs(held: dict[int, _Intervals], storage: int, start: int, stop: int) -> list[tuple[int, int]]:
+    """The runs of ``range(start, stop)`` at which nothing holds ``storage``."""
+    if start >= stop:
+        return []
+    return held[storage].free_runs(start, stop) if storage in held else [(start, stop)]
+
+
+def _constant_pieces(terms: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """The sum of ``terms`` (``(lo, hi, bytes)``: ``bytes`` over ``[lo, hi)``) as runs of one positive
+    value each, ``(lo, hi, bytes)``."""
+    changes: dict[int, int] = {}
+    for lo, hi, nbytes in terms:
+        if nbytes and lo < hi:
+            changes[lo] = changes.get(lo, 0) + nbytes
+            changes[hi] = changes.get(hi, 0) - nbytes
+    pieces, total, previous = [], 0, None
+    for point in sorted(changes):
+        if previous is not None and total > 0 and point > previous:
+            pieces.append((previous, point, total))
+        total += changes[point]
+        previous = point
+    return pieces
 
 
 def _without(graph: CostGraph, sequence: list[tuple[int, Op | None]], dropped: list[int]) -> Schedule:

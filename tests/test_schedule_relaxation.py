@@ -155,3 +155,80 @@ def test_the_relaxed_pool_built_in_two_processes_is_the_one_process_pool(monkeyp
         pools.append([(s.solver, s.description, s.schedule, s.simulation.peak_bytes, s.simulation.compute_cost)
                       for s in planner.candidate_pool(graph)])
     assert pools[0] == pools[1] and any(description.endswith("relaxed") for _, description, *_ in pools[0])
+
+
+def _dense_choice(graph, schedule, simulation, sequence, limit):
+    """The round's choice index by index (the rule of ``schedule_relaxation._choose``, as it was
+    written before its runs of constant bytes): each recomputation's kept bytes at every program
+    index of its window, taken when no index with bytes added goes over the limit."""
+    import numpy as np
+
+    from recompute_graph.schedule_relaxation import _held, _op_peaks
+    program = [*schedule.forward_ops, None, *schedule.backward_ops]
+    peaks = np.array(_op_peaks(schedule, simulation, 0), dtype=np.int64)
+    held = _held(graph, program)
+
+    def outside(storage, start, stop):
+        free = np.ones(max(0, stop - start), dtype=bool)
+        if storage in held:
+            for begin, end in zip(held[storage].begins, held[storage].ends):
+                free[max(begin, start) - start:max(0, min(end + 1, stop) - start)] = False
+        return free
+    previous, candidates = {}, []
+    for position, (index, op) in enumerate(sequence):
+        if not isinstance(op, Forward):
+            continue
+        node = graph.nodes[op.node]
+        before = previous.get(op.node)
+        previous[op.node] = index
+        if before is None or node.alias_of is not None or node.random or node.stateful:
+            continue
+        if op.tape and program[before].tape:
+            continue
+        candidates.append((-node.forward_cost, position, before, index))
+    added, chosen, touched = np.zeros(len(program), dtype=np.int64), [], set()
+    for _, position, before, index in sorted(candidates):
+        op = sequence[position][1]
+        if op.node in touched:
+            continue
+        node = graph.nodes[op.node]
+        delta = np.zeros(index + 1 - before, dtype=np.int64)
+        delta[1:] += outside(op.node, before + 1, index + 1) * node.output_bytes
+        if op.tape:
+            delta += node.saved_buffer_bytes
+            for owner in {graph.storage_owner(q) for q in node.backward_needs} - {op.node}:
+                delta += outside(owner, before, index + 1) * graph.nodes[owner].output_bytes
+        window = slice(before, index + 1)
+        if np.any((peaks[window] + added[window] + delta > limit) & (delta > 0)):
+            continue
+        added[window] += delta
+        chosen.append(position)
+        touched.add(op.node)
+    return chosen
+
+
+@settings(max_examples=80, deadline=None)
+@given(cost_graphs(max_nodes=24), st.floats(0.2, 0.9), st.floats(1.0, 1.6))
+def test_each_rounds_choice_by_runs_of_constant_bytes_is_the_choice_index_by_index(graph, fraction, room):
+    from recompute_graph.schedule_relaxation import _choose, _sequence
+    budget = int(fraction * SOLVERS["store_all"](graph, None).peak_bytes)
+    try:
+        plan = SOLVERS["chain_dp"](graph, budget)
+    except (InfeasibleBudgetError, SolverError):
+        return
+    limit = int(plan.peak_bytes * room)
+    sequence = _sequence(plan.schedule)
+    assert (_choose(graph, plan.schedule, plan.simulation, sequence, limit, 0)
+            == _dense_choice(graph, plan.schedule, plan.simulation, sequence, limit))
+
+
+def test_the_choice_by_runs_takes_recomputations_of_a_residual_chain_as_the_dense_rule_does():
+    from recompute_graph.schedule_relaxation import _choose, _sequence
+    graph = blocks(30, 10)
+    plan = SOLVERS["chain_dp"](graph, int(0.5 * SOLVERS["store_all"](graph, None).peak_bytes))
+    for room in (1.0, 1.1, 1.3):
+        limit = int(plan.peak_bytes * room)
+        sequence = _sequence(plan.schedule)
+        chosen = _choose(graph, plan.schedule, plan.simulation, sequence, limit, 0)
+        assert chosen == _dense_choice(graph, plan.schedule, plan.simulation, sequence, limit)
+        assert chosen or room == 1.0
