@@ -168,7 +168,10 @@ class _Intervals:
 def _choose(graph: CostGraph, schedule: Schedule, simulation: SimulationResult,
             sequence: list[tuple[int, Op | None]], peak_limit_bytes: int, loss_allowance_bytes: int) -> list[int]:
     """Positions in ``sequence`` of the recomputations to drop this round, most expensive first, each
-    priced on the timeline with those before it (at most one per node)."""
+    priced on the timeline with those before it (at most one per node). What one would keep is constant
+    over runs of its window (``_constant_pieces``): each run is checked against, and added to, one
+    array of each op's level, at most two passes over the run. (Per-index arrays for every candidate,
+    as before, took 56 s of the 300 s that planning an LSTM over 100 steps took.)"""
     program = [*schedule.forward_ops, None, *schedule.backward_ops]
     peaks = np.array(_op_peaks(schedule, simulation, loss_allowance_bytes), dtype=np.int64)
     held = _held(graph, program)
