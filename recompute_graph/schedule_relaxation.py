@@ -173,26 +173,12 @@ def _choose(graph: CostGraph, schedule: Schedule, simulation: SimulationResult,
     array of each op's level, at most two passes over the run. (Per-index arrays for every candidate,
     as before, took 56 s of the 300 s that planning an LSTM over 100 steps took.)"""
     program = [*schedule.forward_ops, None, *schedule.backward_ops]
-    peaks = np.array(_op_peaks(schedule, simulation, loss_allowance_bytes), dtype=np.int64)
     held = _held(graph, program)
-    previous: dict[int, int] = {}   # node -> program index of its latest computation so far
-    candidates: list[tuple[float, int, int, int]] = []  # (-cost, position, previous computation, index)
-    for position, (index, op) in enumerate(sequence):
-        if not isinstance(op, Forward):
-            continue
-        node = graph.nodes[op.node]
-        before = previous.get(op.node)
-        previous[op.node] = index
-        if before is None or node.alias_of is not None or node.random or node.stateful:
-            continue
-        if op.tape and program[before].tape:  # type: ignore[union-attr]
-            continue
-        candidates.append((-node.forward_cost, position, before, index))
-    candidates.sort()
-    level = peaks.copy()  # each op's peak with what this round's choices keep on top
+    level = np.array(_op_peaks(schedule, simulation, loss_allowance_bytes), dtype=np.int64)  # each op's
+    # peak, with what this round's choices keep on top
     chosen: list[int] = []
     touched: set[int] = set()
-    for _, position, before, index in candidates:
+    for position, before, index in _candidates(graph, program, sequence):
         op = sequence[position][1]
         assert isinstance(op, Forward)
         if op.node in touched:
@@ -214,6 +200,27 @@ def _choose(graph: CostGraph, schedule: Schedule, simulation: SimulationResult,
         chosen.append(position)
         touched.add(op.node)
     return chosen
+
+
+def _candidates(graph: CostGraph, program: list[Op | None], sequence: list[tuple[int, Op | None]]
+                ) -> list[tuple[int, int, int]]:
+    """The recomputations a round may drop, most expensive first: ``(position in sequence, program index
+    of the node's computation before it, its own program index)``; not views, random or stateful nodes,
+    nor a taped recomputation of a node whose computation before it was taped too."""
+    previous: dict[int, int] = {}   # node -> program index of its latest computation so far
+    candidates: list[tuple[float, int, int, int]] = []  # (-cost, position, previous computation, index)
+    for position, (index, op) in enumerate(sequence):
+        if not isinstance(op, Forward):
+            continue
+        node = graph.nodes[op.node]
+        before = previous.get(op.node)
+        previous[op.node] = index
+        if before is None or node.alias_of is not None or node.random or node.stateful:
+            continue
+        if op.tape and program[before].tape:  # type: ignore[union-attr]
+            continue
+        candidates.append((-node.forward_cost, position, before, index))
+    return [(position, before, index) for _, position, before, index in sorted(candidates)]
 
 
 def _free_runs(held: dict[int, _Intervals], storage: int, start: int, stop: int) -> list[tuple[int, int]]:

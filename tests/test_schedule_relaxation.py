@@ -35,17 +35,26 @@ def blocks(count: int = 8, width: int = 10) -> CostGraph:
     return CostGraph("blocks", tuple(nodes), cost_source=JOINT_COST_SOURCE)
 
 
+def _plan_and_limit(graph, fraction, room):
+    """chain_dp's plan at ``fraction`` of store-all's peak and a limit ``room`` times its peak; None when
+    chain_dp has none."""
+    budget = int(fraction * SOLVERS["store_all"](graph, None).peak_bytes)
+    try:
+        plan = SOLVERS["chain_dp"](graph, budget)
+    except (InfeasibleBudgetError, SolverError):
+        return None
+    return plan, int(plan.peak_bytes * room)
+
+
 @settings(max_examples=60, deadline=None)
 @given(cost_graphs(max_nodes=24), st.floats(0.3, 0.9), st.floats(1.0, 1.5))
 def test_a_relaxed_plan_is_valid_the_simulators_within_the_limit_and_recomputes_less(graph, fraction, room):
     """Whatever the plan and the room above its peak, a relaxed plan runs (the simulator replays it),
     its simulation is the one returned, it fits the limit and costs less compute than the plan."""
-    budget = int(fraction * SOLVERS["store_all"](graph, None).peak_bytes)
-    try:
-        plan = SOLVERS["chain_dp"](graph, budget)
-    except (InfeasibleBudgetError, SolverError):
+    planned = _plan_and_limit(graph, fraction, room)
+    if planned is None:
         return
-    limit = int(plan.peak_bytes * room)
+    plan, limit = planned
     found = relax_recomputations(graph, plan.schedule, plan.simulation, lambda s: s.peak_bytes <= limit, limit)
     if found is None:
         return
@@ -163,7 +172,7 @@ def _dense_choice(graph, schedule, simulation, sequence, limit):
     index of its window, taken when no index with bytes added goes over the limit."""
     import numpy as np
 
-    from recompute_graph.schedule_relaxation import _held, _op_peaks
+    from recompute_graph.schedule_relaxation import _candidates, _held, _op_peaks
     program = [*schedule.forward_ops, None, *schedule.backward_ops]
     peaks = np.array(_op_peaks(schedule, simulation, 0), dtype=np.int64)
     held = _held(graph, program)
@@ -174,20 +183,8 @@ def _dense_choice(graph, schedule, simulation, sequence, limit):
             for begin, end in zip(held[storage].begins, held[storage].ends):
                 free[max(begin, start) - start:max(0, min(end + 1, stop) - start)] = False
         return free
-    previous, candidates = {}, []
-    for position, (index, op) in enumerate(sequence):
-        if not isinstance(op, Forward):
-            continue
-        node = graph.nodes[op.node]
-        before = previous.get(op.node)
-        previous[op.node] = index
-        if before is None or node.alias_of is not None or node.random or node.stateful:
-            continue
-        if op.tape and program[before].tape:
-            continue
-        candidates.append((-node.forward_cost, position, before, index))
     added, chosen, touched = np.zeros(len(program), dtype=np.int64), [], set()
-    for _, position, before, index in sorted(candidates):
+    for position, before, index in _candidates(graph, program, sequence):
         op = sequence[position][1]
         if op.node in touched:
             continue
@@ -211,12 +208,10 @@ def _dense_choice(graph, schedule, simulation, sequence, limit):
 @given(cost_graphs(max_nodes=24), st.floats(0.2, 0.9), st.floats(1.0, 1.6))
 def test_each_rounds_choice_by_runs_of_constant_bytes_is_the_choice_index_by_index(graph, fraction, room):
     from recompute_graph.schedule_relaxation import _choose, _sequence
-    budget = int(fraction * SOLVERS["store_all"](graph, None).peak_bytes)
-    try:
-        plan = SOLVERS["chain_dp"](graph, budget)
-    except (InfeasibleBudgetError, SolverError):
+    planned = _plan_and_limit(graph, fraction, room)
+    if planned is None:
         return
-    limit = int(plan.peak_bytes * room)
+    plan, limit = planned
     sequence = _sequence(plan.schedule)
     assert (_choose(graph, plan.schedule, plan.simulation, sequence, limit, 0)
             == _dense_choice(graph, plan.schedule, plan.simulation, sequence, limit))
