@@ -106,3 +106,16 @@ def test_hugging_face_gpt2_split_at_its_loss_shares_the_budget_exactly():
     assert 0.9 <= measured / backend.step_plan.predicted_step_peak_bytes <= 1.1
     step(reference)
     assert parameter_gradient_error(model, reference) < 1e-5
+
+
+def test_a_named_solvers_plans_are_the_candidates_of_a_broken_step():
+    model, step, eager_bytes, _ = _setup()
+    budget = int(0.75 * eager_bytes)
+    backend = budget_backend(budget, solver="chain_dp", loss_fn=_loss)
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    with pytest.warns(GraphBreakWarning):
+        step(compiled)
+    measured = allocator_peak_memory(lambda: step(compiled))
+    assert {plan.solver for plan in backend.step_plan.plans.values()} == {"chain_dp"}
+    assert measured <= budget
+    assert 0.9 <= measured / backend.step_plan.predicted_step_peak_bytes <= 1.1
