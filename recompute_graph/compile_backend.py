@@ -13,7 +13,8 @@ plans a broken step's graphs together (``step_graphs``):
 1. A graph that ends at a break or resumes after one (``joint_capture.warn_of_graph_break``), and
    every graph compiled after one, is *shared*: at its first compilation it is priced and planned at
    its smallest-memory plan, since the graphs that run after it are not known yet.
-2. The backend records its graphs' forward calls, and the backward of each graph; at the end of each
+2. Once a graph is shared, the backend records its graphs' forward calls (a model compiled as one
+   graph pays nothing for this), and the backward of each graph; at the end of each
    backward pass (a callback queued with autograd's engine) the forwards whose backward ran, in
    forward order, are the step (a forward dropped without a backward, a validation call under grad
    say, is not part of it).
@@ -143,7 +144,8 @@ class RecomputeBackend:
         record.compiled[record.lowered.plan.schedule] = (compiled, record.lowered)
 
         def run(*args: Any) -> Any:
-            self._before_forward(record)
+            if self._breaks:  # only a broken model's steps are learned (nothing on one graph's hot path)
+                self._before_forward(record)
             return record.run(*args)  # type: ignore[misc]
         for name in ("zero_grad", "named_parameters", "named_buffers"):
             if hasattr(compiled, name):
@@ -158,7 +160,8 @@ class RecomputeBackend:
 
             def run(*args: Any) -> Any:
                 result = compiled(*args)
-                self._after_backward(record)
+                if self._breaks:
+                    self._after_backward(record)
                 return result
             if getattr(compiled, "_boxed_call", False):
                 run._boxed_call = True  # type: ignore[attr-defined]
@@ -223,7 +226,7 @@ class RecomputeBackend:
     # ------------------------------------------------------------------ steps
     def _before_forward(self, record: _CompiledGraph) -> None:
         finished, self._finished = self._finished, ()
-        if self._breaks and len(finished) > 1 and finished != self._planned_calls:  # a new step begins
+        if len(finished) > 1 and finished != self._planned_calls:  # a new step begins
             try:
                 self._share_budget(finished)
             except BaseException:

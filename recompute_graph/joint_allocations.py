@@ -43,13 +43,14 @@ def kernel_workspace_bytes(joint: fx.GraphModule, joint_inputs: Sequence[Any]) -
 
 
 def _cpu_allocator_blind() -> bool:
-    """A ``torch.profiler`` session is recording already (``loss_pricing.allocator_windows`` does not
-    start a second one, which would end it): the CPU allocator's events cannot be read. Warns."""
-    if not torch.autograd.profiler._is_profiler_enabled:
-        return False
+    """A ``torch.profiler`` session is recording already (``loss_pricing.profiler_recording``): the CPU
+    allocator's events cannot be read. Warns."""
     import warnings
 
     from .errors import ProfilerActiveWarning
+    from .loss_pricing import profiler_recording
+    if not profiler_recording():
+        return False
     warnings.warn("a torch.profiler session is recording while rg.backend prices a graph on the CPU: "
                   "reading the allocator would end it, so the kernels' temporaries are left out of the plan "
                   "and the loss is priced by the storages it makes. Run the first step (which compiles and "

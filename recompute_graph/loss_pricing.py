@@ -29,8 +29,8 @@ from .errors import ProfileError
 from .losses import LossFunction
 from .measure import AllocatorRecorder, StorageTracker, unique_storages
 
-__all__ = ["WINDOW_PREFIX", "LossPrice", "price_loss", "allocator_windows", "node_window", "rng_state_bytes",
-           "GradientLayout", "incoming_gradient_layouts", "gradient_seeds"]
+__all__ = ["WINDOW_PREFIX", "LossPrice", "price_loss", "allocator_windows", "profiler_recording", "node_window",
+           "rng_state_bytes", "GradientLayout", "incoming_gradient_layouts", "gradient_seeds"]
 
 
 #: ``torch.profiler.record_function`` names around each node's priced run: prefix + node name.
@@ -39,6 +39,13 @@ WINDOW_PREFIX = "recompute_graph.node::"
 
 #: While a CUDA model is priced: the device, and each window's (start, peak, end) by the caching allocator.
 _cuda_windows: dict[str, Any] = {}
+
+
+def profiler_recording() -> bool:
+    """A ``torch.profiler`` session is recording already: the CPU allocator's events cannot be read
+    without starting a second session, which would end it (:func:`allocator_windows` records nothing
+    then)."""
+    return bool(torch.autograd.profiler._is_profiler_enabled)
 
 
 @contextlib.contextmanager
@@ -50,7 +57,7 @@ def allocator_windows(on_meta: bool, cuda_device: Any = None
     around each :func:`node_window` (its peak statistic is reset at each window). Meta: nothing; nor on
     CPU while a profiler is recording already (a user's ``torch.profiler`` session around a step that
     compiles): a second session would end the user's, whose profile would lose everything after it."""
-    if on_meta or (cuda_device is None and torch.autograd.profiler._is_profiler_enabled):
+    if on_meta or (cuda_device is None and profiler_recording()):
         yield dict
         return
     if cuda_device is not None:
