@@ -122,6 +122,14 @@ class CostNode:
     grad_release_step
         With ``backward_steps``: the step after which the backward has read its output gradient for
         the last time, which is then let go of unless something else holds it (-1: at the end).
+    recompute_cost, recompute_kept_bytes
+        When a recomputation does less than the first computation (a joint graph's training-mode
+        BatchNorm, normalized again from the batch statistics its first computation made:
+        ``batch_norm_recompute``): the cost of each computation after the first (None: ``forward_cost``),
+        and the bytes of the saved buffers it reads from the first computation instead of making them
+        (at most ``saved_buffer_bytes``), which are kept from the first computation to the node's
+        backward when it is computed more than once. Solvers price every computation at
+        :attr:`recomputation_cost` (the first computations are the same in every plan).
     """
 
     index: int
@@ -158,6 +166,13 @@ class CostNode:
     grad_release_step: int = -1
     order_only_predecessors: tuple[int, ...] = ()
     random_op_count: int = 1
+    recompute_cost: float | None = None
+    recompute_kept_bytes: int = 0
+
+    @property
+    def recomputation_cost(self) -> float:
+        """The cost of a computation after the first: ``recompute_cost``, else ``forward_cost``."""
+        return self.forward_cost if self.recompute_cost is None else self.recompute_cost
 
     @property
     def read_predecessors(self) -> tuple[int, ...]:
@@ -172,7 +187,11 @@ class CostNode:
         return self.saved_input_bytes + self.saved_output_bytes + self.saved_buffer_bytes
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The fields, without a recomputation's when it is the forward's (saved graphs keep their form)."""
+        data = dataclasses.asdict(self)
+        if self.recompute_cost is None and not self.recompute_kept_bytes:
+            del data["recompute_cost"], data["recompute_kept_bytes"]
+        return data
 
 
 @dataclass(frozen=True)
@@ -200,7 +219,8 @@ class CostGraph:
     allocator's peak with them held).
 
     ``estimated_costs``: when the nodes' costs are measured, each node's ``(forward, backward)`` seconds
-    as the device profile's FLOP roofline estimates them (empty otherwise). Measured times carry the
+    as the device profile's FLOP roofline estimates them, with its ``recompute_cost`` third where it has
+    one (empty otherwise). Measured times carry the
     machine's noise, and a solver's plan near its floor follows small differences in them; the planner
     also plans on these estimates and prices what it finds with the measured times
     (``planner.estimated_times_graph``).
@@ -225,7 +245,7 @@ class CostGraph:
     rng_state_bytes: int = 0
     loss_gradient_outputs: tuple[int, ...] | None = None
     output_gradients_held: bool = True
-    estimated_costs: tuple[tuple[float, float], ...] = ()
+    estimated_costs: tuple[tuple[float, ...], ...] = ()
     _index_by_name: dict[str, int] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -252,10 +272,12 @@ class CostGraph:
             if not 0 <= o < len(nodes):
                 raise GraphError(f"CostGraph {self.name!r}: output {o} is not a node")
         object.__setattr__(self, "_index_by_name", names)
-        object.__setattr__(self, "estimated_costs", tuple((float(f), float(b)) for f, b in self.estimated_costs))
-        if self.estimated_costs and len(self.estimated_costs) != len(nodes):
+        object.__setattr__(self, "estimated_costs", tuple(tuple(float(c) for c in entry)
+                                                          for entry in self.estimated_costs))
+        if self.estimated_costs and (len(self.estimated_costs) != len(nodes)
+                                     or any(len(entry) not in (2, 3) for entry in self.estimated_costs)):
             raise GraphError(f"CostGraph {self.name!r}: {len(self.estimated_costs)} estimated costs for "
-                             f"{len(nodes)} nodes")
+                             f"{len(nodes)} nodes (each forward, backward and perhaps the recomputation)")
         for name in ("input_bytes", "parameter_bytes", "buffer_bytes"):
             if getattr(self, name) < 0:
                 raise GraphError(f"CostGraph {self.name!r}: {name} is negative")
@@ -299,8 +321,10 @@ class CostGraph:
                      "backward_flops"):
             if getattr(node, attr) < 0:
                 raise GraphError(f"{where}: {attr} is negative")
-        if not (node.forward_cost >= 0 and node.backward_cost >= 0):  # also rejects NaN
+        if not (node.forward_cost >= 0 and node.backward_cost >= 0 and node.recomputation_cost >= 0):  # and NaN
             raise GraphError(f"{where}: costs must be non-negative numbers")
+        if not 0 <= node.recompute_kept_bytes <= node.saved_buffer_bytes:
+            raise GraphError(f"{where}: recompute_kept_bytes must be within 0..saved_buffer_bytes")
 
     # ----------------------------------------------------------------- access
     def __len__(self) -> int:

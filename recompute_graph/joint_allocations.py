@@ -4,7 +4,8 @@
   by the allocator, from one run of the joint graph on real tensors shaped like its inputs;
 * :func:`node_seconds`: each node's run time, on the same real tensors (the kernels this device runs,
   where a FLOP roofline misjudges them: a CPU's training-mode BatchNorm costs twice its roofline, its
-  convolutions 0.4 of it, a view nothing);
+  convolutions 0.4 of it, a view nothing), and of a training BatchNorm's normalization from its batch
+  statistics, what recomputing it costs (``batch_norm_recompute``);
 * :func:`outputs_loss_bytes`: the transient of the training loop's loss on the model's outputs.
 
 All go into ``joint_costs.joint_cost_graph`` (``workspace``, ``node_seconds`` and ``loss_bytes``).
@@ -21,6 +22,7 @@ import torch
 from torch import fx
 from torch.utils._pytree import tree_flatten, tree_map
 
+from .batch_norm_recompute import RECOMPUTE_SECONDS_SUFFIX, normalize_from_statistics, training_batch_norm
 from .joint_costs import _is_buffer_update
 from .meta_flops import node_signature
 from .joint_units import JointUnits, is_tangent
@@ -102,7 +104,9 @@ def node_seconds(joint: fx.GraphModule, joint_inputs: Sequence[Any], runs: int =
     kernels and the allocator, unless ``warm_up`` is False because a run just did, the workspace's;
     no more runs once :data:`TIMING_SECONDS` have gone by), each node timed
     alone (``torch.cuda.synchronize`` on either side on CUDA); nodes doing the same work (a deep
-    model's repeated layers) get the median of their times. Empty when the tensors cannot be made
+    model's repeated layers) get the median of their times. A training BatchNorm's normalization from
+    its statistics is timed beside it, under its name with ``RECOMPUTE_SECONDS_SUFFIX``. Empty when the
+    tensors cannot be made
     (meta, symbolic shapes) or the run fails: FLOP estimates price the graph then."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     with unset_fake_temporarily():
@@ -128,6 +132,14 @@ def _node_seconds(joint: fx.GraphModule, joint_inputs: Sequence[Any], runs: int,
             sync()
             took = time.perf_counter() - start
             seconds[n.name] = min(took, seconds.get(n.name, took))
+            if training_batch_norm(n) and result[1].dtype == result[0].dtype:  # its recomputation
+                data, weight, bias = (self.env[a] if isinstance(a, fx.Node) else a for a in n.args[:3])
+                start = time.perf_counter()
+                normalize_from_statistics(data, weight, bias, result[1], result[2])
+                sync()
+                took = time.perf_counter() - start
+                key = n.name + RECOMPUTE_SECONDS_SUFFIX
+                seconds[key] = min(took, seconds.get(key, took))
             return result
     began = time.perf_counter()
     try:
@@ -156,9 +168,11 @@ def _alike_as_one(joint: fx.GraphModule, seconds: dict[str, float]) -> dict[str,
                 groups.setdefault(key, []).append(node.name)
     alike = dict(seconds)
     for names in groups.values():
-        if len(names) > 1:
-            middle = statistics.median(seconds[name] for name in names)
-            alike.update((name, middle) for name in names)
+        recomputations = [name + RECOMPUTE_SECONDS_SUFFIX for name in names if name + RECOMPUTE_SECONDS_SUFFIX in seconds]
+        for keys in (names, recomputations):
+            if len(keys) > 1:
+                middle = statistics.median(seconds[key] for key in keys)
+                alike.update((key, middle) for key in keys)
     return alike
 
 

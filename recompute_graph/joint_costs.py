@@ -50,7 +50,11 @@ Pricing (:func:`joint_cost_graph`), bytes from the fake tensors of ``meta["val"]
 
 A unit holding a random op (dropout) is ``random``, one reading state the step updates (BatchNorm)
 ``stateful``; ``joint_lowering`` replays a recomputed random op from an RNG snapshot and recomputes a
-training-mode BatchNorm without its running statistics. Without kernel workspace the simulator's peak
+training-mode BatchNorm without its running statistics: normalized from the batch statistics its first
+computation made, where its own backward alone reads those (``batch_norm_recompute``), which a
+recomputation of the unit then costs (``recompute_cost``); what its recomputations read from the first
+computation (those statistics, and the new running statistics its backward reads) is
+``recompute_kept_bytes``. Without kernel workspace the simulator's peak
 of a schedule is the liveness of the graphs it lowers to (``joint_lowering.graph_peak_bytes``).
 """
 from __future__ import annotations
@@ -62,6 +66,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from .batch_norm_recompute import RECOMPUTE_SECONDS_SUFFIX, items_read_from_the_forward, normalization_statistics
 from .device_profiles import DEVICE_PROFILES, DeviceProfile
 from .gradient_accumulation import sum_terms
 from .graph import JOINT_COST_SOURCE, CostGraph, CostNode, is_joint_cost_graph
@@ -172,6 +177,16 @@ def _seconds(node: fx.Node, flops: int, profile: DeviceProfile, measured: dict[s
     """A node's time: measured, or the roofline's for its FLOPs and moved bytes."""
     took = measured.get(node.name)
     return took if took is not None else profile.seconds(flops, _moved_bytes(node))
+
+
+def _normalization_seconds(node: fx.Node, profile: DeviceProfile, measured: dict[str, float]) -> float:
+    """A training BatchNorm's normalization from its statistics (``batch_norm_recompute``): measured beside
+    the node, or the roofline's for a multiply and an add per element, reading and writing the input."""
+    took = measured.get(node.name + RECOMPUTE_SECONDS_SUFFIX)
+    if took is not None:
+        return took
+    data = node.args[0].meta["val"]
+    return profile.seconds(2 * data.numel(), 2 * data.numel() * data.element_size())
 
 
 def _backward_storage_makers(graph: fx.Graph, unit_of_backward: dict[fx.Node, int], primal_keys: set[int]
@@ -373,8 +388,19 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
         # overlaps none of them): the workspace is what the unit holds beyond its outputs at its peak
         internal = internal_peak_bytes(members, own_keys, kept_internal | read_outside) - output_bytes
         targets = {op_name(n.target) for n in members if n.op == "call_function"}
-        estimated.append((sum(profile.seconds(flops[n], _moved_bytes(n)) for n in members),
-                          sum(profile.seconds(flops[b], _moved_bytes(b)) for b in backward_nodes)))
+        forward_seconds = sum(_seconds(n, flops[n], profile, measured) for n in members)
+        estimated_forward = sum(profile.seconds(flops[n], _moved_bytes(n)) for n in members)
+        estimated_backward = sum(profile.seconds(flops[b], _moved_bytes(b)) for b in backward_nodes)
+        # a training BatchNorm recomputed from its statistics, kept from the first computation
+        statistics = {n: s for n in members if (s := normalization_statistics(n, own_backward)) is not None}
+        recompute_seconds = estimated_recompute = None
+        if statistics:
+            recompute_seconds = forward_seconds + sum(_normalization_seconds(n, profile, measured)
+                                                      - _seconds(n, flops[n], profile, measured) for n in statistics)
+            estimated_recompute = estimated_forward + sum(_normalization_seconds(n, profile, {})
+                                                          - profile.seconds(flops[n], _moved_bytes(n)) for n in statistics)
+        estimated.append((estimated_forward, estimated_backward) if estimated_recompute is None
+                         else (estimated_forward, estimated_backward, estimated_recompute))
         nodes.append(CostNode(
             index=index, name=members[0].name, kind="function", target=op_name(members[0].target),
             predecessors=predecessors,
@@ -396,7 +422,11 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
             + returned_gradients.summed_bytes[index]
             + max((workspace.get(b.name, 0) for b in backward_nodes), default=0),
             param_grad_bytes=sum(made_gradients[index].values()),
-            forward_cost=sum(_seconds(n, flops[n], profile, measured) for n in members),
+            forward_cost=forward_seconds, recompute_cost=recompute_seconds,
+            recompute_kept_bytes=sum(nbytes for key, nbytes in {key: nbytes for n in members
+                                                                for item in items_read_from_the_forward(n, own_backward)
+                                                                for key, nbytes in _storage(item)}.items()
+                                     if key in kept_internal),
             backward_cost=sum(_seconds(b, flops[b], profile, measured) for b in backward_nodes),
             forward_flops=forward_flops, backward_flops=backward_flops, requires_grad=grad,
             random=bool(targets & RANDOM_TARGETS), stateful=bool(targets & STATE_READING_TARGETS),

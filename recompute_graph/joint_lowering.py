@@ -21,10 +21,10 @@ joint graph, then extracting the two graphs AOTAutograd runs with torch's
 A random node (dropout) of a unit the schedule recomputes gets an RNG snapshot in the forward
 (:func:`rng_snapshot`, a saved value of ``rng_state_bytes``), and its copy runs under that state
 (:func:`replay_random`), so the recomputed mask is the original's and the global generator is left as it
-was. A training-mode BatchNorm is recomputed without its running statistics
-(``_native_batch_norm_legit.no_stats``: the batch's statistics give the same output), since AOTAutograd
-writes them back after the forward and autograd's version check would refuse them in the backward;
-other BatchNorm forms are never copied (their outputs are saved).
+was. A training-mode BatchNorm is recomputed without its running statistics (``batch_norm_recompute``):
+normalized from the batch statistics the forward made, which its backward reads anyway, or, where those
+cannot be used, from the batch (``_native_batch_norm_legit.no_stats``); other BatchNorm forms are never
+copied (their outputs are saved).
 :func:`graph_peak_bytes` is the liveness of the generated graphs, from the fake values of their nodes:
 the judge of what a plan costs once lowered, beside the simulator's prediction.
 
@@ -35,6 +35,7 @@ at the budget, and lowers the plan (:func:`lower_plan`); ``compile_backend.budge
 from __future__ import annotations
 
 import heapq
+import operator
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -50,7 +51,9 @@ from .joint_allocations import kernel_workspace_bytes, node_seconds, outputs_los
 from .joint_costs import joint_cost_graph, rng_state_bytes
 from .joint_units import JointUnits, is_gradient_sum, is_tangent, joint_units, tangents_held_through_backward
 from .joint_storage import storage_of as _storage
-from .joint_partition import STATE_READING_TARGETS, extract_graphs
+from .batch_norm_recompute import (copy_batch_norm, copy_normalization, normalization_statistics, reads_updated_state,
+                                   training_batch_norm)
+from .joint_partition import extract_graphs
 from .schedule import Backward, Forward, Schedule, dead_recomputations
 
 __all__ = ["Lowered", "lower_schedule", "graph_peak_bytes", "price_joint", "lower_plan", "plan_and_lower",
@@ -110,36 +113,6 @@ def last_lowering() -> Lowered | None:
 def set_last_lowering(lowered: Lowered) -> None:
     """What :func:`last_lowering` returns from now on (a plan fitted to inductor's code after lowering)."""
     _LAST[:] = [lowered]
-
-
-def _training_batch_norm(node: fx.Node) -> bool:
-    """``_native_batch_norm_legit_functional`` in training mode: it normalizes by the batch's statistics."""
-    return (node.op == "call_function" and node.target is torch.ops.aten._native_batch_norm_legit_functional.default
-            and bool(node.args[5]))
-
-
-def _reads_updated_state(node: fx.Node) -> bool:
-    """A node that cannot be copied into the backward: a BatchNorm (or an item of its result) that
-    reads running statistics AOTAutograd writes back after the forward (autograd's version check
-    refuses them there), except a training-mode functional BatchNorm, whose copy runs without them
-    (:func:`_copy_batch_norm`); and the new running statistics themselves (items 3 and 4), read from
-    the forward."""
-    import operator
-    if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
-        return _reads_updated_state(node.args[0]) or (_training_batch_norm(node.args[0]) and node.args[1] >= 3)
-    return (node.op == "call_function" and op_name(node.target) in STATE_READING_TARGETS
-            and not _training_batch_norm(node))
-
-
-def _copy_batch_norm(graph: fx.Graph, node: fx.Node, read: Callable[[fx.Node], fx.Node]) -> fx.Node:
-    """A training-mode BatchNorm recomputed without running statistics
-    (``_native_batch_norm_legit.no_stats``): the same output, mean and inverse std."""
-    data, weight, bias, _mean, _var, training, momentum, eps = node.args
-    args = fx.node.map_arg((data, weight, bias), read)
-    copy = graph.call_function(torch.ops.aten._native_batch_norm_legit.no_stats, (*args, training, momentum, eps))
-    copy.meta = {k: v for k, v in node.meta.items() if k != "val"}
-    copy.meta["val"] = tuple(node.meta["val"][:3])
-    return copy
 
 
 def _is_gradient_sum(node: fx.Node, units: JointUnits) -> bool:
@@ -334,11 +307,21 @@ def lower_schedule(joint: fx.GraphModule, units: JointUnits, schedule: Schedule,
             if op.tape:
                 tape_view[op.node] = dict(current)
         elif isinstance(op, Forward):
+            normalized: dict[fx.Node, fx.Node] = {}  # a BatchNorm normalized from its saved statistics -> copy
+            own_backward = set(units.backward_of[op.node])
             for node in units.units[op.node]:
-                if _reads_updated_state(node):
+                if reads_updated_state(node):
                     continue
-                if _training_batch_norm(node):
-                    copy = _copy_batch_norm(new, node, read)
+                if node.target is operator.getitem and node.args[0] in normalized:
+                    if node.args[1] == 0:  # the output; the statistics are read from the forward
+                        current[node] = normalized[node.args[0]]
+                    continue
+                statistics = normalization_statistics(node, own_backward)
+                if statistics is not None:
+                    copy = normalized[node] = copy_normalization(new, node, read, (env[statistics[0]],
+                                                                                   env[statistics[1]]))
+                elif training_batch_norm(node):
+                    copy = copy_batch_norm(new, node, read)
                 elif node in snapshots:
                     args, kwargs = fx.node.map_arg((node.args, node.kwargs), read)
                     copy = new.call_function(replay_random, (snapshots[node], _device_of_random(node, read),

@@ -357,8 +357,9 @@ def estimated_times_graph(graph: CostGraph) -> CostGraph | None:
         return None
 
     def build() -> CostGraph:
-        nodes = tuple(dataclasses.replace(node, forward_cost=forward, backward_cost=backward)
-                      for node, (forward, backward) in zip(graph.nodes, graph.estimated_costs))
+        nodes = tuple(dataclasses.replace(node, forward_cost=costs[0], backward_cost=costs[1],
+                                          recompute_cost=costs[2] if len(costs) > 2 else None)
+                      for node, costs in zip(graph.nodes, graph.estimated_costs))
         return dataclasses.replace(graph, nodes=nodes, estimated_costs=(),
                                    cost_source=f"flop-estimate beside {graph.cost_source}")
     return memoized(graph, ("planner.estimated_times_graph",), build)

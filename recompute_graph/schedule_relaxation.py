@@ -219,7 +219,7 @@ def _candidates(graph: CostGraph, program: list[Op | None], sequence: list[tuple
             continue
         if op.tape and program[before].tape:  # type: ignore[union-attr]
             continue
-        candidates.append((-node.forward_cost, position, before, index))
+        candidates.append((-node.recomputation_cost, position, before, index))
     return [(position, before, index) for _, position, before, index in sorted(candidates)]
 
 

@@ -44,8 +44,9 @@ outputs, its loss run, when the generated backward takes their gradients: the ``
 open the backward run before the gradients arrive (``outputs_dropped_bytes``; ``planner.step_peak_bytes``
 puts them back for a loss that holds the outputs while it makes their gradients).
 
-Time: ``forward_cost`` for every ``Forward`` and ``backward_cost`` for every ``Backward`` that ran;
-computations beyond the first of a node count as ``recompute_cost``.
+Time: ``forward_cost`` for every first ``Forward`` of a node (``recompute_cost`` for each later one, when
+the node has one) and ``backward_cost`` for every ``Backward`` that ran; computations beyond the first of
+a node count as ``recompute_cost``.
 
 A joint graph's recomputation whose value nothing reads (``schedule.dead_recomputations``) is no code
 in its lowering: it reads none of its inputs, costs no time and makes no storage; with a tape it only
@@ -56,6 +57,11 @@ Random nodes computed more than once: the first computation keeps a snapshot of 
 computation (a dead one replays nothing), and each recomputation holds the current state transiently
 while it replays the snapshot (the executor's ``replayed_rng``, the compiler path's ``rng_snapshot``
 read by ``replay_random``; both let go of the snapshot after its last replay).
+
+A node computed more than once whose recomputations read saved buffers of its first computation
+(``recompute_kept_bytes``: a training BatchNorm's batch statistics) keeps those from its first live
+computation to the last of its live computations and its ``Backward``; no computation makes them
+again, and every tape of the node refers to them.
 """
 from __future__ import annotations
 
@@ -129,6 +135,9 @@ class _Simulation:
         self.replayed_random: set[int] = set()     # random nodes computed more than once
         self.computations_left: Counter[int] = Counter()  # of each replayed random node, after the current one
         self.rng_snapshot: dict[int, int] = {}     # replayed random node -> storage of its generators' snapshot
+        self.kept_uses_left: Counter[int] = Counter()  # node keeping its first computation's buffers ->
+        # its live computations and Backward still to come
+        self.kept_storage: dict[int, int] = {}     # such a node -> the storage of those buffers
         self.dead: dict[str, frozenset[int]] = {"forward": frozenset(), "backward": frozenset()}  # positions
         # of dead recomputations, by phase
 
@@ -185,6 +194,12 @@ class _Simulation:
         # what the node would save (dropout masks, internal copies) exists by the kernel's end, beside
         # its workspace; without a tape it is transient
         transient = node.workspace_bytes + node.saved_buffer_bytes
+        kept = None
+        if self.kept_uses_left and index in self.kept_uses_left:
+            kept = self.kept_storage.get(index)
+            if kept is None:  # the first computation: its buffers stay for the recomputations
+                kept = self.kept_storage[index] = self._new_storage(node.recompute_kept_bytes)
+            transient -= node.recompute_kept_bytes
         if op.node in self.replayed_random:
             self.computations_left[op.node] -= 1
             if op.node in self.computed:
@@ -194,20 +209,34 @@ class _Simulation:
         if self.live + transient > self.op_peak:  # the step's peak follows the op's (``run``)
             self.op_peak = self.live + transient
         if op.tape and node.requires_grad and self.graph.implicit_backward:  # the saved buffers stay
-            refs = [self._new_storage(node.saved_buffer_bytes)]
+            refs = [self._new_storage(node.saved_buffer_bytes - (0 if kept is None else node.recompute_kept_bytes))]
             own = self.owners[index]
             for q in node.backward_needs:
                 refs.append(self._ref(sid if q == own else self._storage_of_owner(index, q, "its backward needs")))
+            if kept is not None:
+                refs.append(self._ref(kept))
             self.tape[index] = refs
         if index in value:
             self._unref(value[index])
         value[index] = sid
-        self.compute_cost += node.forward_cost
         if index in self.computed:
-            self.recompute_cost += node.forward_cost
+            cost = node.recomputation_cost
+            self.recompute_cost += cost
+        else:
+            cost = node.forward_cost
+        self.compute_cost += cost
         self.computed.add(index)
         if self.rng_snapshot and index in self.rng_snapshot and not self.computations_left[index]:
             self._unref(self.rng_snapshot.pop(index))  # replayed for the last time
+        if kept is not None:
+            self._used_kept(index)
+
+    def _used_kept(self, index: int) -> None:
+        """One use of a node's kept buffers done; after the last, they are let go of (a tape may hold them)."""
+        self.kept_uses_left[index] -= 1
+        if not self.kept_uses_left[index]:
+            del self.kept_uses_left[index]
+            self._unref(self.kept_storage.pop(index))
 
     def _tape_only(self, op: Forward, node: CostNode) -> None:
         """A dead recomputation (module docstring): a tape of what its backward needs, an empty value."""
@@ -215,6 +244,8 @@ class _Simulation:
             refs = [self._new_storage(0)]
             refs += [self._ref(self._storage_of_owner(op.node, q, "its backward needs"))
                      for q in node.backward_needs]
+            if op.node in self.kept_storage:
+                refs.append(self._ref(self.kept_storage[op.node]))
             self.tape[op.node] = refs
         if op.node in self.value:
             self._unref(self.value[op.node])
@@ -282,6 +313,8 @@ class _Simulation:
             if sid is not None:  # None: let go of at a step (``tape_release_steps``)
                 self._unref(sid)
         self.backward_done.add(op.node)
+        if self.kept_uses_left and op.node in self.kept_uses_left:
+            self._used_kept(op.node)
 
     def _release_after(self, node: CostNode, tape: list[int | None], step: int) -> int:
         """Drop the tape references the backward reads for the last time at ``step``
@@ -451,6 +484,10 @@ def simulate(graph: CostGraph, schedule: Schedule) -> SimulationResult:
     computations = Counter(op.node for at, op in enumerate(sequence) if isinstance(op, Forward) and at not in dead)
     sim.replayed_random = {v for v, count in computations.items() if count > 1 and graph.nodes[v].random}
     sim.computations_left = Counter({v: computations[v] for v in sim.replayed_random})
+    keeping = [v for v, count in computations.items() if count > 1 and graph.nodes[v].recompute_kept_bytes]
+    if keeping:
+        backwards = Counter(op.node for op in schedule.backward_ops if isinstance(op, Backward))
+        sim.kept_uses_left = Counter({v: computations[v] + backwards[v] for v in keeping})
     forward_count = len(schedule.forward_ops)
     sim.dead = {"forward": frozenset(p for p in dead if p < forward_count),
                 "backward": frozenset(p - forward_count - 1 for p in dead if p > forward_count)}

@@ -137,7 +137,7 @@ def _chain_of(graph: CostGraph, max_stages: int, refine_above: float) -> Chain:
     cbw = [0] + [sum(stored[v] for v in stage) + max(boundary[stage[-1]], nodes[stage[-1]].output_bytes)
                  + max((nodes[v].workspace_bytes for v in stage), default=0) for stage in stages]
     fixed = max((n.backward_workspace_bytes for n in nodes), default=0)
-    return Chain(stages, tuple(sum(nodes[v].forward_cost for v in st) for st in stages),
+    return Chain(stages, tuple(sum(nodes[v].recomputation_cost for v in st) for st in stages),
                  tuple(sum(nodes[v].backward_cost for v in st) for st in stages), tuple(cw), tuple(cbw), fixed,
                  tuple(sum(nodes[v].param_grad_bytes for v in st) for st in stages))
 

@@ -42,7 +42,7 @@ def evict_schedule(graph: CostGraph, budget_bytes: int, rule: str = "belady",
     neighbourhood)."""
     if rule not in RULES:
         raise ValueError(f"unknown eviction rule {rule!r}; use one of {', '.join(RULES)}")
-    cost = [node.forward_cost for node in graph.nodes]
+    cost = [node.recomputation_cost for node in graph.nodes]
     rebuild_memory = working_sets(graph)
     n = len(graph)
     memory = [node.output_bytes for node in graph.nodes]

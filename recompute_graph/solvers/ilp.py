@@ -127,10 +127,10 @@ def solve_ilp(graph: CostGraph, budget_bytes: int, *, time_limit: float = 60.0, 
     unit = max(1, budget_bytes // MEMORY_UNITS)
     memory = [math.ceil(node.output_bytes / unit) for node in graph.nodes]
     budget = budget_bytes // unit
-    largest_cost = max((node.forward_cost for node in graph.nodes), default=0.0)
-    integral = all(float(node.forward_cost).is_integer() for node in graph.nodes) and largest_cost <= 10**9
+    largest_cost = max((node.recomputation_cost for node in graph.nodes), default=0.0)
+    integral = all(float(node.recomputation_cost).is_integer() for node in graph.nodes) and largest_cost <= 10**9
     scale = 1.0 if integral or largest_cost <= 0 else COST_UNITS / largest_cost
-    cost = [int(round(node.forward_cost * scale)) for node in graph.nodes]
+    cost = [int(round(node.recomputation_cost * scale)) for node in graph.nodes]
     successors = [sorted(node.successors) for node in graph.nodes]
     predecessors = [sorted(node.predecessors) for node in graph.nodes]
 
@@ -166,7 +166,7 @@ def solve_ilp(graph: CostGraph, budget_bytes: int, *, time_limit: float = 60.0, 
             raise SolverError(f"{reason}; use the evict or shave solver, or pass max_variables= or a longer "
                               "time_limit to solve_ilp")
         return ILPResult(status="FEASIBLE", schedule=hint, start=hint, objective=hinted.compute_cost,
-                         bound=sum(graph.nodes[i].forward_cost for i in fronts) + drop_bound(),
+                         bound=sum(graph.nodes[i].recomputation_cost for i in fronts) + drop_bound(),
                          solve_seconds=time.perf_counter() - entered, memory_unit_bytes=unit,
                          note=f"{reason}: not built, the hint is returned")
 
@@ -251,7 +251,7 @@ def solve_ilp(graph: CostGraph, budget_bytes: int, *, time_limit: float = 60.0, 
     status = model.solve(remaining, workers, on_solution, parameters=parameters, progress=progress, log=log)
     # every node but the optional ones is computed at least once: a bound whatever the solver proved (a MIP
     # solver stopped before its first LP reports none)
-    trivial_bound = sum(graph.nodes[i].forward_cost for i in fronts) + drop_bound()
+    trivial_bound = sum(graph.nodes[i].recomputation_cost for i in fronts) + drop_bound()
     seconds = time.perf_counter() - start
     variables, constraints = model.size()
     result = ILPResult(status=status, schedule=None, start=hint, objective=None, bound=None, solve_seconds=seconds,
@@ -261,7 +261,7 @@ def solve_ilp(graph: CostGraph, budget_bytes: int, *, time_limit: float = 60.0, 
         stages = [[i for i in allowed[sigma] if (i == frontier[sigma] and first[sigma]) or model.value(R[sigma][i])]
                   for sigma in range(count)]
         result.schedule = schedule_from_stages(graph, stages)
-        result.objective = sum(graph.nodes[i].forward_cost for stage in stages for i in stage)
+        result.objective = sum(graph.nodes[i].recomputation_cost for stage in stages for i in stage)
         result.bound = max(model.bound() / scale, trivial_bound)
         result.model_peak_units = max(model.value(level) for level in levels)
         if status == "OPTIMAL":
@@ -296,7 +296,7 @@ def recomputation_lower_bound(graph: CostGraph, budget_bytes: int, computed_once
         excess = node.output_bytes + sum(graph.nodes[v].output_bytes for v in needed) - budget_bytes
         if excess <= 0:
             continue
-        items = sorted((graph.nodes[v].forward_cost / graph.nodes[v].output_bytes, graph.nodes[v].output_bytes)
+        items = sorted((graph.nodes[v].recomputation_cost / graph.nodes[v].output_bytes, graph.nodes[v].output_bytes)
                        for v in needed if v not in reads and v not in once and graph.nodes[v].output_bytes > 0)
         cost = 0.0
         for per_byte, size in items:

@@ -45,7 +45,7 @@ class JointView:
         for v, node in enumerate(graph.nodes):
             self.value[v] = add(name=f"F:{node.name}", predecessors=tuple(self.value[p] for p in node.predecessors),
                                 output_bytes=0 if node.alias_of is not None else node.output_bytes,
-                                forward_cost=node.forward_cost)
+                                forward_cost=node.recomputation_cost)
             if node.requires_grad:
                 reads = tuple(sorted({self.value[v], *(self.value[p] for p in node.predecessors)}))
                 saved = node.saved_input_bytes + node.saved_output_bytes + node.saved_buffer_bytes

@@ -64,7 +64,7 @@ class PaperModel:
         g = family.graph
         self.family = family
         self.memory = [node.output_bytes for node in g.nodes]
-        self.time = [node.forward_cost for node in g.nodes]
+        self.time = [node.recomputation_cost for node in g.nodes]
         self.set_memory = [family.total(self.memory, s) for s in family.sets]
         self.set_time = [family.total(self.time, s) for s in family.sets]
         self.outside = []
@@ -87,14 +87,14 @@ class PaperModel:
 
 
 def quantized_times(graph: CostGraph, steps_per_node: int = 4) -> list[float]:
-    """Forward costs rounded up to a grid ``w`` with ``sum(T) / w = steps_per_node * n`` (as in Kusumoto's
+    """Recomputation costs rounded up to a grid ``w`` with ``sum(T) / w = steps_per_node * n`` (as in Kusumoto's
     chainer-compiler policy): measured times are all distinct, and distinct overheads would make the
     Pareto fronts as long as the number of strategies. The simulator prices the final plan exactly."""
-    total = sum(node.forward_cost for node in graph.nodes)
+    total = sum(node.recomputation_cost for node in graph.nodes)
     if total <= 0:
         return [0.0] * len(graph)
     width = total / (steps_per_node * len(graph))
-    return [float(math.ceil(node.forward_cost / width - 1e-9)) if node.forward_cost > 0 else 0.0
+    return [float(math.ceil(node.recomputation_cost / width - 1e-9)) if node.recomputation_cost > 0 else 0.0
             for node in graph.nodes]
 
 

@@ -129,7 +129,7 @@ def _splits(graph: CostGraph, profile: _Profile, position: int, above: list[int]
         for after in {first_read, calm}:
             chain = _chain(graph, profile, v, after)
             gain = sum(min(nodes[v].output_bytes, a) for a in above[before + 1:after])
-            ranked.append((gain / sum(max(nodes[u].forward_cost, 1e-12) for u in chain), after, chain))
+            ranked.append((gain / sum(max(nodes[u].recomputation_cost, 1e-12) for u in chain), after, chain))
     ranked.sort(key=lambda item: -item[0])
     return ranked
 
@@ -137,7 +137,7 @@ def _splits(graph: CostGraph, profile: _Profile, position: int, above: list[int]
 def shave_order(graph: CostGraph, budget_bytes: int, *, time_limit: float = DEFAULT_TIME_LIMIT) -> list[int] | None:
     """An order of computations (node indices, recomputations included) whose memory stays within
     ``budget_bytes`` everywhere, or None when the search finds none (module docstring)."""
-    cost = [max(node.forward_cost, 1e-12) for node in graph.nodes]
+    cost = [max(node.recomputation_cost, 1e-12) for node in graph.nodes]
     order = list(range(len(graph)))
     profile = _Profile(graph, order)
     excess = _excess(profile.memory, budget_bytes)
@@ -191,7 +191,7 @@ def _prune(graph: CostGraph, order: list[int], budget_bytes: int, deadline: floa
         if v in seen:
             recomputations.append(position)
         seen.add(v)
-    for position in sorted(recomputations, key=lambda q: -graph.nodes[order[q]].forward_cost):
+    for position in sorted(recomputations, key=lambda q: -graph.nodes[order[q]].recomputation_cost):
         if time.perf_counter() > deadline:
             break
         candidate = order[:position] + [-1] + order[position + 1:]  # -1: a hole, keeps later positions
