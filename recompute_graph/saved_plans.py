@@ -31,7 +31,7 @@ __all__ = ["PLAN_FORMAT", "structure_fingerprint", "mismatch_reason", "reuse_pla
 
 PLAN_FORMAT = "recompute_graph.RecomputePlan/1"
 #: Node fields that are times, not structure (left out of the fingerprint).
-_TIME_FIELDS = ("forward_cost", "backward_cost", "forward_flops", "backward_flops",
+_TIME_FIELDS = ("forward_cost", "backward_cost", "recompute_cost", "forward_flops", "backward_flops",
                 # kernel temporaries as the allocator sees them: they differ between devices (none on
                 # meta) and are re-priced when a plan is reused, like times
                 "workspace_bytes", "backward_workspace_bytes", "backward_step_workspace_bytes")

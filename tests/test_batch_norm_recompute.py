@@ -1,4 +1,5 @@
 """A training BatchNorm recomputed from the batch statistics its forward made (``batch_norm_recompute``)."""
+import dataclasses
 import operator
 
 import pytest
@@ -11,6 +12,7 @@ from recompute_graph.batch_norm_recompute import normalization_statistics, norma
 from recompute_graph.compile_backend import budget_backend
 from recompute_graph.joint_lowering import graph_peak_bytes, last_lowering
 from recompute_graph.measure import allocator_peak_memory
+from recompute_graph.saved_plans import structure_fingerprint
 from recompute_graph.schedule import Backward, Forward, FreeValue, Schedule
 from recompute_graph.simulate import simulate
 
@@ -139,5 +141,9 @@ def test_a_cost_graph_keeps_its_recomputation_fields_through_a_save_and_checks_t
     loaded = CostGraph.load(str(path))
     assert loaded.nodes[1].recompute_cost == 0.2 and loaded.nodes[1].recompute_kept_bytes == 8
     assert "recompute_cost" not in loaded.nodes[0].to_dict()  # graphs without them save as before
+    # a time, like the forward's, is not structure: a saved plan is reused when it alone changed
+    timed_again = CostGraph("normalizing", tuple(dataclasses.replace(n, recompute_cost=0.3) if n.index == 1 else n
+                                                 for n in graph.nodes))
+    assert structure_fingerprint(timed_again) == structure_fingerprint(graph)
     with pytest.raises(GraphError, match="recompute_kept_bytes"):
         _normalizing_chain(kept=9)
