@@ -269,7 +269,7 @@ def lower_segments(graph: CostGraph, lower_sets: Sequence[Iterable[int]]) -> Sch
 
 def _sources_with_first_reader(graph: CostGraph, sets: Sequence[frozenset[int]]) -> list[list[int]]:
     """The segments ``L_i \\ L_{i-1}``, with every source (a node without predecessors: a parameter's
-    transpose, a constant) moved into the segment of its first successor; the sets stay lower sets, since
+    transpose, a constant; a random one excepted) moved into the segment of its first successor; the sets stay lower sets, since
     all its successors are in that segment or later ones. A source's backward then runs right after its
     readers' backward, where its gradient is made: a linear's weight gradient is computed by its
     reader's backward (the joint graph's ``mm``), and a source left in an early segment would have that
@@ -281,7 +281,9 @@ def _sources_with_first_reader(graph: CostGraph, sets: Sequence[frozenset[int]])
             segment_of[v] = i
         previous = lower
     for node in graph.nodes:
-        if not node.predecessors and node.successors:
+        # a random source stays: moved later, it drew its mask after the random nodes it precedes (a
+        # dropout on the model input computed after one on a convolution's output: both masks swapped)
+        if not node.predecessors and node.successors and not node.random:
             segment_of[node.index] = min(segment_of[s] for s in node.successors)
     segments: list[list[int]] = [[] for _ in sets]
     for v in sorted(segment_of):

@@ -52,7 +52,9 @@ A joint graph's recomputation whose value nothing reads (``schedule.dead_recompu
 in its lowering: it reads none of its inputs, costs no time and makes no storage; with a tape it only
 holds the storages its backward needs, current at that point.
 
-Random nodes computed more than once: the first computation keeps a snapshot of the generators
+Random nodes are first computed in the order of their indices (the model's order), or the schedule is
+refused: they draw from one random stream, and out of order each would draw another's mask. Random
+nodes computed more than once: the first computation keeps a snapshot of the generators
 (``rng_state_bytes``, one per random op of the node: ``random_op_count``) until the node's last live
 computation (a dead one replays nothing), and each recomputation holds the current state transiently
 while it replays the snapshot (the executor's ``replayed_rng``, the compiler path's ``rng_snapshot``
@@ -138,6 +140,7 @@ class _Simulation:
         self.kept_uses_left: Counter[int] = Counter()  # node keeping its first computation's buffers ->
         # its live computations and Backward still to come
         self.kept_storage: dict[int, int] = {}     # such a node -> the storage of those buffers
+        self.last_random = -1                      # the random node computed first most recently
         self.dead: dict[str, frozenset[int]] = {"forward": frozenset(), "backward": frozenset()}  # positions
         # of dead recomputations, by phase
 
@@ -187,6 +190,12 @@ class _Simulation:
             if p not in value:
                 raise ScheduleError(f"{self._where()}: reads node {p} ({self.graph.nodes[p].name!r}), whose value is "
                                     "not live: compute it first or do not free it before")
+        if node.random and index not in self.computed:
+            if index < self.last_random:
+                raise ScheduleError(f"{self._where()}: a random node first computed after random node "
+                                    f"{self.last_random} ({self.graph.nodes[self.last_random].name!r}), which "
+                                    "follows it in the model: each would draw the other's mask")
+            self.last_random = index
         if node.alias_of is None:
             sid = self._new_storage(node.output_bytes)
         else:

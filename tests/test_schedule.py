@@ -281,3 +281,36 @@ def test_a_segments_last_recomputation_is_recorded_dead():
     recorded = _recorded_dead_is_found_dead(joint, schedule)
     sequence = (*schedule.forward_ops, None, *schedule.backward_ops)
     assert [sequence[at] for at in recorded] == [Forward(2)]
+
+
+def test_random_nodes_first_computed_out_of_the_models_order_are_refused():
+    """Two dropouts draw from one stream: computed the other way round, each would draw the other's
+    mask (the fuzz test's dropout on the model input, moved into its reader's segment)."""
+    nodes = tuple(CostNode(i, f"dropout{i}", successors=(2,), output_bytes=100, grad_bytes=100, random=True,
+                           forward_cost=1.0) for i in range(2))
+    g = CostGraph("dropouts", nodes + (CostNode(2, "add", predecessors=(0, 1), output_bytes=100, grad_bytes=100,
+                                                forward_cost=1.0),))
+    backward = [Backward(2), Backward(1), Backward(0)]
+    assert simulate(g, insert_frees(g, [Forward(0), Forward(1), Forward(2)], backward)).recompute_cost == 0
+    with pytest.raises(ScheduleError, match="random node first computed after random node 1"):
+        simulate(g, insert_frees(g, [Forward(1), Forward(0), Forward(2)], backward))
+    # a recomputation replays its snapshot, in any order
+    recomputing = insert_frees(g, [Forward(0, tape=False), Forward(1), Forward(2)],
+                               [Backward(2), Backward(1), Forward(0), Backward(0)])
+    assert simulate(g, recomputing).recompute_cost == 1.0
+
+
+def test_a_random_source_stays_in_its_segment():
+    """A dropout on the model input has no predecessor; moved into the segment of its first reader (as
+    other sources are), it was computed after the dropout of an earlier segment."""
+    nodes = (CostNode(0, "conv", successors=(2,), output_bytes=100, grad_bytes=100, forward_cost=1.0),
+             CostNode(1, "dropout_input", successors=(3,), output_bytes=100, grad_bytes=100, random=True,
+                      forward_cost=1.0),
+             CostNode(2, "dropout_conv", predecessors=(0,), output_bytes=100, grad_bytes=100, random=True,
+                      forward_cost=1.0),
+             CostNode(3, "add", predecessors=(1, 2), output_bytes=100, grad_bytes=100, forward_cost=1.0))
+    g = CostGraph("random source", nodes)
+    schedule = lower_segments(g, [{0, 1, 2}, {0, 1, 2, 3}])
+    firsts = [op.node for op in schedule.forward_ops if isinstance(op, Forward)]
+    assert firsts.index(1) < firsts.index(2)
+    simulate(g, schedule)
