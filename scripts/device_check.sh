@@ -9,7 +9,8 @@
 #     run(command="bash scripts/device_check.sh inductor-peers", timeout_s=520)  # or this: 8.3 min at most
 #     run(command="bash scripts/device_check.sh graph-breaks", timeout_s=300)  # or this: 4.5 min at most
 # short: exact gradients (float64, then float32), the allocator's peak against the prediction and
-# step-time ratios on the zoo (cuda_check.py), beside the Gruslys target on the compiler path.
+# step-time ratios on the zoo (cuda_check.py), beside the Gruslys target on the compiler path;
+# first, what a BatchNorm's recomputation costs on the GPU (scripts/batch_norm_recompute.py, 30 s at most).
 # executor: the rest, the Gruslys check on the executor, the executor's cost per op, the store-all step
 # ratios. peers: `recompute-graph bench --peers --device cuda` on ResNet-50, GPT-2 small and U-Net at
 # the sizes. inductor: the store-all step with the plan's graphs compiled by inductor
@@ -36,6 +37,8 @@ if [[ $part == short ]]; then
     timeout 300 python3 scripts/bptt_gruslys.py --device cuda --steps 1000 --batch 512 --hidden 2048 --input 512 \
         --memory 0.05 --compiler > "$out/gruslys_cuda_compiler.md" 2>&1 &
     gruslys=$!
+    # a BatchNorm recomputed from its statistics against the training kernel (times; equal bit for bit?)
+    timeout 30 python3 scripts/batch_norm_recompute.py --device cuda 2>&1 | tee "$out/batch_norm_recompute_cuda.md"
     timeout 100 python3 scripts/cuda_check.py --dtype float64 --models resnet50 unet 2>&1 | quiet \
         | tee "$out/cuda_check_float64.md"
     timeout 130 python3 scripts/cuda_check.py 2>&1 | quiet | tee "$out/cuda_check.md"
