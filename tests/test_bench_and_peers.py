@@ -62,6 +62,9 @@ def test_bench_measures_our_plans_and_the_peers_against_store_all(capsys):
     assert rows["torch.utils.checkpoint per block"]["peak_ratio"] < 1.0
     assert rows["torch.compile budget 60%"]["peak_bytes"] is not None
     assert "Rockmate 2" in rows
+    assert {v["peer"] for v in result["verdicts"]} == {label for label in ("torch.utils.checkpoint per block",
+                                                                         "checkpoint_sequential", "torch.compile budget 60%")
+                                                       if rows[label]["peak_bytes"] is not None}
     original = rows["original (store-all autograd)"]["seconds"]
     for row in result["rows"]:  # every row timed in the same rounds: its ratio is to the original's median there
         if row["peak_bytes"] is not None:
@@ -127,3 +130,20 @@ def test_bench_with_graph_compiler_inductor_compiles_our_graphs_and_the_compile_
 def test_the_compile_peer_takes_only_the_graph_compilers_it_knows():
     with pytest.raises(ValueError, match="use None .* or 'inductor'"):
         peers.compile_with_budget(torch.nn.Linear(2, 2), "tvm")
+
+
+def test_each_peer_is_judged_by_our_lowest_peak_within_its_step_time():
+    """The issue's target (a peak 25 % below the peer's at a step time no greater) read off the rows."""
+    from recompute_graph.commands.bench import peer_verdicts
+    rows = [{"label": "original", "kind": "original", "peak_bytes": 700, "seconds": 1.0},
+            {"label": "ours @ 36%", "kind": "ours", "peak_bytes": 250, "seconds": 1.40},
+            {"label": "ours @ 38%", "kind": "ours", "peak_bytes": 266, "seconds": 1.28},
+            {"label": "ours @ 50%", "kind": "ours", "peak_bytes": 340, "seconds": 1.10},
+            {"label": "ours @ 20%", "kind": "ours", "peak_bytes": None, "seconds": None},
+            {"label": "per block", "kind": "peer", "peak_bytes": 347, "seconds": 1.33},
+            {"label": "sequential", "kind": "peer", "peak_bytes": 485, "seconds": 1.00},
+            {"label": "Rockmate 2", "peak_bytes": None, "seconds": None}]
+    per_block, sequential = peer_verdicts(rows)
+    assert per_block["ours"] == "ours @ 38%" and per_block["below"] == pytest.approx(1 - 266 / 347)
+    assert per_block["time_of_peer"] == pytest.approx(1.28 / 1.33)
+    assert sequential["peer"] == "sequential" and sequential["ours"] is None and sequential["below"] is None
