@@ -24,7 +24,9 @@ Memory model (bytes of tensor storage above what was live before the step; see d
   ``backward_workspace_bytes`` live on top while it runs (plus, for predecessors that already have a
   buffer, the incoming gradient); a gradient assembled from view terms (``grad_term_bytes``) grows
   by each term as it is made instead, with no sum; then, for those, the new sum is made the first time (unless the buffer
-  was handed on by a pass-through backward and nothing else holds it: that one is summed into in place),
+  was handed on by a pass-through backward and nothing else holds it: autograd sums into that one in place;
+  a joint graph's generated backward does not, its first sum is a new buffer of the gradient's size, and
+  the handed-on one, a slice of a ``cat``'s gradient, goes: U-Net's skip inputs, 32 KB over before),
   beside the parameter gradients the node's kernels have just made,
   after the node's own output gradient is released when nothing else holds it; keeps its parameter gradients
   (``param_grad_bytes``, to the end of the step), then frees the node's tape and its output gradient
@@ -72,7 +74,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from .errors import ScheduleError
-from .graph import CostGraph, CostNode
+from .graph import CostGraph, CostNode, is_joint_cost_graph
 from .graph_memo import memoized
 from .schedule import DEAD_POSITIONS, Backward, Forward, FreeValue, Op, Schedule, dead_recomputations
 
@@ -141,6 +143,9 @@ class _Simulation:
         # its live computations and Backward still to come
         self.kept_storage: dict[int, int] = {}     # such a node -> the storage of those buffers
         self.last_random = -1                      # the random node computed first most recently
+        # a joint graph's generated backward makes a gradient's first sum in a new buffer, also where
+        # autograd would sum into a buffer handed on by a pass-through backward (``_propagate_gradient``)
+        self.joint = is_joint_cost_graph(graph)
         self.dead: dict[str, frozenset[int]] = {"forward": frozenset(), "backward": frozenset()}  # positions
         # of dead recomputations, by phase
 
@@ -393,7 +398,8 @@ class _Simulation:
             # gradient), except for a buffer handed on by a pass-through backward that nothing else
             # holds any more: autograd and the executor sum into that one in place
             incoming = 0 if node.backward_aliases_grad else graph.nodes[p].grad_bytes
-            handed_and_free = p in self.shared_grads and self.storage_refs.get(self.grad_storage[p], 0) == 1
+            handed_and_free = (p in self.shared_grads and not self.joint
+                               and self.storage_refs.get(self.grad_storage[p], 0) == 1)
             first_sum = graph.nodes[p].grad_bytes if p not in self.accumulated and not handed_and_free else 0
             incoming_bytes += incoming
             first_sum_bytes += first_sum
