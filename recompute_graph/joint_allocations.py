@@ -168,7 +168,7 @@ def _alike_as_one(joint: fx.GraphModule, seconds: dict[str, float]) -> dict[str,
                 groups.setdefault(key, []).append(node.name)
     alike = dict(seconds)
     for names in groups.values():
-        recomputations = [name + RECOMPUTE_SECONDS_SUFFIX for name in names if name + RECOMPUTE_SECONDS_SUFFIX in seconds]
+        recomputations = [key for key in (name + RECOMPUTE_SECONDS_SUFFIX for name in names) if key in seconds]
         for keys in (names, recomputations):
             if len(keys) > 1:
                 middle = statistics.median(seconds[key] for key in keys)

@@ -397,8 +397,8 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
         if statistics:
             recompute_seconds = forward_seconds + sum(_normalization_seconds(n, profile, measured)
                                                       - _seconds(n, flops[n], profile, measured) for n in statistics)
-            estimated_recompute = estimated_forward + sum(_normalization_seconds(n, profile, {})
-                                                          - profile.seconds(flops[n], _moved_bytes(n)) for n in statistics)
+            estimated_recompute = estimated_forward + sum(
+                _normalization_seconds(n, profile, {}) - profile.seconds(flops[n], _moved_bytes(n)) for n in statistics)
         estimated.append((estimated_forward, estimated_backward) if estimated_recompute is None
                          else (estimated_forward, estimated_backward, estimated_recompute))
         nodes.append(CostNode(

@@ -269,11 +269,12 @@ def lower_segments(graph: CostGraph, lower_sets: Sequence[Iterable[int]]) -> Sch
 
 def _sources_with_first_reader(graph: CostGraph, sets: Sequence[frozenset[int]]) -> list[list[int]]:
     """The segments ``L_i \\ L_{i-1}``, with every source (a node without predecessors: a parameter's
-    transpose, a constant; a random one excepted) moved into the segment of its first successor; the sets stay lower sets, since
-    all its successors are in that segment or later ones. A source's backward then runs right after its
-    readers' backward, where its gradient is made: a linear's weight gradient is computed by its
-    reader's backward (the joint graph's ``mm``), and a source left in an early segment would have that
-    gradient arrive at the end of the backward in the simulation (VGG-11-BN: 49 MiB under-predicted)."""
+    transpose, a constant; not a random one) moved into the segment of its first successor; the sets
+    stay lower sets, since all its successors are in that segment or later ones. A source's backward
+    then runs right after its readers' backward, where its gradient is made: a linear's weight gradient
+    is computed by its reader's backward (the joint graph's ``mm``), and a source left in an early
+    segment would have that gradient arrive at the end of the backward in the simulation (VGG-11-BN:
+    49 MiB under-predicted)."""
     segment_of: dict[int, int] = {}
     previous: frozenset[int] = frozenset()
     for i, lower in enumerate(sets):
