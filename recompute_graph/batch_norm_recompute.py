@@ -85,15 +85,15 @@ def normalization_statistics(node: fx.Node, backward: Container[fx.Node]) -> tup
     return mean, rstd
 
 
-def items_read_from_the_forward(node: fx.Node, backward: Container[fx.Node]) -> list[fx.Node]:
+def items_read_from_the_forward(node: fx.Node, statistics: tuple[fx.Node, fx.Node] | None) -> list[fx.Node]:
     """The items of a training BatchNorm that its recomputations do not make, so that its backward (and
     a normalization) reads the forward's: the new running statistics (items 3 and 4, which AOTAutograd's
-    functional BatchNorm backward reads), and the batch statistics where :func:`normalization_statistics`
-    gives them. Empty for any other node."""
+    functional BatchNorm backward reads), and ``statistics``, the batch statistics
+    :func:`normalization_statistics` gave for it (None where it gave none). Empty for any other node."""
     if not training_batch_norm(node):
         return []
     items = [item for index in (3, 4) if (item := _item(node, index)) is not None]
-    return list(normalization_statistics(node, backward) or ()) + items
+    return list(statistics or ()) + items
 
 
 def normalize_from_statistics(data: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,

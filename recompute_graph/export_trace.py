@@ -21,6 +21,11 @@ The model this module gives the rest of the library:
   not pass it, ``use_cache=False`` is added (``training_kwargs``): a cache is never read in a training
   step, costs memory, and ``DynamicCache`` is not a pytree type that export can return. ``transformers``
   does the same when gradient checkpointing is on.
+* **Buffer writes are data.** The functionalized graph returns every buffer write as an output (a
+  BatchNorm's new running statistics). ``aten.instance_norm`` writes its running statistics without its
+  schema saying so, so it is decomposed (into a BatchNorm over the repeated statistics, as its own
+  kernel computes it) before functionalization: otherwise an InstanceNorm whose output the model never
+  reads would be dropped with its statistics update (``_HIDDEN_STATE_WRITERS``).
 """
 from __future__ import annotations
 
@@ -145,6 +150,18 @@ def _write_buffers_early(gm: "torch.fx.GraphModule") -> int:
     return moved
 
 
+#: Ops that write module buffers (running statistics) their schema does not mark as written, so that
+#: functionalization cannot see the write: each is decomposed into ops whose writes it sees.
+_HIDDEN_STATE_WRITERS = ("instance_norm",)
+
+
+def _hidden_state_writer_decompositions() -> dict:
+    """``torch.export``'s own decompositions of the ``_HIDDEN_STATE_WRITERS`` (their kernels' own math)."""
+    table = torch.export.default_decompositions()
+    ops = [getattr(torch.ops.aten, name).default for name in _HIDDEN_STATE_WRITERS]
+    return {op: table[op] for op in ops if op in table}
+
+
 def _user_frame(stack_trace: str) -> str:
     """``file:line (code)`` of the innermost frame of ``stack_trace`` outside torch, or ''."""
     import os
@@ -244,7 +261,8 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict) -> ExportedTrace:
     in_spec, out_spec = program.call_spec.in_spec, program.call_spec.out_spec
     _refuse_unused_random_draws(program.graph, type(model).__name__)
     try:
-        program = program.run_decompositions({})  # functionalized: writes through views become data edges
+        # functionalized: writes through views become data edges, buffer writes outputs
+        program = program.run_decompositions(_hidden_state_writer_decompositions())
     except Exception as error:  # noqa: BLE001
         raise TraceError(f"cannot functionalize the exported graph of {type(model).__name__}: "
                          f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}",

@@ -185,8 +185,8 @@ def arrival_order_sums(graph: fx.Graph, backward: Container[fx.Node], returned: 
     """The sums of three or more gradient terms (``add`` trees of ``backward`` nodes) whose association
     the lowering may change (module docstring): not in a ``returned`` gradient's storage (those are
     priced as traced), every ``add`` an ``aten.add.Tensor`` of two tensors of the root's shape and
-    dtype, every partial sum read by its tree alone, every term by one ``add`` of it and a term of no
-    other tree. A tangent may be a term: the lowering adds it first."""
+    dtype, every partial sum read once by its tree alone, every term by one ``add`` of it, once, and a
+    term of no other tree. A tangent may be a term: the lowering adds it first."""
     returned_keys = set().union(*(_storage_keys(r) for r in returned))
     trees = []
     for node in graph.nodes:
@@ -194,7 +194,11 @@ def arrival_order_sums(graph: fx.Graph, backward: Container[fx.Node], returned: 
                 or any(u.target is _ADD and u in backward for u in node.users)):
             continue  # not the root of a tree: a later add reads it
         terms, sums = sum_terms(node, backward)
-        if len(terms) < 3 or len(set(terms)) != len(terms):
+        # a tree: each add reached once and each term read once (``sum_terms`` lists a term once however
+        # often it is read), so that ``len(sums) + 1`` distinct terms. A partial sum read twice
+        # (``dv = a + s + s``, ``s`` added into it twice: a value read twice by one op, ``v + v``) is a
+        # DAG, and summing its distinct terms once each would drop a term
+        if len(terms) < 3 or len(set(sums)) != len(sums) or len(terms) != len(sums) + 1:
             continue
         value = node.meta.get("val")
         if not isinstance(value, torch.Tensor):

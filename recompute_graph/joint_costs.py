@@ -393,6 +393,9 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
         estimated_backward = sum(profile.seconds(flops[b], _moved_bytes(b)) for b in backward_nodes)
         # a training BatchNorm recomputed from its statistics, kept from the first computation
         statistics = {n: s for n in members if (s := normalization_statistics(n, own_backward)) is not None}
+        # the storages its recomputations read from the first computation instead of making them again
+        kept_storages = dict(kv for n in members for item in items_read_from_the_forward(n, statistics.get(n))
+                             for kv in _storage(item))
         recompute_seconds = estimated_recompute = None
         if statistics:
             recompute_seconds = forward_seconds + sum(_normalization_seconds(n, profile, measured)
@@ -423,10 +426,7 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
             + max((workspace.get(b.name, 0) for b in backward_nodes), default=0),
             param_grad_bytes=sum(made_gradients[index].values()),
             forward_cost=forward_seconds, recompute_cost=recompute_seconds,
-            recompute_kept_bytes=sum(nbytes for key, nbytes in {key: nbytes for n in members
-                                                                for item in items_read_from_the_forward(n, own_backward)
-                                                                for key, nbytes in _storage(item)}.items()
-                                     if key in kept_internal),
+            recompute_kept_bytes=sum(nbytes for key, nbytes in kept_storages.items() if key in kept_internal),
             backward_cost=sum(_seconds(b, flops[b], profile, measured) for b in backward_nodes),
             forward_flops=forward_flops, backward_flops=backward_flops, requires_grad=grad,
             random=bool(targets & RANDOM_TARGETS), stateful=bool(targets & STATE_READING_TARGETS),

@@ -1,6 +1,6 @@
 """Returned gradients summed from several terms are accumulated in place (gradient_accumulation): which
 ``add`` may write into which input, and an LSTM's shared weights trained exactly and priced as the
-generated graphs hold them."""
+generated graphs hold them; which activation gradient sums may be added in arrival order."""
 import copy
 
 import pytest
@@ -8,7 +8,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import models_zoo
-from recompute_graph.gradient_accumulation import accumulator
+from recompute_graph.gradient_accumulation import accumulator, arrival_order_sums
 from recompute_graph.joint_capture import op_name
 from recompute_graph.compile_backend import budget_backend
 from recompute_graph.joint_lowering import graph_peak_bytes, last_lowering
@@ -45,6 +45,44 @@ def test_an_input_read_elsewhere_is_not_written_and_the_other_one_is_chosen():
 def test_no_input_is_written_where_a_value_would_change(function, shapes):
     nodes, backward = _graph(function, *shapes)
     assert accumulator(_the_add(nodes), backward) is None
+
+
+def test_a_sum_of_three_terms_is_added_in_arrival_order_but_a_partial_sum_added_twice_is_not():
+    nodes, backward = _graph(lambda a, b, c: (a * 2 + b * 3) + c * 4, (4, 4), (4, 4), (4, 4))
+    (tree,) = arrival_order_sums(nodes["add_1"].graph, backward, [])
+    assert tree.root is nodes["add_1"] and len(tree.terms) == 3
+    # ``a + s + s``: the partial sum ``s`` is read twice, so its terms appear twice in the total; summed
+    # once each in arrival order, one ``s`` would be lost (a gradient of ``v * f(v + v)``, found by
+    # tests/test_fuzz_compiled.py)
+    nodes, backward = _graph(lambda a, b, c: ((s := b * 3 + c * 4) + a * 2) + s, (4, 4), (4, 4), (4, 4))
+    assert arrival_order_sums(nodes["add"].graph, backward, []) == []
+
+
+class _SquashedSelfSum(torch.nn.Module):
+    """``v * sigmoid(v + v) + x * sigmoid(v + v)``: ``v``'s gradient adds the gradient of ``v + v`` twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(4, 4, 3, padding=1)
+        self.head = torch.nn.Conv2d(4, 2, 1)
+
+    def forward(self, x):
+        v = self.conv(x)
+        doubled = v + v
+        return self.head(v * torch.sigmoid(doubled) + x * torch.sigmoid(doubled))
+
+
+@pytest.mark.filterwarnings("ignore::recompute_graph.joint_lowering.InfeasibleBudgetWarning")
+def test_a_value_whose_gradient_adds_one_partial_sum_twice_trains_exactly_on_the_compiler_path():
+    from recompute_graph import optimize
+    torch.manual_seed(0)
+    model, x = _SquashedSelfSum(), torch.randn(4, 4, 16, 16)
+    reference = copy.deepcopy(model)
+    reference(x).square().mean().backward()
+    optimized = optimize(model, 1.0, example_inputs=(x,), compiler=True)
+    optimized(x).square().mean().backward()
+    for expected, got in zip(reference.parameters(), model.parameters()):
+        torch.testing.assert_close(got.grad, expected.grad, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.filterwarnings("ignore::recompute_graph.joint_lowering.InfeasibleBudgetWarning")  # at the floor

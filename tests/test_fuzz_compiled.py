@@ -1,0 +1,55 @@
+"""Fuzzing the compiler path (``optimize(..., compiler=True)``, optimize()'s default): the random networks
+of tests/fuzz_networks.py, captured by torch.compile as one joint graph, planned at random budgets down
+to 30 % of the store-all budget and run as the generated forward and backward. Whenever a plan is
+feasible, the gradients and buffers after one training step equal eager autograd's and the allocator's
+peak stays within the budget; otherwise the error is an InfeasibleBudgetError naming a larger smallest
+budget, at which the module is planned again and checked the same way (the most recomputing plans).
+(``python -m pytest tests/test_fuzz_compiled.py --hypothesis-seed=N`` with other seeds, and a larger
+``max_examples``, searches further.)"""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import torch
+from hypothesis import HealthCheck, assume, event, given, settings
+from hypothesis import strategies as st
+
+from fuzz_networks import CHANNELS, LOSSES, RandomNet, networks, step_result
+from recompute_graph import InfeasibleBudgetError, optimize
+from recompute_graph.measure import make_training_step, peak_memory
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spec=networks(), fraction=st.floats(0.3, 1.0), seed=st.integers(0, 1000), auxiliary=st.booleans(),
+       loss_name=st.sampled_from(sorted(LOSSES)))
+def test_random_networks_train_exactly_on_the_compiler_path(spec, fraction, seed, auxiliary, loss_name):
+    torch.manual_seed(seed)
+    model = RandomNet(spec, auxiliary)
+    loss_fn = LOSSES[loss_name]
+    x = torch.randn(4, CHANNELS, 16, 16)
+    reference = copy.deepcopy(model)
+    try:
+        expected_grads, expected_buffers = step_result(reference, x, loss_fn)
+    except RuntimeError:  # an invalid random network (in eager PyTorch too)
+        assume(False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a budget under the graph's floor is reported by the error
+        try:
+            optimized = optimize(model, fraction, example_inputs=(x,), loss_fn=loss_fn, compiler=True)
+        except InfeasibleBudgetError as error:  # then the smallest budget it names: the floor's plan
+            assert error.min_budget_bytes > error.budget_bytes
+            event("infeasible budget, planned at the smallest budget named")
+            optimized = optimize(model, error.min_budget_bytes, example_inputs=(x,), loss_fn=loss_fn, compiler=True)
+    grads, buffers = step_result(optimized, x, loss_fn)
+    for a, b in zip(expected_grads, grads):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(expected_buffers, buffers):
+        torch.testing.assert_close(a, b)
+    plan = optimized.recompute_plan
+    event("plan recomputes" if plan.recomputed_nodes else "plan keeps everything")
+    measured = peak_memory(make_training_step(optimized, (x,), loss_fn))
+    assert measured <= plan.budget_bytes, (measured, plan)
+    assert plan.predicted_step_peak_bytes >= 0.9 * measured, (measured, plan)  # never 10 % under
