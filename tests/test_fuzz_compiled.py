@@ -12,7 +12,7 @@ import copy
 import warnings
 
 import torch
-from hypothesis import HealthCheck, assume, event, given, settings
+from hypothesis import HealthCheck, assume, event, example, given, settings
 from hypothesis import strategies as st
 
 from fuzz_networks import CHANNELS, LOSSES, RandomNet, networks, step_result
@@ -23,6 +23,11 @@ from recompute_graph.measure import make_training_step, peak_memory
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(spec=networks(), fraction=st.floats(0.3, 1.0), seed=st.integers(0, 1000), auxiliary=st.booleans(),
        loss_name=st.sampled_from(sorted(LOSSES)))
+# found by this test: ``v * sigmoid(v + v)``; the gradient of ``v + v`` is added into ``v``'s twice, and
+# the generated backward, adding the terms in arrival order, added it once (40 % off in a store-all plan)
+@example(spec=[("conv", 0, 0), ("conv", 0, 0), ("add", 1, 1), ("conv", 0, 0), ("sigmoid_mul", 1, 3), ("conv", 0, 0),
+               ("conv", 0, 0), ("conv", 0, 0), ("sigmoid_mul", 0, 3)], fraction=1.0, seed=0, auxiliary=False,
+         loss_name="cross_entropy")
 def test_random_networks_train_exactly_on_the_compiler_path(spec, fraction, seed, auxiliary, loss_name):
     torch.manual_seed(seed)
     model = RandomNet(spec, auxiliary)
@@ -40,7 +45,15 @@ def test_random_networks_train_exactly_on_the_compiler_path(spec, fraction, seed
         except InfeasibleBudgetError as error:  # then the smallest budget it names: the floor's plan
             assert error.min_budget_bytes > error.budget_bytes
             event("infeasible budget, planned at the smallest budget named")
-            optimized = optimize(model, error.min_budget_bytes, example_inputs=(x,), loss_fn=loss_fn, compiler=True)
+            try:
+                optimized = optimize(model, error.min_budget_bytes, example_inputs=(x,), loss_fn=loss_fn,
+                                     compiler=True)
+            except InfeasibleBudgetError as again:
+                # the plans of the pool follow the measured node times, so a second planning may find
+                # another floor (seen once in 400 examples under load: 239,106 then 256,310 bytes); never far
+                assert again.min_budget_bytes <= 1.1 * error.min_budget_bytes, (error, again)
+                event("the floor moved when planned again")
+                return
     grads, buffers = step_result(optimized, x, loss_fn)
     for a, b in zip(expected_grads, grads):
         assert (a is None) == (b is None)
