@@ -155,10 +155,29 @@ class CompiledRecomputedModule(SharedModelModule):
         try:
             with preserved_state(self._original, rng=True), torch.enable_grad(), full_collections_deferred():
                 self._step_for(key)(*args, **kwargs)
+                compiled_draws = _generator_states()
+            self._check_random_draws(args, kwargs, compiled_draws)
         except TorchDynamoException as error:
             raise _library_error(error, self._original_class) from error
         finally:
             self.train(was_training)
+
+    def _check_random_draws(self, args: tuple, kwargs: dict, compiled_draws: list[torch.Tensor]) -> None:
+        """CaptureError when the model's own forward (run once, undone) leaves the random generators
+        elsewhere than the compiled forward did (``compiled_draws``): torch.compile drops a random op
+        whose result nothing reads (an unused dropout) as dead code, so every later dropout would draw
+        another mask than eager PyTorch, even with no recomputation. Skipped on meta tensors."""
+        if any(isinstance(t, torch.Tensor) and t.is_meta for t in tree_flatten((args, kwargs))[0]):
+            return
+        with preserved_state(self._original, rng=True), torch.enable_grad(), full_collections_deferred():
+            self._original(*args, **kwargs)
+            eager_draws = _generator_states()
+        if len(eager_draws) != len(compiled_draws) or not all(map(torch.equal, eager_draws, compiled_draws)):
+            raise CaptureError(
+                f"{self._original_class} draws other random numbers in its compiled forward than in its own: "
+                "torch.compile drops a random op whose result nothing reads (an unused dropout) as dead code, "
+                "so later dropouts would draw other masks. Remove the unused call, or plan with the schedule "
+                "executor (compiler=False), whose graph keeps it.")
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._check_call(args, kwargs)
@@ -233,6 +252,12 @@ def _finish_after_backward(output: Any, watch: PeakWatch) -> None:
     for value in tree_flatten(output)[0]:
         if isinstance(value, torch.Tensor) and value.requires_grad:
             value.register_hook(hook)
+
+
+def _generator_states() -> list[torch.Tensor]:
+    """The CPU and (initialized) CUDA random generators' states."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    return [torch.get_rng_state(), *cuda]
 
 
 def _own_code_call(model: nn.Module) -> Callable[..., Any]:

@@ -169,7 +169,8 @@ def joint_units(joint: fx.GraphModule, num_fwd_outputs: int) -> JointUnits:
     backward_of: list[list[fx.Node]] = [[] for _ in units]
     for seq, backward_nodes in by_seq_backward.items():
         owner = _owner_of_backward(backward_nodes, candidates[seq], units, unit_of)
-        backward_of[_consumer_that_reads_it_all(owner, backward_nodes, units, unit_of)].extend(backward_nodes)
+        owner = _consumer_that_reads_it_all(owner, backward_nodes, units, unit_of)
+        backward_of[_read_for_the_backward_only(owner, units, unit_of)].extend(backward_nodes)
     sums = _gradient_sums_out(backward_of, backward)
     _move_custom_backward_chains(backward_of, units, unit_of)
     unplaced = _place_by_reads(sums + unplaced, units, unit_of, backward_of)
@@ -403,6 +404,31 @@ def _move_custom_backward_chains(backward_of: list[list[fx.Node]], units: list[l
                 moved[b] = placed[b] = target
     for nodes in backward_of:
         nodes.sort(key=position.get)
+
+
+def _read_for_the_backward_only(owner: int, units: list[list[fx.Node]], unit_of: dict[fx.Node, int]) -> int:
+    """``owner``, or, when ``owner`` is views only that nothing in the forward reads (nor returns) and
+    they view one other unit's value, that unit. An in-place op on a view (``relu_(out[:, 1:])``),
+    functionalized, is the op and a ``slice_scatter``; the view of the result its backward saves
+    (``slice(scatter)``) is traced after them under the in-place op's own sequence number, which its
+    backward carries too, and that backward reads the view. But the view's index orders nothing: its
+    backward ran before the backward of a later reader of the scatter (a ``mean``) had made its term of
+    the gradient that backward reads (16 KB under the graphs' liveness; found by
+    tests/test_fuzz_compiled.py). A view has no gradient of its own there: the backward is the scatter's
+    unit's. (A value of its own made for the backward, a tanh-GELU's coefficient, keeps its backward.)"""
+    if any(u.op == "output" or (u in unit_of and unit_of[u] != owner) for n in units[owner] for u in n.users):
+        return owner
+    if not all(_is_view(n) for n in units[owner]):  # a value of its own (a GELU's coefficient): its backward
+        return owner
+    read = {unit_of[a] for n in units[owner] for a in n.all_input_nodes if a in unit_of} - {owner}
+    return read.pop() if len(read) == 1 else owner
+
+
+def _is_view(node: fx.Node) -> bool:
+    """A call of an aten op whose result aliases an input (its schema's first return is annotated)."""
+    schema = getattr(node.target, "_schema", None)
+    return (node.op == "call_function" and schema is not None and bool(schema.returns)
+            and schema.returns[0].alias_info is not None)
 
 
 def _owner_of_backward(backward_nodes: list[fx.Node], candidates: list[int], units: list[list[fx.Node]],

@@ -209,6 +209,36 @@ def test_a_call_nothing_in_which_requires_grad_is_refused_by_the_compiler_path_a
     torch.testing.assert_close(optimized(x), model(x))
 
 
+class _UnusedDropout(nn.Module):
+    """A dropout whose result nothing reads, then one that is used: in eager PyTorch the second draws
+    after the first; torch.compile drops the first as dead code, so the second draws the first's mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop = nn.Dropout(0.3)
+        self.linear = nn.Linear(32, 32)
+
+    def forward(self, x):
+        self.drop(x)
+        return self.linear(self.drop(x))
+
+
+def test_an_unused_dropout_is_refused_by_the_compiler_path_and_the_executor_trains_it_exactly():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, x = _UnusedDropout(), torch.randn(64, 32)
+    with pytest.raises(rg.TraceError, match="other random numbers"):
+        rg.optimize(model, 1.0, example_inputs=(x,), compiler=True)
+    with pytest.warns(rg.CompilerFallbackWarning, match="unused dropout"):
+        optimized = rg.optimize(model, 1.0, example_inputs=(x,))
+    assert isinstance(optimized, rg.RecomputedModule)
+    reference = copy.deepcopy(model)
+    for module in (reference, optimized):
+        torch.manual_seed(1)
+        default_loss(module(x)).backward()
+    assert parameter_gradient_error(model, reference) == 0
+
+
 def test_third_party_model_code_trains_exactly_through_optimize_on_the_compiler_path():
     """timm's ViT: attention reads views of one qkv storage, shapes read in Python."""
     from models_zoo import third_party

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from fuzz_networks import CHANNELS, LOSSES, RandomNet, networks, step_result
 from recompute_graph import InfeasibleBudgetError, optimize
+from recompute_graph.joint_capture import CaptureError
 from recompute_graph.measure import make_training_step, peak_memory
 
 
@@ -28,6 +29,10 @@ from recompute_graph.measure import make_training_step, peak_memory
 @example(spec=[("conv", 0, 0), ("conv", 0, 0), ("add", 1, 1), ("conv", 0, 0), ("sigmoid_mul", 1, 3), ("conv", 0, 0),
                ("conv", 0, 0), ("conv", 0, 0), ("sigmoid_mul", 0, 3)], fraction=1.0, seed=0, auxiliary=False,
          loss_name="cross_entropy")
+# found by this test: a dropout whose result nothing reads; torch.compile dropped it, so the second drew
+# its mask (now refused: optimize() falls back to the executor, whose graph keeps it)
+@example(spec=[("dropout", 0, 0), ("dropout", 0, 0), ("conv", 0, 0)], fraction=1.0, seed=0, auxiliary=False,
+         loss_name="cross_entropy")
 def test_random_networks_train_exactly_on_the_compiler_path(spec, fraction, seed, auxiliary, loss_name):
     torch.manual_seed(seed)
     model = RandomNet(spec, auxiliary)
@@ -38,22 +43,28 @@ def test_random_networks_train_exactly_on_the_compiler_path(spec, fraction, seed
         expected_grads, expected_buffers = step_result(reference, x, loss_fn)
     except RuntimeError:  # an invalid random network (in eager PyTorch too)
         assume(False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # a budget under the graph's floor is reported by the error
+    def planned(budget):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a budget under the graph's floor is reported by the error
+            return optimize(model, budget, example_inputs=(x,), loss_fn=loss_fn, compiler=True)
+    try:
         try:
-            optimized = optimize(model, fraction, example_inputs=(x,), loss_fn=loss_fn, compiler=True)
+            optimized = planned(fraction)
         except InfeasibleBudgetError as error:  # then the smallest budget it names: the floor's plan
             assert error.min_budget_bytes > error.budget_bytes
             event("infeasible budget, planned at the smallest budget named")
             try:
-                optimized = optimize(model, error.min_budget_bytes, example_inputs=(x,), loss_fn=loss_fn,
-                                     compiler=True)
+                optimized = planned(error.min_budget_bytes)
             except InfeasibleBudgetError as again:
                 # the plans of the pool follow the measured node times, so a second planning may find
                 # another floor (seen once in 400 examples under load: 239,106 then 256,310 bytes); never far
                 assert again.min_budget_bytes <= 1.1 * error.min_budget_bytes, (error, again)
                 event("the floor moved when planned again")
                 return
+    except CaptureError as error:  # an unused dropout, which torch.compile drops (optimize() falls back)
+        assert "random numbers" in str(error), error
+        event("refused: random draws torch.compile drops")
+        return
     grads, buffers = step_result(optimized, x, loss_fn)
     for a, b in zip(expected_grads, grads):
         assert (a is None) == (b is None)
