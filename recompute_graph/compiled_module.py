@@ -154,30 +154,45 @@ class CompiledRecomputedModule(SharedModelModule):
         self.train(True)
         try:
             with preserved_state(self._original, rng=True), torch.enable_grad(), full_collections_deferred():
-                self._step_for(key)(*args, **kwargs)
+                drawn_from = _generator_states()
+                output = _floating_values(self._step_for(key)(*args, **kwargs))
                 compiled_draws = _generator_states()
-            self._check_random_draws(args, kwargs, compiled_draws)
+            if not _same_states(drawn_from, compiled_draws):  # the model draws random numbers
+                self._check_random_draws(args, kwargs, output, compiled_draws)
         except TorchDynamoException as error:
             raise _library_error(error, self._original_class) from error
         finally:
             self.train(was_training)
 
-    def _check_random_draws(self, args: tuple, kwargs: dict, compiled_draws: list[torch.Tensor]) -> None:
-        """CaptureError when the model's own forward (run once, undone) leaves the random generators
-        elsewhere than the compiled forward did (``compiled_draws``): torch.compile drops a random op
-        whose result nothing reads (an unused dropout) as dead code, so every later dropout would draw
-        another mask than eager PyTorch, even with no recomputation. Skipped on meta tensors."""
+    def _check_random_draws(self, args: tuple, kwargs: dict, output: list[torch.Tensor],
+                            compiled_draws: list[torch.Tensor]) -> None:
+        """CaptureError when the model's own forward (run once from the same random state, undone)
+        leaves the random generators elsewhere than the compiled forward did (``compiled_draws``), or
+        computes other outputs (``output``: the compiled forward's floating-point ones). torch.compile
+        drops a random op whose result nothing reads (an unused dropout) as dead code, and its
+        decomposition of an in-place dropout on a non-contiguous view fills the mask in another element
+        order; either way the dropouts would draw other masks than eager PyTorch, even with no
+        recomputation. Skipped on meta tensors."""
         if any(isinstance(t, torch.Tensor) and t.is_meta for t in tree_flatten((args, kwargs))[0]):
             return
         with preserved_state(self._original, rng=True), torch.enable_grad(), full_collections_deferred():
-            self._original(*args, **kwargs)
+            expected = _floating_values(self._original(*args, **kwargs))
             eager_draws = _generator_states()
-        if len(eager_draws) != len(compiled_draws) or not all(map(torch.equal, eager_draws, compiled_draws)):
+        if not _same_states(eager_draws, compiled_draws):
             raise CaptureError(
                 f"{self._original_class} draws other random numbers in its compiled forward than in its own: "
                 "torch.compile drops a random op whose result nothing reads (an unused dropout) as dead code, "
                 "so later dropouts would draw other masks. Remove the unused call, or plan with the schedule "
                 "executor (compiler=False), whose graph keeps it.")
+        for a, b in zip(expected, output):
+            scale = float(a.abs().max()) if a.numel() else 0.0
+            if a.shape != b.shape or (a.numel() and float((a - b).abs().max()) > 1e-3 * max(scale, 1.0)):
+                raise CaptureError(
+                    f"{self._original_class} draws other random numbers in its compiled forward than in its "
+                    "own: under the same seed its compiled output differs (a known cause: torch.compile's "
+                    "decomposition of an in-place dropout on a non-contiguous view fills the mask in another "
+                    "order). Apply the dropout out of place or on a contiguous tensor, or plan with the "
+                    "schedule executor (compiler=False).")
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._check_call(args, kwargs)
@@ -252,6 +267,15 @@ def _finish_after_backward(output: Any, watch: PeakWatch) -> None:
     for value in tree_flatten(output)[0]:
         if isinstance(value, torch.Tensor) and value.requires_grad:
             value.register_hook(hook)
+
+
+def _floating_values(output: Any) -> list[torch.Tensor]:
+    """The floating-point tensors of a model's output, detached."""
+    return [t.detach() for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+def _same_states(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(map(torch.equal, a, b))
 
 
 def _generator_states() -> list[torch.Tensor]:
