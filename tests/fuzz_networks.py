@@ -6,13 +6,16 @@ pooling and upsampling, a shared module, writes through views and in-place ops o
 after a permute sizing an ``expand``), random losses, and the reference step."""
 from __future__ import annotations
 
+import copy
+
 import torch
+from hypothesis import assume, event
 from hypothesis import strategies as st
 from torch import nn
 
-from recompute_graph.measure import default_loss
+from recompute_graph.measure import default_loss, make_training_step, peak_memory
 
-__all__ = ["CHANNELS", "OPS", "LOSSES", "RandomNet", "networks", "step_result"]
+__all__ = ["CHANNELS", "OPS", "LOSSES", "RandomNet", "networks", "step_result", "network_and_reference_step", "checked_step"]
 
 CHANNELS = 4
 OPS = ("conv", "shared_conv", "bn", "relu_", "gelu", "dropout", "add", "cat", "split_add", "layer_norm",
@@ -148,3 +151,32 @@ def step_result(module: nn.Module, x: torch.Tensor, loss_fn=default_loss):
     loss_fn(module(x)).backward()
     return ([p.grad.clone() if p.grad is not None else None for p in module.parameters()],
             [b.clone() for b in module.buffers()])
+
+
+def checked_step(optimized: nn.Module, x: torch.Tensor, loss_fn, expected: tuple) -> tuple:
+    """Assert that one step of ``optimized`` leaves the gradients and buffers ``expected``
+    (:func:`step_result` of the original) and return its plan and the allocator's peak of a step."""
+    grads, buffers = step_result(optimized, x, loss_fn)
+    for a, b in zip(expected[0], grads):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(expected[1], buffers):
+        torch.testing.assert_close(a, b)
+    plan = optimized.recompute_plan
+    event("plan recomputes" if plan.recomputed_nodes else "plan keeps everything")
+    return plan, peak_memory(make_training_step(optimized, (x,), loss_fn))
+
+
+def network_and_reference_step(spec: list, seed: int, auxiliary: bool, loss_name: str) -> tuple:
+    """``(model, x, loss_fn, expected)``: the seeded network of ``spec``, an input, the loss, and the
+    :func:`step_result` of a copy of it (an invalid network, one eager PyTorch fails on, is not a case)."""
+    torch.manual_seed(seed)
+    model = RandomNet(spec, auxiliary)
+    loss_fn = LOSSES[loss_name]
+    x = torch.randn(4, CHANNELS, 16, 16)
+    try:
+        expected = step_result(copy.deepcopy(model), x, loss_fn)
+    except RuntimeError:
+        assume(False)
+    return model, x, loss_fn, expected

@@ -8,17 +8,14 @@ budget, at which the module is planned again and checked the same way (the most 
 ``max_examples``, searches further.)"""
 from __future__ import annotations
 
-import copy
 import warnings
 
-import torch
-from hypothesis import HealthCheck, assume, event, example, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
-from fuzz_networks import CHANNELS, LOSSES, RandomNet, networks, step_result
+from fuzz_networks import LOSSES, checked_step, network_and_reference_step, networks
 from recompute_graph import InfeasibleBudgetError, optimize
 from recompute_graph.joint_capture import CaptureError
-from recompute_graph.measure import make_training_step, peak_memory
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -34,15 +31,8 @@ from recompute_graph.measure import make_training_step, peak_memory
 @example(spec=[("dropout", 0, 0), ("dropout", 0, 0), ("conv", 0, 0)], fraction=1.0, seed=0, auxiliary=False,
          loss_name="cross_entropy")
 def test_random_networks_train_exactly_on_the_compiler_path(spec, fraction, seed, auxiliary, loss_name):
-    torch.manual_seed(seed)
-    model = RandomNet(spec, auxiliary)
-    loss_fn = LOSSES[loss_name]
-    x = torch.randn(4, CHANNELS, 16, 16)
-    reference = copy.deepcopy(model)
-    try:
-        expected_grads, expected_buffers = step_result(reference, x, loss_fn)
-    except RuntimeError:  # an invalid random network (in eager PyTorch too)
-        assume(False)
+    model, x, loss_fn, expected = network_and_reference_step(spec, seed, auxiliary, loss_name)
+
     def planned(budget):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a budget under the graph's floor is reported by the error
@@ -65,15 +55,6 @@ def test_random_networks_train_exactly_on_the_compiler_path(spec, fraction, seed
         assert "random numbers" in str(error), error
         event("refused: random draws torch.compile drops")
         return
-    grads, buffers = step_result(optimized, x, loss_fn)
-    for a, b in zip(expected_grads, grads):
-        assert (a is None) == (b is None)
-        if a is not None:
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    for a, b in zip(expected_buffers, buffers):
-        torch.testing.assert_close(a, b)
-    plan = optimized.recompute_plan
-    event("plan recomputes" if plan.recomputed_nodes else "plan keeps everything")
-    measured = peak_memory(make_training_step(optimized, (x,), loss_fn))
+    plan, measured = checked_step(optimized, x, loss_fn, expected)
     assert measured <= plan.budget_bytes, (measured, plan)
     assert plan.predicted_step_peak_bytes >= 0.9 * measured, (measured, plan)  # never 10 % under

@@ -5,15 +5,12 @@ module's gradients and buffers equal the original's after a training step and th
 within the budget; otherwise the error is an InfeasibleBudgetError naming a larger smallest budget."""
 from __future__ import annotations
 
-import copy
 
-import torch
-from hypothesis import HealthCheck, assume, event, example, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
-from fuzz_networks import CHANNELS, LOSSES, RandomNet, networks, step_result
+from fuzz_networks import LOSSES, checked_step, network_and_reference_step, networks
 from recompute_graph import InfeasibleBudgetError, TraceError, optimize
-from recompute_graph.measure import make_training_step, peak_memory
 from recompute_graph.planner import loss_allowance_bytes
 
 
@@ -56,15 +53,7 @@ from recompute_graph.planner import loss_allowance_bytes
 @example(spec=[("instance_norm", 0, 0), ("conv", 0, 0), ("conv", 0, 0), ("slice_write", 0, 0)], fraction=1.0,
          seed=0, auxiliary=False, loss_name="cross_entropy")
 def test_random_networks_train_exactly_within_random_budgets(spec, fraction, seed, auxiliary, loss_name):
-    torch.manual_seed(seed)
-    model = RandomNet(spec, auxiliary)
-    loss_fn = LOSSES[loss_name]
-    x = torch.randn(4, CHANNELS, 16, 16)
-    reference = copy.deepcopy(model)
-    try:
-        expected_grads, expected_buffers = step_result(reference, x, loss_fn)
-    except RuntimeError:  # an invalid random network (in eager PyTorch too)
-        assume(False)
+    model, x, loss_fn, expected = network_and_reference_step(spec, seed, auxiliary, loss_name)
     try:
         optimized = optimize(model, fraction, example_inputs=(x,), timing="flops", loss_fn=loss_fn)
     except InfeasibleBudgetError as error:
@@ -75,16 +64,7 @@ def test_random_networks_train_exactly_within_random_budgets(spec, fraction, see
         assert "random numbers" in str(error), error
         event("refused: random draws torch.export does not reproduce")
         return
-    grads, buffers = step_result(optimized, x, loss_fn)
-    for a, b in zip(expected_grads, grads):
-        assert (a is None) == (b is None)
-        if a is not None:
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    for a, b in zip(expected_buffers, buffers):
-        torch.testing.assert_close(a, b)
-    plan = optimized.recompute_plan
-    event("plan recomputes" if plan.recomputed_nodes else "plan keeps everything")
-    measured = peak_memory(make_training_step(optimized, (x,), loss_fn))
+    plan, measured = checked_step(optimized, x, loss_fn, expected)
     assert measured <= plan.budget_bytes, (measured, plan)
     # never under-predicted by more than 10 % (over-prediction only wastes memory: a CPU convolution's
     # backward workspace, priced from an isolated run, is larger there than inside a fused backward run)
