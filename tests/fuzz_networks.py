@@ -15,7 +15,8 @@ from torch import nn
 
 from recompute_graph.measure import default_loss, make_training_step, peak_memory
 
-__all__ = ["CHANNELS", "OPS", "LOSSES", "RandomNet", "networks", "step_result", "network_and_reference_step", "checked_step"]
+__all__ = ["CHANNELS", "OPS", "LOSSES", "RandomNet", "networks", "step_result", "network_and_reference_step",
+           "checked_step"]
 
 CHANNELS = 4
 OPS = ("conv", "shared_conv", "bn", "relu_", "gelu", "dropout", "add", "cat", "split_add", "layer_norm",
