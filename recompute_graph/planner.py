@@ -11,7 +11,7 @@ import functools
 import inspect
 import math
 from dataclasses import dataclass, field
-from typing import Iterator, Union
+from typing import Iterator
 
 from .collector import full_collections_deferred
 from .errors import InfeasibleBudgetError, SolverError
@@ -24,14 +24,13 @@ from .simulate import SimulationResult
 from .solvers import SOLVERS, Solution, collecting_plans, get_solver, solvers_for
 from .solvers.chain_dp import FINE_MAX_STAGES, FINE_REFINE_ABOVE, chain_of
 from .solvers.lower_set_dp import dp_for
-from .units import format_bytes, parse_bytes
+from .units import Budget, format_bytes, parse_budget
 
 __all__ = ["Budget", "parse_budget", "RecomputePlan", "make_plan", "AUTO_SOLVERS", "auto_solvers",
-           "min_feasible_budget", "replan_schedule", "plan_from_solution", "loss_allowance_bytes", "usable_bytes_of",
+           "min_feasible_budget", "reproducible_floor_bytes", "replan_schedule", "plan_from_solution", "loss_allowance_bytes", "usable_bytes_of",
            "planning_margin", "step_peak_bytes", "min_budget_for_step", "candidate_pool", "POOL_FRACTIONS",
            "POOL_FRACTIONS_LARGE", "LARGE_GRAPH_NODES", "pool_fractions", "LOWER_SET_DP_MAX_NODES"]
 
-Budget = Union[int, float, str]
 #: A plan of a traced model fits a budget when its predicted peak times (1 + PLANNING_MARGIN), plus the
 #: loss allowance
 #: (``loss_allowance_bytes``: the loss function's own output-sized tensors), does. The margin covers what
@@ -139,30 +138,6 @@ def auto_solvers(graph: CostGraph) -> tuple[str, ...]:
     if chain and dp == "dp_approx" and len(graph) > LOWER_SET_DP_MAX_NODES:
         dp = None  # O(n²) per run, a dozen runs: half an hour at 17,000 nodes, where chain_dp takes seconds
     return AUTO_SOLVERS + ((dp,) if dp else ()) + chain
-
-_BUDGET_FORMS = ("a positive int of bytes, a size string such as '1.5GiB' or '800MB', or a float in "
-                 "(0, 1] meaning that fraction of the store-all peak")
-
-
-def parse_budget(budget: Budget) -> tuple[str, float]:
-    """``("bytes", n)`` or ``("fraction", f)``; ValueError listing the accepted forms otherwise."""
-    if isinstance(budget, bool):
-        raise ValueError(f"budget {budget!r} is not valid: use {_BUDGET_FORMS}")
-    if isinstance(budget, int):
-        if budget <= 0:
-            raise ValueError(f"budget {budget} must be positive: use {_BUDGET_FORMS}")
-        return "bytes", budget
-    if isinstance(budget, float):
-        if not (math.isfinite(budget) and 0 < budget <= 1):
-            raise ValueError(f"budget {budget!r} is not valid: use {_BUDGET_FORMS}")
-        return "fraction", budget
-    if isinstance(budget, str):
-        try:
-            return "bytes", parse_bytes(budget)
-        except ValueError:
-            raise ValueError(f"cannot parse budget {budget!r}: use {_BUDGET_FORMS}") from None
-    raise ValueError(f"budget of type {type(budget).__name__} is not valid: use {_BUDGET_FORMS}")
-
 
 @dataclass(frozen=True)
 class RecomputePlan:
@@ -338,7 +313,29 @@ def _build_pool(graph: CostGraph, variant: str) -> tuple[Solution, ...]:
     for plans in results[len(order):]:  # then those planned on the estimated times
         for solution in plans:
             pool.setdefault(solution.schedule, solution)
+    steady = [s for name in names if name in TIME_INDEPENDENT_SOLVERS for s in by_solver[name][0]]
+    steady += [solution for plans in results[len(order):] for solution in plans]
+    memoized(graph, ("planner.reproducible_floor", variant),
+              lambda: min((min_budget_for_step(graph, s.simulation) for s in steady + [store_all]))
+              if second else min(min_budget_for_step(graph, s.simulation) for s in pool.values()))
     return _relaxed_pool(graph, _undominated(graph, list(pool.values())))
+
+
+#: The solvers whose plans do not depend on the nodes' times (chen_greedy's candidates are cut by bytes)
+TIME_INDEPENDENT_SOLVERS = ("store_all", "chen_sqrt", "chen_greedy")
+
+
+def reproducible_floor_bytes(graph: CostGraph, variant: str = "time") -> int:
+    """The least budget of the pool's plans that the nodes' measured times do not decide: those of
+    ``TIME_INDEPENDENT_SOLVERS`` and those made on the estimated times (``estimated_times_graph``). A
+    capture measures the times anew, and a plan made on them can be missing from the next pool (a fuzzed
+    network's floor went from 239,106 to 256,310 B between two plannings), so this is the floor an
+    ``InfeasibleBudgetError`` names: planning the same model at it again always finds a plan. At or above
+    ``min_feasible_budget(graph)``, by about 1 % on the conformance models; the same on a graph without
+    estimated times (times from FLOPs, or a file), whose plans all repeat."""
+    candidate_pool(graph, variant)
+    return memoized(graph, ("planner.reproducible_floor", variant),
+                    lambda: min(min_budget_for_step(graph, s.simulation) for s in candidate_pool(graph, variant)))
 
 
 #: The solvers the pool also runs on the estimated times (``estimated_times_graph``): those whose plans
@@ -497,20 +494,23 @@ def _plan_from_pool(graph: CostGraph, budget: Budget, variant: str) -> Recompute
     pool = candidate_pool(graph, variant)
     fitting = [s for s in pool if _fits_step(graph, s, budget_bytes)]
     if not fitting:
-        smallest = min(min_budget_for_step(graph, s.simulation) for s in pool)
-        raise _infeasible(graph, "auto", budget_bytes, smallest, store_all)
+        lowest = min(min_budget_for_step(graph, s.simulation) for s in pool)
+        raise _infeasible(graph, "auto", budget_bytes, reproducible_floor_bytes(graph, variant), store_all, lowest)
     chosen = min(fitting, key=lambda s: (s.recompute_cost, step_peak_bytes(graph, s.simulation)))
     return _plan(chosen, graph, budget_bytes, store_all, store_all.simulation.compute_cost)
 
 
-def _infeasible(graph: CostGraph, solver: str, budget_bytes: int, smallest: int, store_all: Solution
-                ) -> InfeasibleBudgetError:
+def _infeasible(graph: CostGraph, solver: str, budget_bytes: int, smallest: int, store_all: Solution,
+                lowest: int | None = None) -> InfeasibleBudgetError:
+    """The error naming ``smallest``, and ``lowest`` where this planning's plans reach below it."""
     store_all_budget = min_budget_for_peak(store_all.peak_bytes, loss_allowance_bytes(graph), planning_margin(graph))
+    below = (f"; this planning's plans, on node times measured now, go down to {lowest} bytes, which can move "
+             "when they are measured again" if lowest is not None and lowest < smallest else "")
     return InfeasibleBudgetError(
         f"no plan of {'any solver' if solver == 'auto' else repr(solver)} fits a budget of "
         f"{format_bytes(budget_bytes)} ({budget_bytes} bytes) for {graph.name!r}; the smallest feasible "
         f"budget is {format_bytes(smallest)} ({smallest} bytes, the fraction "
-        f"{math.ceil(smallest / store_all_budget * 1000) / 1000:g} of what a store-all step needs). "
+        f"{math.ceil(smallest / store_all_budget * 1000) / 1000:g} of what a store-all step needs{below}). "
         "Raise the budget or try another solver.",
         budget_bytes=budget_bytes, min_budget_bytes=smallest)
 

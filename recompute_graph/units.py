@@ -1,10 +1,14 @@
-"""Byte sizes: parsing ``"1.5GiB"`` / ``"800MB"`` and formatting for people."""
+"""Byte sizes: parsing ``"1.5GiB"`` / ``"800MB"`` and formatting for people; budgets (bytes, a size string or
+a fraction of what a store-all step needs, docs/concepts.md)."""
 from __future__ import annotations
 
 import math
 import re
+from typing import Union
 
-__all__ = ["parse_bytes", "format_bytes"]
+__all__ = ["parse_bytes", "format_bytes", "Budget", "parse_budget"]
+
+Budget = Union[int, float, str]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -41,3 +45,27 @@ def format_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+_BUDGET_FORMS = ("a positive int of bytes, a size string such as '1.5GiB' or '800MB', or a float in "
+                 "(0, 1] meaning that fraction of the store-all peak")
+
+
+def parse_budget(budget: Budget) -> tuple[str, float]:
+    """``("bytes", n)`` or ``("fraction", f)``; ValueError listing the accepted forms otherwise."""
+    if isinstance(budget, bool):
+        raise ValueError(f"budget {budget!r} is not valid: use {_BUDGET_FORMS}")
+    if isinstance(budget, int):
+        if budget <= 0:
+            raise ValueError(f"budget {budget} must be positive: use {_BUDGET_FORMS}")
+        return "bytes", budget
+    if isinstance(budget, float):
+        if not (math.isfinite(budget) and 0 < budget <= 1):
+            raise ValueError(f"budget {budget!r} is not valid: use {_BUDGET_FORMS}")
+        return "fraction", budget
+    if isinstance(budget, str):
+        try:
+            return "bytes", parse_bytes(budget)
+        except ValueError:
+            raise ValueError(f"cannot parse budget {budget!r}: use {_BUDGET_FORMS}") from None
+    raise ValueError(f"budget of type {type(budget).__name__} is not valid: use {_BUDGET_FORMS}")

@@ -8,7 +8,9 @@ conformance model of ``models_zoo.third_party`` by its name, else a zoo model at
 the joint cost graph it priced with measured node times (``rg.last_lowering().graph``), and builds
 ``auto``'s pool twice: with the plans the solvers make on the roofline's times
 (``planner.estimated_times_graph``) and without them (the same graph less ``estimated_costs``). For
-each it prints the pool's least budget (the floor) and the seconds it took, then ``auto``'s plan at each
+each it prints the pool's least budget (the floor), the floor an ``InfeasibleBudgetError`` names
+(``planner.reproducible_floor_bytes``: that of the plans the measured times do not decide) and the
+seconds it took, then ``auto``'s plan at each
 fraction of the store-all budget: its predicted step peak and extra compute, both priced with the
 measured times. Node times are measured at each capture, so the numbers move a little between runs.
 """
@@ -50,12 +52,14 @@ def captured_graph(name: str, preset: str, sizes: dict[str, int] | None = None) 
 def report(name: str, graph: CostGraph, fractions: list[float]) -> None:
     without = dataclasses.replace(graph, estimated_costs=())
     print(f"## {name}: {len(graph)} units, {graph.cost_source}")
-    print("| pool | floor (bytes) | pool seconds | " + " | ".join(f"{f:g}" for f in fractions) + " |")
-    print("|---|---|---|" + "---|" * len(fractions))
+    print("| pool | floor (bytes) | named floor (bytes) | pool seconds | " + " | ".join(f"{f:g}" for f in fractions)
+          + " |")
+    print("|---|---|---|---|" + "---|" * len(fractions))
     for label, candidate in (("measured times", without), ("measured + estimated times", graph)):
         started = time.perf_counter()
         floor = planner.min_feasible_budget(candidate)
         seconds = time.perf_counter() - started
+        named = planner.reproducible_floor_bytes(candidate)
         cells = []
         for fraction in fractions:
             try:
@@ -65,7 +69,7 @@ def report(name: str, graph: CostGraph, fractions: list[float]) -> None:
                 continue
             cells.append(f"{plan.predicted_step_peak_bytes:,} B {plan.predicted_compute_overhead:+.1%}"
                          + (" (est.)" if "estimated times" in plan.description else ""))
-        print(f"| {label} | {floor:,} | {seconds:.1f} | " + " | ".join(cells) + " |")
+        print(f"| {label} | {floor:,} | {named:,} ({named / floor - 1:+.1%}) | {seconds:.1f} | " + " | ".join(cells) + " |")
     print()
 
 

@@ -102,3 +102,32 @@ def test_blooms_floor_comes_down_with_plans_made_on_the_estimated_times():
     plan = planner.make_plan(graph, floor)
     assert "planned on estimated times" in plan.description
     assert plan.simulation == simulate(graph, plan.schedule)
+
+
+@settings(max_examples=25, deadline=None)
+@given(measured_joint_graphs(), st.randoms(use_true_random=False))
+def test_the_floor_an_error_names_does_not_move_with_the_measured_times(graph, rnd):
+    """A capture measures the node times anew. The floor an ``InfeasibleBudgetError`` names is that of
+    the plans the measured times do not decide (``reproducible_floor_bytes``): the same for the graph
+    with other measured times, and planning it there finds a plan."""
+    remeasured = dataclasses.replace(graph, nodes=tuple(
+        dataclasses.replace(n, forward_cost=n.forward_cost * rnd.uniform(0.2, 5),
+                            backward_cost=n.backward_cost * rnd.uniform(0.2, 5)) for n in graph.nodes))
+    floor = planner.reproducible_floor_bytes(graph)
+    assert floor == planner.reproducible_floor_bytes(remeasured)
+    for candidate in (graph, remeasured):
+        assert floor >= _floor(candidate)
+        assert planner.make_plan(candidate, floor).min_budget_bytes <= floor
+        if floor > 1:
+            with pytest.raises(planner.InfeasibleBudgetError) as error:
+                planner.make_plan(candidate, _floor(candidate) - 1)
+            assert error.value.min_budget_bytes == floor
+            lower = _floor(candidate) < floor
+            assert (f"go down to {_floor(candidate)} bytes" in str(error.value)) == lower
+
+
+@settings(max_examples=10, deadline=None)
+@given(cost_graphs(max_nodes=12))
+def test_without_estimated_times_the_named_floor_is_the_pools(graph):
+    """Times from FLOPs or a file repeat at every planning: every plan of the pool counts."""
+    assert planner.reproducible_floor_bytes(graph) == _floor(graph)
