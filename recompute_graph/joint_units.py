@@ -416,12 +416,17 @@ def _read_for_the_backward_only(owner: int, units: list[list[fx.Node]], unit_of:
     the gradient that backward reads (16 KB under the graphs' liveness; found by
     tests/test_fuzz_compiled.py). A view has no gradient of its own there: the backward is the scatter's
     unit's. (A value of its own made for the backward, a tanh-GELU's coefficient, keeps its backward.)"""
-    if any(u.op == "output" or (u in unit_of and unit_of[u] != owner) for n in units[owner] for u in n.users):
+    if _read_on(owner, units, unit_of):
         return owner
     if not all(_is_view(n) for n in units[owner]):  # a value of its own (a GELU's coefficient): its backward
         return owner
     read = {unit_of[a] for n in units[owner] for a in n.all_input_nodes if a in unit_of} - {owner}
     return read.pop() if len(read) == 1 else owner
+
+
+def _read_on(index: int, units: list[list[fx.Node]], unit_of: dict[fx.Node, int]) -> bool:
+    """Whether another unit of the forward reads unit ``index``'s nodes, or the graph returns one."""
+    return any(u.op == "output" or (u in unit_of and unit_of[u] != index) for n in units[index] for u in n.users)
 
 
 def _is_view(node: fx.Node) -> bool:
@@ -441,8 +446,7 @@ def _owner_of_backward(backward_nodes: list[fx.Node], candidates: list[int], uni
     it in the forward, so nothing orders its backward)."""
     reads = [unit_of[a] for b in backward_nodes for a in b.all_input_nodes
              if a in unit_of and unit_of[a] in candidates]
-    read_on = [i for i in candidates if any(u.op == "output" or (u in unit_of and unit_of[u] != i)
-                                            for n in units[i] for u in n.users)]
+    read_on = [i for i in candidates if _read_on(i, units, unit_of)]
     if len(read_on) < len(candidates) and read_on:
         candidates = read_on
         reads = [i for i in reads if i in read_on]
