@@ -130,6 +130,11 @@ class CostNode:
         (at most ``saved_buffer_bytes``), which are kept from the first computation to the node's
         backward when it is computed more than once. Solvers price every computation at
         :attr:`recomputation_cost` (the first computations are the same in every plan).
+    state_update_bytes
+        The buffers' new values the node's first computation makes (a joint graph's training-mode
+        BatchNorm: its new running statistics). The generated forward returns them and the runtime
+        copies them into the buffers after it, so they live from that computation to the end of the
+        forward ops; no node reads them.
     """
 
     index: int
@@ -168,6 +173,7 @@ class CostNode:
     random_op_count: int = 1
     recompute_cost: float | None = None
     recompute_kept_bytes: int = 0
+    state_update_bytes: int = 0
 
     @property
     def recomputation_cost(self) -> float:
@@ -191,6 +197,8 @@ class CostNode:
         data = dataclasses.asdict(self)
         if self.recompute_cost is None and not self.recompute_kept_bytes:
             del data["recompute_cost"], data["recompute_kept_bytes"]
+        if not self.state_update_bytes:
+            del data["state_update_bytes"]
         return data
 
 
@@ -318,7 +326,7 @@ class CostGraph:
                 raise GraphError(f"{where}: alias_of={node.alias_of} must name an earlier node")
         for attr in ("output_bytes", "grad_bytes", "saved_input_bytes", "saved_output_bytes",
                      "saved_buffer_bytes", "workspace_bytes", "backward_workspace_bytes", "param_grad_bytes", "forward_flops",
-                     "backward_flops"):
+                     "backward_flops", "state_update_bytes"):
             if getattr(node, attr) < 0:
                 raise GraphError(f"{where}: {attr} is negative")
         if not (node.forward_cost >= 0 and node.backward_cost >= 0 and node.recomputation_cost >= 0):  # and NaN

@@ -32,8 +32,8 @@ Pricing (:func:`joint_cost_graph`), bytes from the fake tensors of ``meta["val"]
   their peak: the most of its storages live at once as its nodes run, the outputs made so far
   included, less the outputs (``joint_storage.internal_peak_bytes``); and the most of the storages the
   backward nodes allocate besides the gradients they pass on live at once, with the returned
-  gradients they make (counted as if alive together); each plus the largest kernel temporary of the
-  unit's nodes,
+  gradients they make (counted as if alive together); the forward's with each node's kernel temporaries
+  beside what is live as it runs, the backward's plus the largest kernel temporary of its nodes,
   measured by the allocator on one run of the joint graph on real tensors
   (``joint_allocations.kernel_workspace_bytes``);
 * ``backward_steps`` / ``backward_step_workspace_bytes`` / ``tape_release_steps``: the unit's backward
@@ -257,8 +257,8 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
     """The implicit-backward :class:`CostGraph` of ``units`` (module docstring), node ``i`` = unit ``i``,
     named after the unit's first node. ``loss_bytes``: the loss's transient
     (``joint_allocations.outputs_loss_bytes``; None: the planner guesses). ``workspace``: each node's
-    kernel temporaries (``joint_allocations.kernel_workspace_bytes``); a unit's forward workspace is the
-    largest of its nodes', and its backward's the largest of its backward nodes' on top of the
+    kernel temporaries (``joint_allocations.kernel_workspace_bytes``); a unit's forward workspace holds
+    each node's beside what is live as it runs, and its backward's the largest of its backward nodes' on top of the
     temporaries they keep and the returned gradients they make. ``node_seconds``: each node's measured
     run time (``joint_allocations.node_seconds``); a node without one is priced by ``device_profile``
     from its FLOPs and the bytes it moves."""
@@ -278,8 +278,9 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
     trainable = {p for p, g in zip(primals, gradient_outputs) if g is not None}
     # the model's outputs; a buffer's new value (BatchNorm's running statistics, written back after the
     # forward) is not one: it would keep its unit's whole value (the normalized activations) alive
-    forward_outputs = {n for n in units.forward_outputs(graph)
-                       if not _is_buffer_update(n, set(primals) - trainable)}
+    updates = {n for n in units.forward_outputs(graph) if _is_buffer_update(n, set(primals) - trainable)}
+    forward_outputs = set(units.forward_outputs(graph)) - updates
+    update_keys = {key for n in updates for key, _ in _storage(n)}
     backward_unit = {b: i for i, nodes in enumerate(units.backward_of) for b in nodes}
     makers = _backward_storage_makers(graph, backward_unit, primal_keys)
     returned_gradients = _returned_gradients(graph, units, backward_unit, makers)
@@ -331,6 +332,9 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
                 else:
                     saved_input += nbytes
                     needs.add(owner[key])
+        # the buffers' new values: returned by the generated forward, they live to its end (those its
+        # backward reads live with the tape, ``saved_buffer_bytes``)
+        state_updates = {key: own_keys[key] for key in update_keys & own_keys.keys() - read_outside - kept_internal}
         inputs = {a for n in members for a in n.all_input_nodes if a not in member_set}
         # a view of parameters (a linear's ``t(weight)``, ``t(t(weight))``) gets no gradient buffer:
         # the parameter's gradient is made by backward nodes from the consumer's incoming gradient and
@@ -386,7 +390,9 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
         backward_flops = sum(flops[b] for b in backward_nodes)
         # the internal storages live at once beside the outputs made so far (an output made last
         # overlaps none of them): the workspace is what the unit holds beyond its outputs at its peak
-        internal = internal_peak_bytes(members, own_keys, kept_internal | read_outside) - output_bytes
+        internal = internal_peak_bytes(members, own_keys, kept_internal | read_outside | state_updates.keys(),
+                                       [workspace.get(n.name, 0) for n in members]) - output_bytes
+        internal -= sum(state_updates.values())
         targets = {op_name(n.target) for n in members if n.op == "call_function"}
         forward_seconds = sum(_seconds(n, flops[n], profile, measured) for n in members)
         estimated_forward = sum(profile.seconds(flops[n], _moved_bytes(n)) for n in members)
@@ -413,8 +419,7 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
             output_bytes=output_bytes, alias_of=alias_of, grad_bytes=grad_bytes,
             saved_input_bytes=saved_input, saved_output_bytes=saved_output, saved_buffer_bytes=saved_buffer,
             backward_needs=tuple(sorted(needs)),
-            workspace_bytes=max(0, internal - saved_buffer) + max((workspace.get(n.name, 0) for n in members),
-                                                                 default=0),
+            workspace_bytes=max(0, internal - saved_buffer),
             backward_aliases_grad=_passes_gradient_on(backward_nodes, incoming_sums),
             grad_term_bytes=_view_term_bytes(members, index, units, forward_outputs, backward_nodes)
             if grad and not parameter_view and len(floating) == 1 else (),
@@ -427,6 +432,7 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
             param_grad_bytes=sum(made_gradients[index].values()),
             forward_cost=forward_seconds, recompute_cost=recompute_seconds,
             recompute_kept_bytes=sum(nbytes for key, nbytes in kept_storages.items() if key in kept_internal),
+            state_update_bytes=sum(state_updates.values()),
             backward_cost=sum(_seconds(b, flops[b], profile, measured) for b in backward_nodes),
             forward_flops=forward_flops, backward_flops=backward_flops, requires_grad=grad,
             random=bool(targets & RANDOM_TARGETS), stateful=bool(targets & STATE_READING_TARGETS),

@@ -66,6 +66,10 @@ A node computed more than once whose recomputations read saved buffers of its fi
 (``recompute_kept_bytes``: a training BatchNorm's batch statistics) keeps those from its first live
 computation to the last of its live computations and its ``Backward``; no computation makes them
 again, and every tape of the node refers to them.
+
+A node's first computation also makes its ``state_update_bytes`` (a training BatchNorm's new running
+statistics), which live to the end of the forward ops: the generated forward returns them, and they are
+copied into the buffers after it.
 """
 from __future__ import annotations
 
@@ -148,6 +152,7 @@ class _Simulation:
         self.joint = is_joint_cost_graph(graph)
         self.dead: dict[str, frozenset[int]] = {"forward": frozenset(), "backward": frozenset()}  # positions
         # of dead recomputations, by phase
+        self.state_updates: list[int] = []         # storages of the buffers' new values (``state_update_bytes``)
 
     # ---------------------------------------------------------------- storages
     def _new_storage(self, nbytes: int) -> int:
@@ -205,6 +210,8 @@ class _Simulation:
             sid = self._new_storage(node.output_bytes)
         else:
             sid = self._ref(self._storage_of_owner(op.node, node.alias_of, "the node views"))
+        if node.state_update_bytes and index not in self.computed and self.phase == "forward":  # to its end
+            self.state_updates.append(self._new_storage(node.state_update_bytes))
         # what the node would save (dropout masks, internal copies) exists by the kernel's end, beside
         # its workspace; without a tape it is transient
         transient = node.workspace_bytes + node.saved_buffer_bytes
@@ -509,6 +516,8 @@ def simulate(graph: CostGraph, schedule: Schedule) -> SimulationResult:
     for position, op in enumerate(schedule.forward_ops):
         sim.run("forward", position, op)
     forward_peak = sim.peak
+    for sid in sim.state_updates:  # copied into the buffers once the forward has run
+        sim._unref(sid)
     sim.check_outputs_live()
     ops = schedule.backward_ops
     first = 0

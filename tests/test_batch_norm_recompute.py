@@ -147,3 +147,68 @@ def test_a_cost_graph_keeps_its_recomputation_fields_through_a_save_and_checks_t
     assert structure_fingerprint(timed_again) == structure_fingerprint(graph)
     with pytest.raises(GraphError, match="recompute_kept_bytes"):
         _normalizing_chain(kept=9)
+
+
+class FrozenBackbone(nn.Module):
+    """Fine-tuning: a frozen ``ConvNormStack`` in training mode (its BatchNorms update their running
+    statistics) under a trainable head. The whole backbone is one unit, with no backward."""
+
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        self.backbone = ConvNormStack(width=width, depth=4).requires_grad_(False)
+        self.head = nn.Conv2d(width, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.backbone(x))
+
+
+def test_a_frozen_backbones_step_is_priced_as_the_allocator_sees_it():
+    """Its peak is in the forward, where two things were priced otherwise than they happen: each
+    BatchNorm's new running statistics live to the end of the generated forward (which returns them),
+    not only while the unit runs (``state_update_bytes``); and each node's kernel temporaries come beside
+    what is live as it runs, not on top of the unit's peak (``internal_peak_bytes``). A frozen ResNet-18
+    was predicted 45 % over the allocator, then 0.2 % under; now exactly."""
+    torch.manual_seed(0)
+    model, inputs = FrozenBackbone(), (torch.randn(2, 3, 8, 8),)
+    error, buffers_equal = compiled_step_matches_eager(model, inputs, budget_backend(1.0))
+    assert error < 1e-6 and buffers_equal
+    lowered = last_lowering()
+    # running means and variances, and the counts (``num_batches_tracked + 1``: units of their own)
+    assert sum(n.state_update_bytes for n in lowered.graph.nodes) == 4 * 2 * 64 * 4 + 4 * 8
+    compiled = torch.compile(model, backend=budget_backend(1.0))
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        square_loss(compiled(*inputs)).backward()
+    step()
+    measured = allocator_peak_memory(step)
+    predicted = last_lowering().plan.predicted_step_peak_bytes
+    assert measured <= predicted <= measured * 1.005, (measured, predicted)
+
+
+def test_the_buffers_new_values_live_from_the_first_computation_to_the_end_of_the_forward():
+    """The simulator holds ``state_update_bytes`` from the node's first forward computation to the end of
+    the forward ops; a recomputation makes none."""
+    nodes = (CostNode(0, "conv", output_bytes=100, grad_bytes=100),
+             CostNode(1, "bn", predecessors=(0,), output_bytes=100, grad_bytes=100, state_update_bytes=40,
+                      backward_needs=(0,), saved_input_bytes=100),
+             CostNode(2, "relu", predecessors=(1,), output_bytes=100, grad_bytes=100, backward_needs=(2,),
+                      saved_output_bytes=100))
+    graph = CostGraph("g", nodes)
+    plain = CostGraph("g", tuple(dataclasses.replace(n, state_update_bytes=0) for n in nodes))
+    recomputing = Schedule(
+            (Forward(0), Forward(1, tape=False), Forward(2), FreeValue(1)),
+        (Forward(1), Backward(2), FreeValue(2), Backward(1), FreeValue(1), FreeValue(0), Backward(0)))
+    store_all = Schedule((Forward(0), Forward(1), Forward(2)),
+                         (Backward(2), FreeValue(2), Backward(1), FreeValue(1), Backward(0), FreeValue(0)))
+    for schedule in (store_all, recomputing):
+        held, without = simulate(graph, schedule), simulate(plain, schedule)
+        forward = [p for p in held.timeline if p.phase == "forward"]
+        assert [p.live_bytes for p in forward] == [
+            q.live_bytes + 40 * (i >= 1) for i, q in enumerate(p for p in without.timeline if p.phase == "forward")]
+        backward = [p.peak_bytes for p in held.timeline if p.phase == "backward"]
+        assert backward == [p.peak_bytes for p in without.timeline if p.phase == "backward"]
+    assert CostGraph.from_dict(graph.to_dict()) == graph
+    assert "state_update_bytes" not in plain.to_dict()["nodes"][1]  # saved graphs keep their form
+    with pytest.raises(GraphError, match="state_update_bytes"):
+        CostGraph("g", (CostNode(0, "bad", state_update_bytes=-1),))
