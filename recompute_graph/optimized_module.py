@@ -16,7 +16,7 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .errors import BudgetExceededWarning
+from .errors import BudgetExceededWarning, RewriteError
 from .executor_state import autocast_state
 from .units import format_bytes
 from .rewrite import ScheduleExecutor
@@ -48,6 +48,12 @@ class _ScheduleFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
+        if torch.is_grad_enabled():  # autograd runs a backward so when asked for create_graph=True
+            raise RewriteError(
+                "a double backward (torch.autograd.grad(..., create_graph=True), as gradient penalties and "
+                "Hessian-vector products take) reached a module optimize() returned: its plan runs one "
+                "backward, whose gradients have no graph of their own. Compute that term with the original "
+                "model (the optimized module shares its parameters), or leave it out of the recomputed step.")
         input_grads, parameter_grads = ctx.executor.run_backward(ctx.state, grads)
         ctx.state = None
         if ctx.watch is not None:

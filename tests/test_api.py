@@ -106,6 +106,21 @@ def test_inputs_that_require_grad_get_the_original_gradient(path_options):
     torch.testing.assert_close(x.grad, expected)
 
 
+def test_a_double_backward_is_refused_with_an_error_that_says_so(path_options):
+    """A gradient penalty differentiates the gradients: the schedule executor's backward refuses it with
+    a RewriteError (its gradients had no graph: autograd said only that they do not require grad);
+    AOTAutograd's backward, on the compiler path, refuses it itself."""
+    model, (x,) = models_zoo.get_model("mlp", "tiny")
+    optimized = rg.optimize(model, 0.9, example_inputs=(x,), **path_options)
+    x = x.clone().requires_grad_(True)
+    error = rg.RewriteError if isinstance(optimized, rg.RecomputedModule) else RuntimeError
+    with pytest.raises(error, match="double backward"):
+        (gradient,) = torch.autograd.grad(default_loss(optimized(x)), x, create_graph=True)
+        gradient.square().sum().backward()
+    default_loss(optimized(x)).backward()  # a plain step still runs
+    assert x.grad is not None
+
+
 def test_keyword_arguments_and_defaults_are_bound_like_the_original(path_options):
     class Scaled(nn.Module):
         def __init__(self):
