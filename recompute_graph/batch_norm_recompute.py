@@ -19,7 +19,8 @@ Two ways, chosen per node:
   new running statistics, which its backward reads from the forward either way:
   :func:`items_read_from_the_forward`).
 * **From the batch** (:func:`copy_batch_norm`, when the statistics are not the backward's alone, the
-  dtypes differ, as under autocast, or they are bfloat16 or float16): ``_native_batch_norm_legit.no_stats``, which recomputes the
+  dtypes differ, as under autocast, or they are bfloat16 or float16):
+  ``_native_batch_norm_legit.no_stats``, which recomputes the
   statistics too (the same output, mean and inverse std) without touching the running ones.
 
 Other BatchNorm forms read the running statistics in place (:func:`reads_updated_state`) and are never

@@ -27,7 +27,8 @@ from .solvers.lower_set_dp import dp_for
 from .units import Budget, format_bytes, parse_budget
 
 __all__ = ["Budget", "parse_budget", "RecomputePlan", "make_plan", "AUTO_SOLVERS", "auto_solvers",
-           "min_feasible_budget", "reproducible_floor_bytes", "replan_schedule", "plan_from_solution", "loss_allowance_bytes", "usable_bytes_of",
+           "min_feasible_budget", "reproducible_floor_bytes", "replan_schedule", "plan_from_solution",
+           "loss_allowance_bytes", "usable_bytes_of",
            "planning_margin", "step_peak_bytes", "min_budget_for_step", "candidate_pool", "POOL_FRACTIONS",
            "POOL_FRACTIONS_LARGE", "LARGE_GRAPH_NODES", "pool_fractions", "LOWER_SET_DP_MAX_NODES"]
 

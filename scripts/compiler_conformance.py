@@ -1,14 +1,18 @@
 """The conformance models on the compiler path: ``torch.compile(model, backend=rg.backend(f))``.
 
     python scripts/compiler_conformance.py [--models NAME ...] [--fractions 1.0 0.8] [--out FILE]
-    python scripts/compiler_conformance.py --optimize [--executor] [--second-set] [--fractions 0.8 0.5] [--out FILE]
+    python scripts/compiler_conformance.py --optimize [--executor] [--second-set] [--dtype bfloat16]
+                                           [--fractions 0.8 0.5] [--out FILE]
     python scripts/compiler_conformance.py --inductor [--models NAME ...] [--fractions 1.0 0.8]
 
 ``--optimize``: through ``optimize()``'s default path instead (``compiler="auto"``: the compiler path, the
 schedule executor where capture fails), with the conformance checks of ``models_zoo.conformance.check_model``
 (budgets at a fraction of the activation memory, a budget under the floor raised to it), each row saying
 which path ran. ``--executor`` with it: every model on the schedule executor (``compiler=False``), the
-path ``optimize()`` falls back to.
+path ``optimize()`` falls back to. ``--dtype bfloat16`` (or ``float16``) with it: each model and its
+floating-point inputs cast to that dtype first; the gradients are judged against
+``torch.compile(model, backend="aot_eager")``'s in that dtype (compiled and eager PyTorch round
+differently there), eager's error beside them.
 
 For every model of ``models_zoo.third_party.CONFORMANCE_MODELS`` and every fraction ``f`` of the
 store-all budget: one seeded step (the README loop's loss, ``losses.default_training_loss``) of the
@@ -117,14 +121,15 @@ def row(name: str, fraction: float, inductor: bool = False) -> str:
             f"{predicted:,} | {measured:,} | {ratio} | {seconds:.0f} s |")
 
 
-def optimize_row(name: str, fraction: float, compiler: "bool | str" = "auto") -> str:
+def optimize_row(name: str, fraction: float, compiler: "bool | str" = "auto", dtype: torch.dtype | None = None
+                 ) -> str:
     """One row of ``optimize()``'s default path (``check_model(..., compiler="auto")``), or of its
-    fallback, the schedule executor (``compiler=False``)."""
+    fallback, the schedule executor (``compiler=False``); ``dtype``: the model cast to it."""
     from models_zoo.conformance import check_model
     from recompute_graph.units import format_bytes
     start = time.perf_counter()
     try:
-        (r,) = check_model(name, fractions=(fraction,), solvers=("auto",), compiler=compiler)
+        (r,) = check_model(name, fractions=(fraction,), solvers=("auto",), compiler=compiler, dtype=dtype)
     except Exception as error:  # noqa: BLE001 - a failing model is a row
         return f"| {name} | {fraction:.0%} | | fail | {type(error).__name__}: {str(error).splitlines()[0][:150]} ||||||"
     if r.error or r.skipped:
@@ -132,8 +137,10 @@ def optimize_row(name: str, fraction: float, compiler: "bool | str" = "auto") ->
     ratio = r.predicted_peak_bytes / max(1, r.measured_peak_bytes)
     floor = " (floor)" if r.at_floor else ""
     buffers = ", buffers differ" if r.buffer_mismatches else ""
+    error = (f"{r.gradient_error:.1e}" if r.compiled_reference_error is None
+             else f"{r.compiled_reference_error:.1e} (eager: {r.gradient_error:.1e})")
     return (f"| {name} | {fraction:.0%}{floor} | {r.path} | {'pass' if r.passed else 'FAIL'} | {r.chosen} | "
-            f"{r.gradient_error:.1e}{buffers} | {format_bytes(r.budget_bytes)} | {r.predicted_peak_bytes:,} | "
+            f"{error}{buffers} | {format_bytes(r.budget_bytes)} | {r.predicted_peak_bytes:,} | "
             f"{r.measured_peak_bytes:,} | {ratio:.3f} | {time.perf_counter() - start:.0f} s |")
 
 
@@ -149,7 +156,11 @@ def main() -> None:
     parser.add_argument("--inductor", action="store_true", help="inductor compiles the generated graphs")
     parser.add_argument("--executor", action="store_true",
                         help="with --optimize: every model on the schedule executor, the fallback path")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16"), default=None,
+                        help="with --optimize: each model and its floating-point inputs cast to this dtype")
     args = parser.parse_args()
+    if args.dtype and not args.optimize:
+        parser.error("--dtype goes with --optimize")
     if args.models is None:
         first = [name for name in third_party.CONFORMANCE_MODELS if name not in third_party.SECOND_SET]
         args.models = list(third_party.SECOND_SET) if args.second_set else first
@@ -168,7 +179,8 @@ def main() -> None:
         if not third_party.available(name):
             continue
         for fraction in args.fractions:
-            line = (optimize_row(name, fraction, False if args.executor else "auto") if args.optimize
+            line = (optimize_row(name, fraction, False if args.executor else "auto",
+                                 getattr(torch, args.dtype) if args.dtype else None) if args.optimize
                     else row(name, fraction, args.inductor))
             lines.append(line)
             print(line, flush=True)
