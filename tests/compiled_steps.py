@@ -4,11 +4,26 @@ import copy
 import torch
 from torch import nn
 
+from recompute_graph.joint_lowering import last_lowering
+from recompute_graph.measure import allocator_peak_memory
 from recompute_graph.verification import parameter_gradient_error
 
 
 def square_loss(out):
     return (out[0] if isinstance(out, tuple) else out).float().square().mean()
+
+
+def measured_and_predicted_peaks(model, inputs, backend):
+    """``(allocator-measured peak, predicted step peak)`` of a training step (``square_loss``) of
+    ``torch.compile(model, backend)``, measured after one step has compiled and planned it."""
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        square_loss(compiled(*inputs)).backward()
+    step()
+    return allocator_peak_memory(step), last_lowering().plan.predicted_step_peak_bytes
 
 
 def compiled_step_matches_eager(model, inputs, backend):

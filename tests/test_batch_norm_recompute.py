@@ -16,7 +16,7 @@ from recompute_graph.saved_plans import structure_fingerprint
 from recompute_graph.schedule import Backward, Forward, FreeValue, Schedule
 from recompute_graph.simulate import simulate
 
-from compiled_steps import compiled_step_matches_eager, square_loss
+from compiled_steps import compiled_step_matches_eager, measured_and_predicted_peaks, square_loss
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -175,14 +175,7 @@ def test_a_frozen_backbones_step_is_priced_as_the_allocator_sees_it():
     lowered = last_lowering()
     # running means and variances, and the counts (``num_batches_tracked + 1``: units of their own)
     assert sum(n.state_update_bytes for n in lowered.graph.nodes) == 4 * 2 * 64 * 4 + 4 * 8
-    compiled = torch.compile(model, backend=budget_backend(1.0))
-
-    def step():
-        model.zero_grad(set_to_none=True)
-        square_loss(compiled(*inputs)).backward()
-    step()
-    measured = allocator_peak_memory(step)
-    predicted = last_lowering().plan.predicted_step_peak_bytes
+    measured, predicted = measured_and_predicted_peaks(model, inputs, budget_backend(1.0))
     assert measured <= predicted <= measured * 1.005, (measured, predicted)
 
 
@@ -230,12 +223,6 @@ def test_reduced_precision_batch_norms_are_recomputed_from_the_batch_and_priced_
     assert lowered.plan.simulation.recompute_cost > 0
     assert "normalize_from_statistics" not in lowered.backward_graph.code
     assert lowered.graph.output_indices == (len(lowered.graph) - 1,)  # the last ReLU's, no BatchNorm's
-    compiled = torch.compile(model, backend=budget_backend(0.3, solver="chain_dp", on_infeasible="floor"))
-
-    def step():
-        model.zero_grad(set_to_none=True)
-        square_loss(compiled(*inputs)).backward()
-    step()
-    measured = allocator_peak_memory(step)
-    predicted = last_lowering().plan.predicted_step_peak_bytes
+    measured, predicted = measured_and_predicted_peaks(
+        model, inputs, budget_backend(0.3, solver="chain_dp", on_infeasible="floor"))
     assert measured * 0.99 <= predicted <= measured * 1.01, (measured, predicted)

@@ -16,7 +16,7 @@ from recompute_graph.schedule import Backward, Forward, Schedule
 from recompute_graph.simulate import simulate
 from recompute_graph.verification import parameter_gradient_error
 
-from compiled_steps import WideHead, compiled_step_matches_eager, square_loss
+from compiled_steps import WideHead, compiled_step_matches_eager, measured_and_predicted_peaks, square_loss
 
 
 class _DropoutMLP(nn.Module):
@@ -318,15 +318,7 @@ def test_the_predicted_peak_of_a_compiled_step_is_close_to_the_allocators(name, 
     each recomputed dropout's RNG snapshot (5 KB on CPU) to the end of the step, which the generated
     backward frees after its replay: 15 % on GPT-2 tiny (13 dropouts, a 300 KB step)."""
     model, inputs = models_zoo.get_model(name, "tiny")
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend=budget_backend(fraction))
-
-    def step():
-        model.zero_grad(set_to_none=True)
-        square_loss(compiled(*inputs)).backward()
-    step()
-    measured = allocator_peak_memory(step)
-    predicted = last_lowering().plan.predicted_step_peak_bytes
+    measured, predicted = measured_and_predicted_peaks(model, inputs, budget_backend(fraction))
     assert measured * 0.95 <= predicted <= measured * 1.05
 
 
