@@ -3,7 +3,8 @@ tests/test_fuzz_compiled.py: the compiler path): a vocabulary of ops that third-
 (convolution, linear, BatchNorm, InstanceNorm with running statistics, LayerNorm, GroupNorm,
 activations including in-place ones, dropout, add, cat, split, chunk, permute, attention over pixels,
 pooling and upsampling, a shared module, writes through views and in-place ops on views, a shape read
-after a permute sizing an ``expand``), random losses, and the reference step."""
+after a permute sizing an ``expand``, frozen layers before a ``freeze``: fine-tuning), random losses, and
+the reference step."""
 from __future__ import annotations
 
 import copy
@@ -22,7 +23,7 @@ CHANNELS = 4
 OPS = ("conv", "shared_conv", "bn", "relu_", "gelu", "dropout", "add", "cat", "split_add", "layer_norm",
        "linear_pixels", "sigmoid_mul", "slice_write", "view_inplace_dropout", "base_read_after_view_write",
        "shape_expand", "pool_upsample", "attention", "group_norm", "inplace_residual", "silu_", "masked_fill",
-       "chunk_mul", "avgpool_bn", "instance_norm", "transposed_conv")
+       "chunk_mul", "avgpool_bn", "instance_norm", "transposed_conv", "freeze")
 
 
 def mean_square(output):
@@ -76,6 +77,11 @@ class RandomNet(nn.Module):
                 "attention": lambda: nn.Linear(CHANNELS, 3 * CHANNELS),
             }.get(op, nn.Identity)())
         self.head = nn.Conv2d(CHANNELS, 2, 1)
+        if "freeze" in [op for op, _, _ in spec]:  # fine-tuning: the layers before the last freeze are frozen
+            last = max(k for k, (op, _, _) in enumerate(spec) if op == "freeze")
+            for module in (self.shared, *self.layers[:last]):
+                module.requires_grad_(False)
+            self.token.requires_grad_(False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         values = [x]
@@ -128,7 +134,7 @@ class RandomNet(nn.Module):
                 out = layer(nn.functional.avg_pool2d(u, 2)).repeat_interleave(2, dim=2).repeat_interleave(2, dim=3)
             elif op == "transposed_conv":
                 out = layer(nn.functional.avg_pool2d(u, 2))
-            else:  # conv, bn, gelu, dropout, group_norm, instance_norm (running statistics) ...
+            else:  # conv, bn, gelu, dropout, group_norm, instance_norm (running statistics), freeze ...
                 out = layer(u)
             values.append(out)
         logits = self.head(values[-1] + values[len(values) // 2])
