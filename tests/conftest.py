@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import os
 
+import hypothesis
 import pytest
 import torch
 
@@ -12,6 +13,13 @@ from recompute_graph.costs import profile_model
 
 # `make test` runs two pytest-xdist workers on the two cores (one thread each); a plain `pytest` uses both cores
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
+
+# `make test` (and so CI) draws the same hypothesis examples at every run: a failure there is one every run
+# shows, not one a random draw found once. A plain `pytest`, and the hunts with `--hypothesis-seed=N` and a
+# larger `max_examples` (tests/test_fuzz_compiled.py), draw at random.
+hypothesis.settings.register_profile("suite", derandomize=True)
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    hypothesis.settings.load_profile("suite")
 
 try:  # torchvision's CUDA wheel fails to import on CPU torch unless imported this way (third_party.py);
     # transformers and timm import it when it is installed, so it is imported first, once, here
