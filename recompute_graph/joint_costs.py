@@ -287,8 +287,9 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
     trainable = {p for p, g in zip(primals, gradient_outputs) if g is not None}
     # the model's outputs; a buffer's new value (BatchNorm's running statistics, written back after the
     # forward) is not one: it would keep its unit's whole value (the normalized activations) alive
-    updates = {n for n in units.forward_outputs(graph) if _is_buffer_update(n, set(primals) - trainable)}
-    forward_outputs = set(units.forward_outputs(graph)) - updates
+    returned = set(units.forward_outputs(graph))
+    updates = {n for n in returned if _is_buffer_update(n, set(primals) - trainable)}
+    forward_outputs = returned - updates
     update_keys = {key for n in updates for key, _ in _storage(n)}
     backward_unit = {b: i for i, nodes in enumerate(units.backward_of) for b in nodes}
     makers = _backward_storage_makers(graph, backward_unit, primal_keys)

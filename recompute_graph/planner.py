@@ -314,11 +314,11 @@ def _build_pool(graph: CostGraph, variant: str) -> tuple[Solution, ...]:
     for plans in results[len(order):]:  # then those planned on the estimated times
         for solution in plans:
             pool.setdefault(solution.schedule, solution)
-    steady = [s for name in names if name in TIME_INDEPENDENT_SOLVERS for s in by_solver[name][0]]
-    steady += [solution for plans in results[len(order):] for solution in plans]
-    memoized(graph, ("planner.reproducible_floor", variant),
-              lambda: min((min_budget_for_step(graph, s.simulation) for s in steady + [store_all]))
-              if second else min(min_budget_for_step(graph, s.simulation) for s in pool.values()))
+    if second:  # the floor of the plans the measured times do not decide (``reproducible_floor_bytes``)
+        steady = [s for name in names if name in TIME_INDEPENDENT_SOLVERS for s in by_solver[name][0]]
+        steady += [solution for plans in results[len(order):] for solution in plans]
+        memoized(graph, ("planner.reproducible_floor", variant),
+                 lambda: min(min_budget_for_step(graph, s.simulation) for s in [store_all, *steady]))
     return _relaxed_pool(graph, _undominated(graph, list(pool.values())))
 
 
@@ -334,9 +334,9 @@ def reproducible_floor_bytes(graph: CostGraph, variant: str = "time") -> int:
     ``InfeasibleBudgetError`` names: planning the same model at it again always finds a plan. At or above
     ``min_feasible_budget(graph)``, by about 1 % on the conformance models; the same on a graph without
     estimated times (times from FLOPs, or a file), whose plans all repeat."""
-    candidate_pool(graph, variant)
+    candidate_pool(graph, variant)  # builds the pool, and with it that floor where the times are measured
     return memoized(graph, ("planner.reproducible_floor", variant),
-                    lambda: min(min_budget_for_step(graph, s.simulation) for s in candidate_pool(graph, variant)))
+                    lambda: min_feasible_budget(graph, variant=variant))
 
 
 #: The solvers the pool also runs on the estimated times (``estimated_times_graph``): those whose plans
