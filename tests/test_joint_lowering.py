@@ -294,7 +294,7 @@ def test_every_differentiable_output_gets_a_gradient_in_the_plan_not_only_the_lo
     torch.manual_seed(0)
     model, x = _LossAndState(), torch.randn(64, 32)
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend=budget_backend(1.0, loss_fn=square_loss))
+    compiled = torch.compile(model, backend=budget_backend(1.0, loss_fn=lambda out: out[0]))
 
     def step():  # the training loop backpropagates the model's own loss
         model.zero_grad(set_to_none=True)
@@ -310,6 +310,40 @@ def test_every_differentiable_output_gets_a_gradient_in_the_plan_not_only_the_lo
     # and with it the two agree to the bytes of the backward's root: the engine holds ``.backward()``'s
     # one-element gradient (and AOTAutograd's copy of it) to the end, 4 B each, not priced
     assert 0 <= measured - lowered.plan.predicted_step_peak_bytes <= 16
+
+
+class _LogitsAnd(nn.Module):
+    """Logits and a scalar: the loss on integer labels (``transformers`` given ``labels``: the model's own
+    loss) or the mean of its hidden values (an auxiliary output, a mixture of experts' balance loss)."""
+
+    def __init__(self, scalar: str) -> None:
+        super().__init__()
+        self.scalar, self.a, self.b = scalar, nn.Linear(16, 64), nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(self.a(x))
+        logits = self.b(h)
+        if self.scalar == "labels":
+            return nn.functional.cross_entropy(logits, labels), logits
+        return logits, h.mean()
+
+
+@pytest.mark.parametrize("scalar", ["labels", "auxiliary"])
+def test_the_default_loss_is_the_models_own_only_when_computed_from_labels(scalar):
+    """The flat outputs of a compiled graph do not say which is ``ModelOutput.loss``. A scalar computed
+    from an integer input is the model's own loss: nothing to price. An auxiliary scalar is not: the
+    default loss then squares every output, and its transient is priced (it was taken for the model's
+    loss, 0 B, in tests/test_fuzz_compiled.py's auxiliary case)."""
+    torch.manual_seed(0)
+    model, x, labels = _LogitsAnd(scalar), torch.randn(32, 16), torch.randint(0, 10, (32,))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=budget_backend(1.0))
+    compiled(x, labels)[0].sum().backward()
+    graph = last_lowering().graph
+    if scalar == "labels":
+        assert graph.loss_bytes == 0
+    else:  # the logits' square and its gradient, 32 x 10 float32 each
+        assert graph.loss_bytes >= 2 * 32 * 10 * 4, graph.loss_bytes
 
 
 @pytest.mark.parametrize("name,fraction", [("resnet18", 1.0), ("resnet18", 0.9), ("unet", 0.9), ("gpt2", 0.8)])
