@@ -6,7 +6,10 @@ wraps every node in an empty-named ``torch.profiler.record_function`` range, and
 :class:`TimelinePoint` per node: the bytes the graphs' liveness holds while it runs
 (``joint_lowering.graph_live_bytes``, activations only, no kernel workspace), and what the CPU allocator
 measured (``measure.AllocatorRecorder.markers``): the level after the node and the peak since the
-previous node, in bytes above the step's start. Where a prediction misses, the first node whose
+previous node, in bytes above the step's start. Between the two graphs one point (graph and node
+``"loss"``) is the training loop's loss, forward and backward, up to the moment the output gradients
+have all arrived, beside the plan's prediction for it (``planner.loss_peak_bytes``): without it the
+loss's peak was charged to the backward graph's first kernel. Where a prediction misses, the first node whose
 measured peak exceeds the liveness by more than the rest of the step says which value the cost graph
 does not see (``excess_bytes``). CPU only (the allocator meter is the profiler's); one graph only
 (a model with graph breaks raises ``ValueError``).
@@ -76,6 +79,7 @@ def compiled_timeline(model: torch.nn.Module, inputs: Sequence[Any], budget: Any
     Parameter gradients are cleared first."""
     from .compile_backend import budget_backend
     from .joint_lowering import graph_live_bytes, last_lowering
+    from .planner import loss_peak_bytes
     lowerings: list[Any] = []
     backend = budget_backend(budget, solver=solver, loss_fn=loss_fn, on_infeasible=on_infeasible,
                              graph_compiler=marked_interpreter)
@@ -88,10 +92,14 @@ def compiled_timeline(model: torch.nn.Module, inputs: Sequence[Any], budget: Any
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=counting)
 
-    def step() -> None:
+    def step(marked: bool = False) -> None:
         model.zero_grad(set_to_none=True)
         with logging_calls_ignored(ignored_logging_calls()):  # as optimize() compiles
-            loss = loss_fn(compiled(*inputs, **(kwargs or {})))
+            output = compiled(*inputs, **(kwargs or {}))
+            if marked:
+                _mark_gradients_arrived(output)
+            loss = loss_fn(output)
+        del output
         loss.backward()  # the output dropped first, as in the README loop the prediction is for
     step()
     if len(lowerings) != 1:
@@ -100,10 +108,31 @@ def compiled_timeline(model: torch.nn.Module, inputs: Sequence[Any], budget: Any
     lowered = last_lowering()
     model.zero_grad(set_to_none=True)
     with AllocatorRecorder() as recorder:
-        step()
+        step(marked=True)
     measured = {label: (level, peak) for label, level, peak in recorder.markers(_MARK)}
     points = []
     for tag, name, live in graph_live_bytes(lowered.forward_graph, lowered.backward_graph):
+        if tag == "backward" and points[-1].graph == "forward":  # the loss, between the two graphs
+            level, peak = measured.get(f"{_LOSS}:{_LOSS}", (0, 0))
+            predicted = loss_peak_bytes(lowered.graph, lowered.plan.simulation)
+            points.append(TimelinePoint(_LOSS, _LOSS, predicted, level, peak))
         level, peak = measured.get(f"{tag}:{name}", (0, 0))
         points.append(TimelinePoint(tag, name, live, level, peak))
     return points, lowered
+
+
+_LOSS = "loss"
+
+
+def _mark_gradients_arrived(output: Any) -> None:
+    """An empty marker range once the loss's backward has made the gradients of all of ``output``'s
+    tensors that require grad: what the allocator saw from the forward graph's end to there is the
+    loss's, not the backward graph's first node's."""
+    from torch.utils._pytree import tree_flatten
+    tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+
+    def arrived(_gradients: Any) -> None:
+        with torch.profiler.record_function(f"{_MARK}{_LOSS}:{_LOSS}"):
+            pass
+    if tensors:
+        torch.autograd.graph.register_multi_grad_hook(tensors, arrived)

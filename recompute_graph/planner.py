@@ -99,9 +99,15 @@ def step_peak_bytes(graph: CostGraph, simulation: SimulationResult) -> int:
     transient (``loss_allowance_bytes``) on top of what is live when the output gradients arrive, the
     outputs still live (a loss with a transient holds them while its backward makes their gradients;
     on the compiler path the simulator lets them go first, ``outputs_dropped_bytes``)."""
+    return max(simulation.peak_bytes, loss_peak_bytes(graph, simulation))
+
+
+def loss_peak_bytes(graph: CostGraph, simulation: SimulationResult) -> int:
+    """The step's predicted peak while the loss runs (:func:`step_peak_bytes`' second term): what is live
+    when the output gradients arrive, with the loss's transient and the outputs it holds."""
     arrival = next((p.live_bytes for p in simulation.timeline if p.op is None), simulation.peak_bytes)
     allowance = loss_allowance_bytes(graph)
-    return max(simulation.peak_bytes, arrival + (simulation.outputs_dropped_bytes + allowance if allowance else 0))
+    return arrival + (simulation.outputs_dropped_bytes + allowance if allowance else 0)
 
 
 def min_budget_for_step(graph: CostGraph, simulation: SimulationResult) -> int:
