@@ -66,8 +66,9 @@ LOWER_SET_DP_MAX_NODES = 5000
 
 def loss_allowance_bytes(graph: CostGraph) -> int:
     """The loss's transient bytes the graph was priced with (``CostGraph.loss_bytes``, measured), when
-    known. Otherwise a guess: bytes set aside, beyond the margin, for the loss computed on the model's outputs (``loss(out)``
-    keeps output-sized temporaries, e.g. ``out.square()``, next to the step's peak): the storage of the
+    known. Otherwise a guess: bytes set aside, beyond the margin, for the loss computed on the model's
+    outputs (``loss(out)`` keeps output-sized temporaries, e.g. ``out.square()``, next to the step's
+    peak): the storage of the
     outputs of a traced model; 0 for graphs loaded from files, where no loss runs, and for models that
     return their own scalar loss (``transformers`` models given ``labels``: training backpropagates from
     ``output.loss``, whose computation is in the graph)."""
