@@ -261,14 +261,16 @@ class RecomputeBackend:
         graphs = {key: self.graphs[key].graph for key in set(calls)}
         candidates = {key: self._candidates(graph) for key, graph in graphs.items()}
         gradients = {key: self.graphs[key].parameter_grad_bytes for key in graphs}
+        from .planner import steady_plans  # auto's plans that a new capture makes again: a floor that stays
+        steady = {key: steady_plans(graph) for key, graph in graphs.items()} if self.solver == "auto" else None
         try:
-            step = choose_step_plans(calls, graphs, self.budget, candidates, gradients)
+            step = choose_step_plans(calls, graphs, self.budget, candidates, gradients, steady)
         except InfeasibleBudgetError as error:
             if self.on_infeasible != "floor":
                 raise
             warnings.warn(f"{error} Planning the step at its smallest feasible budget, {error.min_budget_bytes} "
                           "bytes (on_infeasible='floor').", InfeasibleBudgetWarning, stacklevel=4)
-            step = choose_step_plans(calls, graphs, error.min_budget_bytes, candidates, gradients)
+            step = choose_step_plans(calls, graphs, error.min_budget_bytes, candidates, gradients, steady)
         from .planner import plan_from_solution
         for key in sorted(set(calls)):
             record, chosen = self.graphs[key], step.plans[key]

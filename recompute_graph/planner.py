@@ -16,7 +16,7 @@ from typing import Iterator
 from .collector import full_collections_deferred
 from .errors import InfeasibleBudgetError, SolverError
 from .forked_work import run_queued
-from .graph import SCALAR_LOSS_BYTES, CostGraph, is_joint_cost_graph
+from .graph import CostGraph, is_joint_cost_graph
 from .graph_memo import memoized
 from .schedule import Schedule
 from .schedule_passes import keep_free_tapes
@@ -24,21 +24,17 @@ from .simulate import SimulationResult
 from .solvers import SOLVERS, Solution, collecting_plans, get_solver, solvers_for
 from .solvers.chain_dp import FINE_MAX_STAGES, FINE_REFINE_ABOVE, chain_of
 from .solvers.lower_set_dp import dp_for
+from .step_budget import (PLANNING_MARGIN, loss_allowance_bytes, loss_peak_bytes, min_budget_for_peak,
+                          min_budget_for_step, planning_margin, step_peak_bytes, usable_bytes_of)
 from .units import Budget, format_bytes, parse_budget
 
 __all__ = ["Budget", "parse_budget", "RecomputePlan", "make_plan", "AUTO_SOLVERS", "auto_solvers",
            "min_feasible_budget", "reproducible_floor_bytes", "replan_schedule", "plan_from_solution",
-           "loss_allowance_bytes", "usable_bytes_of",
+           "loss_allowance_bytes", "usable_bytes_of", "PLANNING_MARGIN", "min_budget_for_peak", "loss_peak_bytes",
            "planning_margin", "step_peak_bytes", "min_budget_for_step", "candidate_pool", "POOL_FRACTIONS",
+           "steady_plans", "TIME_INDEPENDENT_SOLVERS",
            "POOL_FRACTIONS_LARGE", "LARGE_GRAPH_NODES", "pool_fractions", "LOWER_SET_DP_MAX_NODES"]
 
-#: A plan of a traced model fits a budget when its predicted peak times (1 + PLANNING_MARGIN), plus the
-#: loss allowance
-#: (``loss_allowance_bytes``: the loss function's own output-sized tensors), does. The margin covers what
-#: else the cost model leaves out: allocator rounding, and backward temporaries that depend on the
-#: strides of the incoming gradient (measured peaks of the tiny zoo models lie up to 2.5 % above the
-#: prediction, tests/test_executor.py).
-PLANNING_MARGIN = 0.05
 #: The baselines ``solver="auto"`` always runs besides a lower-set DP (the best feasible answer wins).
 AUTO_SOLVERS = ("store_all", "chen_greedy", "chen_sqrt")
 #: ``solver="auto"`` chooses from a pool of plans fixed per graph (``candidate_pool``): each of its
@@ -62,65 +58,6 @@ POOL_LOWEST_FRACTION = 0.01
 #: Above this many nodes ``solver="auto"`` leaves dp_approx out when chain_dp can plan the graph (an LSTM
 #: unrolled over 1,000 steps has a joint graph of 17,000 units; dp_approx did not finish in 30 minutes).
 LOWER_SET_DP_MAX_NODES = 5000
-
-
-def loss_allowance_bytes(graph: CostGraph) -> int:
-    """The loss's transient bytes the graph was priced with (``CostGraph.loss_bytes``, measured), when
-    known. Otherwise a guess: bytes set aside, beyond the margin, for the loss computed on the model's
-    outputs (``loss(out)`` keeps output-sized temporaries, e.g. ``out.square()``, next to the step's
-    peak): the storage of the
-    outputs of a traced model; 0 for graphs loaded from files, where no loss runs, and for models that
-    return their own scalar loss (``transformers`` models given ``labels``: training backpropagates from
-    ``output.loss``, whose computation is in the graph)."""
-    if graph.loss_bytes is not None:
-        return graph.loss_bytes
-    if graph.source != "traced":
-        return 0
-    owners = {graph.storage_owner(i) for i in graph.output_indices}
-    if any(graph.nodes[i].grad_bytes <= SCALAR_LOSS_BYTES for i in graph.gradient_outputs):
-        return 0
-    return sum(graph.nodes[i].output_bytes for i in owners)
-
-
-def planning_margin(graph: CostGraph) -> float:
-    """``PLANNING_MARGIN`` for a traced model, which runs on a real allocator; 0 for graphs loaded from
-    files (the published benchmark graphs), where the simulator's peak is the whole answer, so that a
-    (graph, solver) pair has one smallest budget: the lowest peak the solver's schedule reaches."""
-    return PLANNING_MARGIN if graph.source == "traced" else 0.0
-
-
-def usable_bytes_of(budget_bytes: int, allowance_bytes: int = 0, margin: float = PLANNING_MARGIN) -> int:
-    """What a plan's predicted peak may reach within ``budget_bytes``: the budget less the loss allowance,
-    divided by ``1 + margin`` (``planning_margin``)."""
-    return int((budget_bytes - allowance_bytes) / (1 + margin))
-
-
-def step_peak_bytes(graph: CostGraph, simulation: SimulationResult) -> int:
-    """A whole step's predicted peak, the loss at its moment: the simulator's peak, or the loss's
-    transient (``loss_allowance_bytes``) on top of what is live when the output gradients arrive, the
-    outputs still live (a loss with a transient holds them while its backward makes their gradients;
-    on the compiler path the simulator lets them go first, ``outputs_dropped_bytes``)."""
-    return max(simulation.peak_bytes, loss_peak_bytes(graph, simulation))
-
-
-def loss_peak_bytes(graph: CostGraph, simulation: SimulationResult) -> int:
-    """The step's predicted peak while the loss runs (:func:`step_peak_bytes`' second term): what is live
-    when the output gradients arrive, with the loss's transient and the outputs it holds."""
-    arrival = next((p.live_bytes for p in simulation.timeline if p.op is None), simulation.peak_bytes)
-    allowance = loss_allowance_bytes(graph)
-    return arrival + (simulation.outputs_dropped_bytes + allowance if allowance else 0)
-
-
-def min_budget_for_step(graph: CostGraph, simulation: SimulationResult) -> int:
-    """The smallest budget a schedule fits: its step peak (``step_peak_bytes``) with the planning
-    margin, or the simulator's peak plus the whole loss allowance (``min_budget_for_peak``), whichever
-    is lower. The planner first plans for the second (the solvers do not see the loss; any plan that
-    fits it fits), then, when nothing fits, for the first: a language model's loss on its logits is
-    hundreds of MB, held at the end of the forward, while the step's peak lies in the backward among
-    the parameter gradients (GPT-2 small at 50 % had no plan on the sum alone)."""
-    margin = planning_margin(graph)
-    return min(min_budget_for_peak(simulation.peak_bytes, loss_allowance_bytes(graph), margin),
-               min_budget_for_peak(step_peak_bytes(graph, simulation), 0, margin))
 
 
 def _fits_step(graph: CostGraph, solution: Solution, budget_bytes: int) -> bool:
@@ -321,11 +258,10 @@ def _build_pool(graph: CostGraph, variant: str) -> tuple[Solution, ...]:
     for plans in results[len(order):]:  # then those planned on the estimated times
         for solution in plans:
             pool.setdefault(solution.schedule, solution)
-    if second:  # the floor of the plans the measured times do not decide (``reproducible_floor_bytes``)
+    if second:  # the plans the measured times do not decide (``steady_plans``)
         steady = [s for name in names if name in TIME_INDEPENDENT_SOLVERS for s in by_solver[name][0]]
         steady += [solution for plans in results[len(order):] for solution in plans]
-        memoized(graph, ("planner.reproducible_floor", variant),
-                 lambda: min(min_budget_for_step(graph, s.simulation) for s in [store_all, *steady]))
+        memoized(graph, ("planner.steady_plans", variant), lambda: _undominated(graph, [store_all, *steady]))
     return _relaxed_pool(graph, _undominated(graph, list(pool.values())))
 
 
@@ -341,9 +277,17 @@ def reproducible_floor_bytes(graph: CostGraph, variant: str = "time") -> int:
     ``InfeasibleBudgetError`` names: planning the same model at it again always finds a plan. At or above
     ``min_feasible_budget(graph)``, by about 1 % on the conformance models; the same on a graph without
     estimated times (times from FLOPs, or a file), whose plans all repeat."""
-    candidate_pool(graph, variant)  # builds the pool, and with it that floor where the times are measured
-    return memoized(graph, ("planner.reproducible_floor", variant),
-                    lambda: min_feasible_budget(graph, variant=variant))
+    return min(min_budget_for_step(graph, s.simulation) for s in steady_plans(graph, variant))
+
+
+def steady_plans(graph: CostGraph, variant: str = "time") -> tuple[Solution, ...]:
+    """The plans of ``candidate_pool`` making that the nodes' measured times do not decide, the undominated
+    of them: store-all, those of ``TIME_INDEPENDENT_SOLVERS`` and those made on the estimated times
+    (``estimated_times_graph``). A new capture makes them again, schedule for schedule. On a graph without
+    estimated times (times from FLOPs, or a file) every plan repeats: the pool itself. A broken step
+    (``step_graphs.choose_step_plans``) adds them to each graph's candidates for the same reason."""
+    pool = candidate_pool(graph, variant)  # builds the steady plans where the times are measured
+    return memoized(graph, ("planner.steady_plans", variant), lambda: pool)
 
 
 #: The solvers the pool also runs on the estimated times (``estimated_times_graph``): those whose plans
@@ -557,15 +501,6 @@ def replan_schedule(saved: RecomputePlan, graph: CostGraph, budget: Budget) -> R
     description = f"reused saved plan: {saved.description}" if saved.description else "reused saved plan"
     chosen = Solution(saved.solver, saved.schedule, simulation, description)
     return _plan(chosen, graph, budget_bytes, store_all, store_all.simulation.compute_cost)
-
-
-def min_budget_for_peak(peak_bytes: int, allowance_bytes: int = 0, margin: float = PLANNING_MARGIN) -> int:
-    """The smallest budget that a plan with this predicted peak fits (the margin, ``planning_margin``,
-    and the loss allowance, ``loss_allowance_bytes``)."""
-    budget = math.ceil(peak_bytes * (1 + margin)) + allowance_bytes
-    while usable_bytes_of(budget, allowance_bytes, margin) < peak_bytes:
-        budget += 1
-    return budget
 
 
 def plan_from_solution(graph: CostGraph, chosen: Solution, budget_bytes: int) -> RecomputePlan:

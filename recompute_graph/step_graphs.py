@@ -39,8 +39,8 @@ from typing import Hashable, Mapping, Sequence
 
 from .errors import InfeasibleBudgetError
 from .graph import CostGraph
-from .planner import (Budget, candidate_pool, min_budget_for_peak, parse_budget, planning_margin, step_peak_bytes,
-                      store_all_plan, usable_bytes_of)
+from .planner import (Budget, candidate_pool, min_budget_for_peak, parse_budget, planning_margin, steady_plans,
+                      step_peak_bytes, store_all_plan, usable_bytes_of)
 from .solvers import Solution
 from .units import format_bytes
 
@@ -172,12 +172,18 @@ def step_peak_of(calls: Sequence[Hashable], graphs: Mapping[Hashable, CostGraph]
 
 def choose_step_plans(calls: Sequence[Hashable], graphs: Mapping[Hashable, CostGraph], budget: Budget,
                       candidates: Mapping[Hashable, Sequence[Solution]] | None = None,
-                      kept_gradient_bytes: Mapping[Hashable, int] | None = None) -> StepPlan:
+                      kept_gradient_bytes: Mapping[Hashable, int] | None = None,
+                      steady: Mapping[Hashable, Sequence[Solution]] | None = None) -> StepPlan:
     """The plans of least total recomputation whose step fits ``budget`` (bytes, a size string, or a
     fraction of the store-all step's budget: its peak with the planning margin); ``candidates``:
     each graph's plans to choose from (default: ``planner.candidate_pool``, ``solver="auto"``'s);
-    ``kept_gradient_bytes``: each graph's parameters' gradients (module docstring).
-    ``InfeasibleBudgetError`` with the smallest budget some choice fits when none fits this one."""
+    ``kept_gradient_bytes``: each graph's parameters' gradients (module docstring); ``steady``: each
+    graph's plans that a new capture makes again (default with the default candidates:
+    ``planner.steady_plans``; else none), added to its candidates and never thinned out.
+    ``InfeasibleBudgetError`` when no choice fits, naming the smallest budget a choice of steady plans
+    fits (with steady plans; else of any candidates): the budget at which the same model, captured and
+    timed again, is planned for sure. Below it, the candidates' own smallest budget can move with the
+    nodes' measured times, and the message says so."""
     if not calls:
         raise ValueError("a step of no graph calls: nothing to plan")
     step = _Step.of(calls, graphs, kept_gradient_bytes)
@@ -191,28 +197,51 @@ def choose_step_plans(calls: Sequence[Hashable], graphs: Mapping[Hashable, CostG
     usable = usable_bytes_of(budget_bytes, 0, margin)
     pools = {key: list(candidates[key]) if candidates is not None else list(candidate_pool(graphs[key]))
              for key in keys}
+    if steady is None and candidates is None:
+        steady = {key: steady_plans(graphs[key]) for key in keys}
+    steady_at: dict[Hashable, set[int]] = {}
     for key in keys:
-        if store_all[key].schedule not in {plan.schedule for plan in pools[key]}:
-            pools[key].append(store_all[key])
+        for plan in [store_all[key], *(steady or {}).get(key, ())]:
+            schedules = [candidate.schedule for candidate in pools[key]]
+            if plan.schedule not in schedules:
+                pools[key].append(plan)
+            steady_at.setdefault(key, set()).add([candidate.schedule for candidate in pools[key]].index(plan.schedule))
     memories = {key: [plan_memory(graphs[key], plan) for plan in pools[key]] for key in keys}
     runs = {key: calls.count(key) for key in keys}
     if len(keys) == len(calls):
         chosen, lowest = _sequence_dp(step, memories, usable)
     else:
-        chosen, lowest = _enumerate(step, memories, runs, usable)
+        chosen, lowest = _enumerate(step, memories, runs, usable, steady_at)
     if chosen is None:
-        smallest = min_budget_for_peak(lowest, 0, margin)
-        raise InfeasibleBudgetError(
-            f"no choice of plans for the {len(keys)} graphs of this step ({len(calls)} graph calls, a graph "
-            f"break between each) fits a budget of {format_bytes(budget_bytes)} ({budget_bytes} bytes); the "
-            f"smallest feasible budget is {format_bytes(smallest)} ({smallest} bytes). Raise the budget, or "
-            "remove the graph breaks (rg.optimize captures the model whole where it can).",
-            budget_bytes=budget_bytes, min_budget_bytes=smallest)
+        raise _infeasible(step, memories, runs, steady_at if steady else None, budget_bytes, lowest, margin)
     plans = {key: pools[key][index] for key, index in chosen.items()}
     chosen_memories = {key: memories[key][index] for key, index in chosen.items()}
     peak = step.peak(chosen_memories)
     cost = sum(plans[key].recompute_cost * runs[key] for key in keys)
     return StepPlan(tuple(calls), plans, budget_bytes, peak, store_all_peak, cost, step.timeline(chosen_memories))
+
+
+def _infeasible(step: _Step, memories: Mapping[Hashable, list[PlanMemory]], runs: Mapping[Hashable, int],
+                steady_at: Mapping[Hashable, set[int]] | None, budget_bytes: int, lowest: int,
+                margin: float) -> InfeasibleBudgetError:
+    """The error naming the smallest budget of a choice of steady plans (``steady_at``: their indices;
+    None: of any candidates), and ``lowest``, the candidates' own, where it is below that."""
+    keys = list(memories)
+    named = lowest
+    if steady_at is not None:
+        only = {key: [memories[key][i] for i in sorted(steady_at[key])] for key in keys}
+        _, named = (_sequence_dp(step, only, -1) if len(keys) == len(step.calls)
+                    else _enumerate(step, only, runs, -1, {}))  # thinned as any enumeration: the same each time
+    smallest = min_budget_for_peak(named, 0, margin)
+    below = min_budget_for_peak(lowest, 0, margin)
+    moving = (f"; this planning's plans, on node times measured now, go down to {below} bytes, which can move "
+              "when they are measured again" if below < smallest else "")
+    return InfeasibleBudgetError(
+        f"no choice of plans for the {len(keys)} graphs of this step ({len(step.calls)} graph calls, a graph "
+        f"break between each) fits a budget of {format_bytes(budget_bytes)} ({budget_bytes} bytes); the "
+        f"smallest feasible budget is {format_bytes(smallest)} ({smallest} bytes{moving}). Raise the budget, or "
+        "remove the graph breaks (rg.optimize captures the model whole where it can).",
+        budget_bytes=budget_bytes, min_budget_bytes=smallest)
 
 
 def _sequence_dp(step: _Step, memories: Mapping[Hashable, list[PlanMemory]], usable: int
@@ -245,8 +274,9 @@ def _pareto(states: list[tuple[int, int, float, tuple[int, ...]]]) -> list[tuple
 
 
 def _enumerate(step: _Step, memories: Mapping[Hashable, list[PlanMemory]], runs: Mapping[Hashable, int],
-               usable: int) -> tuple[dict[Hashable, int] | None, int]:
-    """A graph runs more than once: every combination of (evenly thinned) candidates, each judged."""
+               usable: int, kept: Mapping[Hashable, set[int]] | None = None) -> tuple[dict[Hashable, int] | None, int]:
+    """A graph runs more than once: every combination of (evenly thinned) candidates, each judged; the
+    indices of ``kept`` (store-all, the steady plans) are never thinned out."""
     keys = list(memories)
     indices = {key: list(range(len(memories[key]))) for key in keys}
     per_graph = max(2, int(ENUMERATION_LIMIT ** (1 / len(keys))))
@@ -255,7 +285,8 @@ def _enumerate(step: _Step, memories: Mapping[Hashable, list[PlanMemory]], runs:
             break
         count = len(indices[key])
         if count > per_graph:  # evenly spaced, the first (store-all side) and last (floor side) kept
-            indices[key] = sorted({round(j * (count - 1) / (per_graph - 1)) for j in range(per_graph)})
+            spaced = {round(j * (count - 1) / (per_graph - 1)) for j in range(per_graph)}
+            indices[key] = sorted(spaced | set((kept or {}).get(key, ())))
     best, best_key, lowest = None, None, math.inf
     for combination in itertools.product(*(indices[key] for key in keys)):
         choice = dict(zip(keys, combination))

@@ -146,3 +146,34 @@ def test_a_step_of_a_chain_split_in_two_at_a_byte_budget():
     assert tight.recompute_cost > 0
     assert "call  graph  plan" in str(tight) and "2 graph calls of 2 graphs" in repr(tight)
     assert choose_step_plans(("first", "second"), graphs, floor).predicted_step_peak_bytes <= floor
+
+
+@pytest.mark.parametrize("calls", [("first", "second"), ("first", "second", "first")])
+def test_the_floor_a_broken_step_names_is_planned_again_when_the_times_move(calls, monkeypatch):
+    """A new capture measures the node times anew, and the plans made on them can differ: the floor the
+    error names is that of the plans a new capture makes again (``steady``: store-all here), so that
+    planning the step at it succeeds with whatever else the next pool holds. Before, it was the least
+    of this pool's plans, which the next planning could miss. With a graph called twice the
+    candidates are thinned (here to two per graph), and the steady plans stay."""
+    import recompute_graph.step_graphs as step_graphs
+    monkeypatch.setattr(step_graphs, "ENUMERATION_LIMIT", 4)
+    first, second = chain_graph(12, "first"), chain_graph(12, "second")
+    graphs = {"first": first, "second": second}
+    pools = {key: list(candidate_pool(graph)) for key, graph in graphs.items()}  # least budget first
+    assert all(len(pool) == 9 and pool[-1].recompute_cost == 0 for pool in pools.values())
+    steady = {key: [pool[-1], pool[4]] for key, pool in pools.items()}  # store-all and one more
+    with pytest.raises(InfeasibleBudgetError, match="go down to") as raised:
+        choose_step_plans(calls, graphs, 100, pools, steady=steady)
+    named = raised.value.min_budget_bytes
+    lowest = min(step_peak_of(calls, graphs, {"first": a, "second": b}) for a in pools["first"] for b in pools["second"])
+    assert named > min_budget_for_peak(lowest, 0, planning_margin(first))
+    # the next capture's pools lack this one's lowest plans; the steady one is in their middle, where
+    # thinning (two per graph: the first and the last) would drop it
+    later = {key: [pool[5], pool[4], pool[6], pool[7], pool[8]] for key, pool in pools.items()}
+    again = choose_step_plans(calls, graphs, named, later, steady=steady)
+    assert again.predicted_step_peak_bytes <= usable_bytes_of(named, 0, planning_margin(first))
+    # without steady plans, the floor named is the candidates' own, as before
+    with pytest.raises(InfeasibleBudgetError) as raised:
+        choose_step_plans(calls, graphs, 100, pools)
+    assert "go down to" not in str(raised.value)
+    assert raised.value.min_budget_bytes < named
