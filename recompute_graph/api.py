@@ -115,9 +115,12 @@ def optimize(model: nn.Module, budget: Budget, *, example_inputs: Sequence[Any] 
     if compiler is True and executor_only:
         raise ValueError(f"optimize(..., compiler=True) does not take {', '.join(sorted(executor_only))}: "
                          "they belong to the schedule executor's graph; drop them or use compiler=False")
+    again = dict(budget=budget, solver=solver, plan=plan, autocast=autocast, tracer=tracer, loss_fn=loss_fn,
+                 cost_graph=cost_graph, compiler=compiler, graph_compiler=graph_compiler, **options)
     if compiler and not executor_only:
-        return _optimize_compiled(model, budget, example_inputs, example_kwargs, solver, autocast, loss_fn,
-                                  fallback=compiler == "auto", saved_plan=saved, graph_compiler=graph_compiler)
+        return _optimized_with(again, _optimize_compiled(
+            model, budget, example_inputs, example_kwargs, solver, autocast, loss_fn, fallback=compiler == "auto",
+            saved_plan=saved, graph_compiler=graph_compiler))
     graphs = CallGraphs(model, tracer)
 
     def prepare(args: tuple, kwargs: dict) -> PreparedStep:
@@ -142,6 +145,14 @@ def optimize(model: nn.Module, budget: Budget, *, example_inputs: Sequence[Any] 
         example_args, example_kw = tuple(example_inputs or ()), dict(example_kwargs or {})
         with _autocast_for(autocast, [*example_args, *example_kw.values()]):
             optimized.plan(*example_args, **example_kw)
+    return _optimized_with(again, optimized)
+
+
+def _optimized_with(options: dict[str, Any], optimized: nn.Module) -> nn.Module:
+    """``optimized``, remembering ``optimize()``'s arguments (less the example call) for its copies:
+    ``copy.deepcopy`` and pickling optimize a copy of the original model with them
+    (``SharedModelModule.__reduce_ex__``)."""
+    object.__setattr__(optimized, "_optimize_options", options)
     return optimized
 
 

@@ -44,7 +44,7 @@ from .joint_capture import CaptureError
 from .compile_backend import budget_backend
 from .joint_lowering import Lowered
 from .model_state import preserved_state
-from .optimized_module import PeakWatch, SharedModelModule, _cuda_device, _signature_key
+from .optimized_module import OUTER_COMPILE_REASON, PeakWatch, SharedModelModule, _cuda_device, _signature_key
 
 __all__ = ["CompiledRecomputedModule", "ignored_logging_calls", "logging_calls_ignored"]
 
@@ -195,6 +195,7 @@ class CompiledRecomputedModule(SharedModelModule):
                     "order). Apply the dropout out of place or on a contiguous tensor, or plan with the "
                     "schedule executor (compiler=False).")
 
+    @torch.compiler.disable(reason=OUTER_COMPILE_REASON)
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._check_call(args, kwargs)
         if not self._trains(args, kwargs):

@@ -138,6 +138,17 @@ class SharedModelModule(nn.Module):
         object.__setattr__(self, "_signature", inspect.signature(model.forward))
         object.__setattr__(self, "_original", model)
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Copied (``copy.deepcopy``: an EMA of the model) or pickled (``torch.save``) as the original
+        model with ``optimize()``'s arguments, which the copy is optimized with again: the same budget,
+        planned at the copy's first training call. A copy of the wrapper itself would keep this one's
+        compiled code, graphs and executors, bound to the original's parameters (the executor's copy
+        failed on its first step, the compiler's could not be copied at all)."""
+        options = self.__dict__.get("_optimize_options")
+        if options is None:  # made directly, not by optimize()
+            return super().__reduce_ex__(protocol)
+        return _optimized_again, (self._original, options, self.training)
+
     def train(self, mode: bool = True) -> "SharedModelModule":
         """Set training mode here, in the shared submodules and on the original root module (whose own
         ``forward`` may read ``self.training`` when it runs the plain forward)."""
@@ -157,6 +168,19 @@ class SharedModelModule(nn.Module):
         return self.training and torch.is_grad_enabled() and (
             any(p.requires_grad for p in self.parameters())
             or any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten((args, kwargs))[0]))
+
+
+def _optimized_again(model: nn.Module, options: dict[str, Any], training: bool) -> nn.Module:
+    """``optimize(model, **options)`` in ``training`` mode: a copied or unpickled optimized module."""
+    from .api import optimize
+    return optimize(model, **options).train(training)
+
+
+#: ``torch.compile`` around an optimized module leaves its forward to run as it is (a graph break): the
+#: module compiles its own training step (the compiler path) or runs its schedule (the executor), which
+#: dynamo failed to trace (a ``NameError`` inside its tracer)
+OUTER_COMPILE_REASON = ("recompute_graph's optimized module runs its own compiled step; pass "
+                        "graph_compiler='inductor' to optimize() for inductor's code")
 
 
 class RecomputedModule(SharedModelModule):
@@ -190,6 +214,7 @@ class RecomputedModule(SharedModelModule):
         object.__setattr__(self, "recompute_plan", step.plan)
         return step
 
+    @torch.compiler.disable(reason=OUTER_COMPILE_REASON)
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._check_call(args, kwargs)
         if not self._trains(args, kwargs):

@@ -232,3 +232,64 @@ def test_tracing_patterns_train_exactly_through_optimize(factory, path_options):
     default_loss(out).backward()
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, expected[name], rtol=1e-5, atol=1e-7)
+
+
+class _Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4))
+        self.norm = nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        return self.norm(self.layers(x))
+
+
+def _gradients(model):
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_a_copy_of_an_optimized_module_trains_its_own_parameters(path_options):
+    """``copy.deepcopy`` (an EMA of the model) and ``torch.save`` of the whole module give a module
+    optimized again, on a copy of the original model, with the same arguments: it trains its own
+    parameters, exactly. Before, the executor's copy kept the original's executor and failed on its
+    first step (``KeyError``), and the compiler path's module could not be copied (fake tensors)."""
+    import copy
+    import io
+    torch.manual_seed(0)
+    model, x = _Mlp(), torch.randn(256, 8)
+    reference = copy.deepcopy(model)
+    optimized = rg.optimize(model, 0.9, example_inputs=(x,), **path_options)
+    assert optimized.recompute_plan.recomputed_nodes
+    buffer = io.BytesIO()
+    torch.save(optimized, buffer)
+    buffer.seek(0)
+    for twin in (copy.deepcopy(optimized), torch.load(buffer, weights_only=False)):
+        assert type(twin) is type(optimized) and twin.training
+        assert list(twin.state_dict()) == list(optimized.state_dict())
+        assert all(a is not b and torch.equal(a, b) for a, b in zip(twin.parameters(), model.parameters()))
+        default_loss(twin(x)).backward()
+        assert all(p.grad is None for p in model.parameters())  # the original is untouched
+        expected = copy.deepcopy(reference)
+        default_loss(expected(x)).backward()
+        assert all(torch.equal(a, b) for a, b in zip(_gradients(twin), _gradients(expected)))
+        assert all(torch.equal(a, b) for a, b in zip(twin.buffers(), expected.buffers()))
+
+
+def test_torch_compile_around_an_optimized_module_runs_its_plan(path_options):
+    """``torch.compile(rg.optimize(model, ...))``, as training scripts compile whatever model they hold:
+    the optimized module's forward is left to itself (a graph break), and the step trains as planned.
+    Before, dynamo failed inside the module's own code (``NameError: name 'torch' is not defined``)."""
+    import copy
+    torch.manual_seed(0)
+    model, x = _Mlp(), torch.randn(256, 8)
+    expected = copy.deepcopy(model)
+    optimized = rg.optimize(model, 0.9, example_inputs=(x,), **path_options)
+    torch._dynamo.reset()
+    compiled = torch.compile(optimized)
+    default_loss(compiled(x)).backward()
+    default_loss(expected(x)).backward()
+    assert all(torch.equal(a, b) for a, b in zip(_gradients(model), _gradients(expected)))
+    assert all(torch.equal(a, b) for a, b in zip(model.buffers(), expected.buffers()))
+    compiled.eval()
+    with torch.no_grad():
+        assert torch.equal(compiled(x), expected.eval()(x))
