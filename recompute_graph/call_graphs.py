@@ -97,10 +97,9 @@ class CallGraphs:
         return CallGraph(exported.trace, inputs_of, exported.output_of, exported=True)
 
     def eval_forward(self, args: tuple, kwargs: dict) -> Any:
-        """The plain forward: the fx graph, or the model itself when export is in use."""
-        if self.uses_export:
-            return self.model(*args, **kwargs)
-        return self.fx_trace.graph_module(*self._bind(args, kwargs))
+        """The plain forward: the model itself (its hooks as they are now, its ``self.training``
+        branches taken in eval mode, which the fx graph traced in training mode has baked in)."""
+        return self.model(*args, **kwargs)
 
     def _fx_graph(self) -> CallGraph:
         return CallGraph(self.fx_trace, self._bind, _unchanged, exported=False)

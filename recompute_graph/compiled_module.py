@@ -44,6 +44,7 @@ from .joint_capture import CaptureError
 from .compile_backend import budget_backend
 from .joint_lowering import Lowered
 from .model_state import preserved_state
+from .module_hooks import planned_hooks_key
 from .optimized_module import OUTER_COMPILE_REASON, PeakWatch, SharedModelModule, _cuda_device, _signature_key
 
 __all__ = ["CompiledRecomputedModule", "ignored_logging_calls", "logging_calls_ignored"]
@@ -105,8 +106,8 @@ class CompiledRecomputedModule(SharedModelModule):
         self._check_call(args, kwargs)
         if self.delegate is not None:
             return self.delegate.plan(*args, **kwargs)
-        key = _signature_key(args, kwargs)
-        if key not in self._planned:
+        key = (*_signature_key(args, kwargs), planned_hooks_key(self._original, self._original_class))
+        if key not in self._planned:  # a new call signature, or forward hooks added: captured and planned
             lowered = len(self._lowerings)
             try:
                 self._trial(key, args, kwargs)

@@ -98,6 +98,23 @@ def unique_parameters(parameters: list[nn.Parameter]) -> list[nn.Parameter]:
     return unique
 
 
+@contextlib.contextmanager
+def parameter_hooks_held(parameters: Sequence[torch.Tensor]) -> Iterator[None]:
+    """The parameters' tensor hooks (``p.register_hook``: gradient clipping or noise) held back while the
+    executor's own ``autograd.grad`` runs compute their gradients node by node: the hooks run once, when
+    ``_ScheduleFunction.backward`` hands the summed gradient to autograd, as in eager autograd. Inside
+    the runs they ran once per tape and once more outside, so a hook doubling its gradient quadrupled it.
+    (The engine reads the hooks from the tensor's ``_backward_hooks`` dict, emptied and refilled here.)"""
+    held = [(p._backward_hooks, dict(p._backward_hooks)) for p in parameters if p._backward_hooks]
+    for hooks, _ in held:
+        hooks.clear()
+    try:
+        yield
+    finally:
+        for hooks, saved in held:
+            hooks.update(saved)
+
+
 def fresh_results(results: Sequence[torch.Tensor | None], incoming_keys: set) -> list[bool]:
     """Which gradients autograd returned in storage of their own (not an incoming gradient, whose
     storage keys are ``incoming_keys``, passed through, not shared with another result, not a slice of a

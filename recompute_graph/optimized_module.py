@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .errors import BudgetExceededWarning, RewriteError
 from .executor_state import autocast_state
+from .module_hooks import hooks_changed_error, planned_hooks_key
 from .units import format_bytes
 from .rewrite import ScheduleExecutor
 
@@ -200,6 +201,8 @@ class RecomputedModule(SharedModelModule):
         object.__setattr__(self, "_plans", {})
         object.__setattr__(self, "_watched", set())  # ids of the prepared steps whose first step was checked
         object.__setattr__(self, "recompute_plan", None)
+        # the forward hooks the traced graph runs (``module_hooks``; a backward hook is refused now)
+        object.__setattr__(self, "_traced_hooks", planned_hooks_key(model, self._original_class))
 
     def plan(self, *args: Any, **kwargs: Any) -> Any:
         """Plan (or fetch the cached plan) for calls like this one; returns the plan."""
@@ -207,6 +210,8 @@ class RecomputedModule(SharedModelModule):
         return self._prepared(args, kwargs).plan
 
     def _prepared(self, args: tuple, kwargs: dict) -> PreparedStep:
+        if planned_hooks_key(self._original, self._original_class) != self._traced_hooks:
+            raise hooks_changed_error(self._original_class)
         key = _signature_key(args, kwargs)
         if key not in self._plans:
             self._plans[key] = self._prepare(args, kwargs)

@@ -52,7 +52,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .errors import RewriteError
 from .executor_state import (InjectGradient, StepState, Tape, autocast_as, autocast_state, fresh_results,
-                             pytree_leaves, replayed_rng, unique_parameters, unpack_saved)
+                             parameter_hooks_held, pytree_leaves, replayed_rng, unique_parameters, unpack_saved)
 from .graph import CostGraph
 from .measure import storage_key
 from .schedule import Backward, Forward, FreeValue, Op, Schedule
@@ -370,8 +370,8 @@ class ScheduleExecutor:
                 t.data = torch.empty((), dtype=t.dtype, device=t.device).expand(shape)
         targets = [leaf for _, _, leaf in tape.leaves] + tape.parameters
         try:
-            results = torch.autograd.grad([t for t, _ in pairs], targets, [g for _, g in pairs],
-                                          allow_unused=True)
+            with parameter_hooks_held(tape.parameters):  # they run once, on the summed gradient
+                results = torch.autograd.grad([t for t, _ in pairs], targets, [g for _, g in pairs], allow_unused=True)
         except RuntimeError as error:
             raise RewriteError(f"backward of node {self.fx_of[index].format_node()} failed: {error}") from error
         fresh = fresh_results(results, {storage_key(g) for _, g in pairs})
@@ -419,7 +419,8 @@ class ScheduleExecutor:
             dummies = [InjectGradient.apply(t, [g]) for t, g in zip(roots, root_grads)]
         del roots, root_grads
         try:
-            results = torch.autograd.grad(dummies, targets, allow_unused=True)
+            with parameter_hooks_held(parameters):
+                results = torch.autograd.grad(dummies, targets, allow_unused=True)
         except RuntimeError as error:
             names = [self.fx_of[op.node].name for op in ops if isinstance(op, Backward)]
             raise RewriteError(f"backward of nodes {names[:5]}... failed: {error}") from error

@@ -293,3 +293,54 @@ def test_torch_compile_around_an_optimized_module_runs_its_plan(path_options):
     compiled.eval()
     with torch.no_grad():
         assert torch.equal(compiled(x), expected.eval()(x))
+
+
+def _hooked(model, kind, log):
+    """Registers one hook of ``kind`` on ``model``: parameter hooks doubling every gradient, or a forward
+    hook / pre-hook scaling a block's output / input, or a module backward hook."""
+    block = model.layers[2]
+    if kind == "parameter":
+        for p in model.parameters():
+            p.register_hook(lambda g: log.append("p") or g * 2)
+    elif kind == "forward":
+        block.register_forward_hook(lambda module, args, out: log.append("f") or out * 0.5)
+    elif kind == "pre":
+        block.register_forward_pre_hook(lambda module, args: log.append("f") or (args[0] * 0.5,))
+    else:
+        block.register_full_backward_hook(lambda module, gin, gout: log.append("b") or (gin[0] * 3,))
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("kind", ["parameter", "forward", "pre", "backward"])
+def test_hooks_run_as_in_eager_or_are_refused(path_options, kind, when):
+    """Parameter hooks run once per step on both paths (the executor ran them inside its own gradient
+    runs as well: a doubling hook quadrupled the gradients). Forward hooks and pre-hooks run as
+    registered when the model was captured; registered after planning, the compiler path captures and
+    plans again, and the executor, whose graph is traced once, refuses the step (before, both ignored
+    them: wrong gradients). Module backward hooks, which neither path can run, are refused."""
+    import copy
+    from recompute_graph.errors import RewriteError
+    torch.manual_seed(0)
+    model, x = _Mlp(), torch.randn(2048, 8)
+    expected, expected_log, log = copy.deepcopy(model), [], []
+    _hooked(expected, kind, expected_log)
+    default_loss(expected(x)).backward()
+    if when == "before":
+        _hooked(model, kind, log)
+    refused = kind == "backward" or (when == "after" and kind != "parameter" and not path_options["compiler"])
+    with pytest.raises(RewriteError, match="hook") if refused else contextlib.nullcontext():
+        try:
+            optimized = rg.optimize(model, 0.9, example_inputs=(x,), **path_options)
+        except rg.InfeasibleBudgetError as error:  # the executor plans no recomputation around a hooked block
+            optimized = rg.optimize(model, error.min_budget_bytes, example_inputs=(x,), **path_options)
+        assert optimized.recompute_plan.recomputed_nodes or (kind in ("forward", "pre") and when == "before"
+                                                              and not path_options["compiler"])
+        if when == "after":
+            _hooked(model, kind, log)
+        log.clear()
+        default_loss(optimized(x)).backward()
+    if refused:
+        return
+    assert all(torch.equal(a, b) for a, b in zip(_gradients(model), _gradients(expected)))
+    if kind == "parameter" or when == "before":  # (a new capture runs the forward hooks once more)
+        assert len(log) == len(expected_log)
