@@ -44,6 +44,8 @@ from .joint_capture import CaptureError
 from .compile_backend import budget_backend
 from .joint_lowering import Lowered
 from .model_state import preserved_state
+from .joint_allocations import own_loss_expected
+from .losses import own_loss
 from .module_hooks import planned_hooks_key
 from .optimized_module import OUTER_COMPILE_REASON, PeakWatch, SharedModelModule, _cuda_device, _signature_key
 
@@ -80,6 +82,7 @@ class CompiledRecomputedModule(SharedModelModule):
         object.__setattr__(self, "_planned", {})  # signature key -> the Lowered of its graph
         object.__setattr__(self, "_current", None)  # the signature of the last call planned or run
         object.__setattr__(self, "_watched", set())  # signatures whose first CUDA step was checked
+        object.__setattr__(self, "_own_losses", {})  # signature key -> whether the model returns its own loss
         object.__setattr__(self, "_fallback", fallback)
         object.__setattr__(self, "delegate", None)  # the fallback module, once the compiler path failed
 
@@ -148,36 +151,52 @@ class CompiledRecomputedModule(SharedModelModule):
         return self._steps[key]
 
     def _trial(self, key: tuple, args: tuple, kwargs: dict) -> None:
-        """One compiled forward in training mode with grad, undone (``model_state.preserved_state``:
-        buffers by value, the random generators), output dropped. Errors of the compiler come out as
-        the library's own."""
+        """The model's own forward, then one compiled forward, both in training mode with grad, undone
+        (``model_state.preserved_state``: buffers by value, the random generators), outputs dropped.
+        The own forward says whether the model returns its own loss (``losses.own_loss`` on its output,
+        which the compiled graph's flat outputs cannot say), for pricing the default loss
+        (``joint_allocations.own_loss_expected``), and what the compiled forward must draw and compute
+        (:meth:`_check_random_draws`). Errors of the compiler come out as the library's own."""
         was_training = self.training
         self.train(True)
         try:
+            own = self._own_forward(args, kwargs)
+            self._own_losses[key] = own[2] if own is not None else None
             with preserved_state(self._original, rng=True), torch.enable_grad(), full_collections_deferred():
                 drawn_from = _generator_states()
-                output = _floating_values(self._step_for(key)(*args, **kwargs))
+                with own_loss_expected(self._own_losses[key]):
+                    output = _floating_values(self._step_for(key)(*args, **kwargs))
                 compiled_draws = _generator_states()
-            self._check_random_draws(args, kwargs, output, drawn_from, compiled_draws)
+            if own is not None:
+                self._check_random_draws(output, drawn_from, compiled_draws, *own[:2])
         except TorchDynamoException as error:
             raise _library_error(error, self._original_class) from error
         finally:
             self.train(was_training)
 
-    def _check_random_draws(self, args: tuple, kwargs: dict, output: list[torch.Tensor],
-                            drawn_from: list[torch.Tensor], compiled_draws: list[torch.Tensor]) -> None:
-        """CaptureError when the model's own forward (run once from the generators' states
-        ``drawn_from``, undone) leaves them elsewhere than the compiled forward did (``compiled_draws``),
-        or, drawing random numbers, computes other outputs (``output``: the compiled forward's
-        floating-point ones). torch.compile drops a random op whose result nothing reads (an unused
-        dropout) as dead code, and its decomposition of an in-place dropout on a non-contiguous view
-        fills the mask in another element order; either way the dropouts would draw other masks than
-        eager PyTorch, even with no recomputation. Skipped on meta tensors."""
+    def _own_forward(self, args: tuple, kwargs: dict) -> "tuple[list[torch.Tensor], list[torch.Tensor], bool] | None":
+        """The model's own forward, undone: its floating-point outputs, the generators' states after it,
+        and whether it returned its own loss; None on meta tensors (nothing runs)."""
         if any(isinstance(t, torch.Tensor) and t.is_meta for t in tree_flatten((args, kwargs))[0]):
-            return
+            return None
         with preserved_state(self._original, rng=True), torch.enable_grad(), full_collections_deferred():
-            expected = _floating_values(self._original(*args, **kwargs))
-            eager_draws = _generator_states()
+            output = self._original(*args, **kwargs)
+            returned_loss = own_loss(output) is not None
+            expected = _floating_values(output)
+            del output
+            return expected, _generator_states(), returned_loss
+
+    def _check_random_draws(self, output: list[torch.Tensor], drawn_from: list[torch.Tensor],
+                            compiled_draws: list[torch.Tensor], expected: list[torch.Tensor],
+                            eager_draws: list[torch.Tensor]) -> None:
+        """CaptureError when the model's own forward (run from the generators' states ``drawn_from``,
+        undone: ``expected``, its floating-point outputs, and ``eager_draws``, the states after it)
+        leaves them elsewhere than the compiled forward did (``compiled_draws``), or, drawing random
+        numbers, computes other outputs (``output``: the compiled forward's floating-point ones).
+        torch.compile drops a random op whose result nothing reads (an unused dropout) as dead code, and
+        its decomposition of an in-place dropout on a non-contiguous view fills the mask in another
+        element order; either way the dropouts would draw other masks than eager PyTorch, even with no
+        recomputation."""
         if not _same_states(eager_draws, compiled_draws):
             raise CaptureError(
                 f"{self._original_class} draws other random numbers in its compiled forward than in its own: "
@@ -212,7 +231,8 @@ class CompiledRecomputedModule(SharedModelModule):
         key, lowered = self._current, len(self._lowerings)
         watch = self._watch(key, args, kwargs)
         try:
-            output = self._step_for(key)(*args, **kwargs)
+            with own_loss_expected(self._own_losses.get(key)):  # a recompilation prices the loss alike
+                output = self._step_for(key)(*args, **kwargs)
             if len(self._lowerings) > lowered:  # a recompilation (a guard Dynamo added) planned again
                 self._planned[key] = self._lowerings[-1]
                 if watch is not None:  # its pricing ran inside the watched step: the next step is judged

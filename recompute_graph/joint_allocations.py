@@ -13,10 +13,11 @@ Units: bytes, seconds.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
-
+import contextlib
+import contextvars
 import statistics
 import time
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import fx
@@ -29,7 +30,22 @@ from .joint_units import JointUnits, is_tangent
 from .joint_storage import value_bytes as _value_bytes
 from .joint_partition import _is_tensor
 
-__all__ = ["kernel_workspace_bytes", "node_seconds", "outputs_loss_bytes"]
+__all__ = ["kernel_workspace_bytes", "node_seconds", "outputs_loss_bytes", "own_loss_expected"]
+
+_own_loss_expected: contextvars.ContextVar["bool | None"] = contextvars.ContextVar("own_loss_expected", default=None)
+
+
+@contextlib.contextmanager
+def own_loss_expected(returns_own_loss: "bool | None") -> Iterator[None]:
+    """While the block runs, :func:`outputs_loss_bytes` takes it as known whether the model returns its
+    own loss (``losses.own_loss`` on its structured output, which the joint graph's flat outputs do not
+    carry): ``optimize()``'s compiled module runs the model's own forward first and says so. None: the
+    graph alone decides (``_returns_own_loss``), as under a user's ``torch.compile`` with ``rg.backend``."""
+    token = _own_loss_expected.set(returns_own_loss)
+    try:
+        yield
+    finally:
+        _own_loss_expected.reset(token)
 
 
 def kernel_workspace_bytes(joint: fx.GraphModule, joint_inputs: Sequence[Any]) -> dict[str, int]:
@@ -218,7 +234,9 @@ def outputs_loss_bytes(joint: fx.GraphModule, units: JointUnits, loss_fn: Any) -
     outputs = [n for n in units.forward_outputs(graph) if not _is_buffer_update(n, buffers) and _is_tensor(n)]
     if not outputs:
         return None
-    if _returns_own_loss(graph, outputs, loss_fn):
+    from .losses import default_training_loss
+    known = _own_loss_expected.get()
+    if loss_fn is default_training_loss and (known if known is not None else _returns_own_loss(graph, outputs)):
         # a model that returns its own loss (``transformers`` given labels): training backpropagates it,
         # and its computation is in the graph; the default loss on the flat outputs would price another
         # loss (Llama: 29 KB on a 245 KB step, 10 % over), as ``planner.loss_allowance_bytes`` rules too
@@ -249,25 +267,35 @@ def outputs_loss_bytes(joint: fx.GraphModule, units: JointUnits, loss_fn: Any) -
         return max(0, peak - start - kept)
 
 
-def _returns_own_loss(graph: fx.Graph, outputs: Sequence[fx.Node], loss_fn: Any) -> bool:
+#: The classification losses whose integer targets mark the model's own loss (``transformers`` given
+#: ``labels``: cross-entropy is ``_log_softmax`` and ``nll_loss_forward`` in the joint graph)
+LABELLED_LOSS_TARGETS = ("aten.nll_loss_forward.default", "aten.nll_loss2d_forward.default")
+
+
+def _returns_own_loss(graph: fx.Graph, outputs: Sequence[fx.Node]) -> bool:
     """Whether the training loop's loss is the model's own loss among ``outputs``, which the graph's flat
     outputs cannot say by their structure (``losses.own_loss`` reads a ``ModelOutput``'s ``loss``):
-    only for the default loss, and only for a floating-point scalar output computed from an integer
-    input of the model (the labels of a ``transformers`` model). A scalar beside the model's outputs
-    is not enough: a model returning ``(logits, h.mean())`` trained on both had its loss priced at 0,
-    57,416 B measured against 49,224 B predicted (tests/test_fuzz_compiled.py). A loss function of the
-    user's is run on the flat outputs instead: on a model that returns its own loss it reads it
-    (``out[0]``: nothing to price) or fails on the tuple (``out.loss``: the planner's guess)."""
-    from .losses import default_training_loss
-    if loss_fn is not default_training_loss:
-        return False
+    only for the default loss, and only for a floating-point scalar output computed by a
+    classification loss (:data:`LABELLED_LOSS_TARGETS`) on targets from an integer input of the model
+    (the labels of a ``transformers`` model). A scalar beside the model's outputs is not enough: a model
+    returning ``(logits, h.mean())`` trained on both had its loss priced at 0, 57,416 B measured against
+    49,224 B predicted (tests/test_fuzz_compiled.py); nor is a scalar computed from an integer input
+    (a mixture of experts' balance loss, from token ids through the router). Used where the model's own
+    forward has not said so (:func:`own_loss_expected`): CLIP's loss, on targets it makes itself, is not
+    recognized here. A loss function of the user's is run on the flat outputs instead: on a model that
+    returns its own loss it reads it (``out[0]``: nothing to price) or fails on the tuple (``out.loss``:
+    the planner's guess)."""
     integer_inputs = {n for n in graph.nodes if n.op == "placeholder" and not is_tangent(n)
                       and isinstance(n.meta.get("val"), torch.Tensor)
                       and not (n.meta["val"].is_floating_point() or n.meta["val"].is_complex())}
     for output in outputs:
         value = output.meta["val"]
-        if value.dim() == 0 and value.is_floating_point() and integer_inputs & _ancestors(output):
-            return True
+        if value.dim() != 0 or not value.is_floating_point():
+            continue
+        for node in _ancestors(output):
+            target = node.args[1] if str(node.target) in LABELLED_LOSS_TARGETS and len(node.args) > 1 else None
+            if isinstance(target, fx.Node) and integer_inputs & (_ancestors(target) | {target}):
+                return True
     return False
 
 

@@ -422,3 +422,34 @@ def test_dynamos_failure_to_log_its_metrics_is_dropped_only_while_compiling_with
         log.setLevel(level)
     assert records == ["another error", "Unexpected exception logging compilation metrics"]
     assert logging.Logger.warning not in torch._dynamo.config.ignore_logging_functions
+
+
+class _OwnLossOrNot(nn.Module):
+    """CLIP's pattern (a ``loss`` entry computed on targets the model makes, ``arange``), or a plain
+    tuple whose first item is a cross-entropy on the labels (``return_dict=False``), which the default
+    loss does not take for the model's own: it squares both items."""
+
+    def __init__(self, structure: str) -> None:
+        super().__init__()
+        self.structure, self.a, self.b = structure, nn.Embedding(16, 64), nn.Linear(64, 16)
+
+    def forward(self, ids, labels):
+        logits = self.b(torch.tanh(self.a(ids)))
+        if self.structure == "dict":
+            return {"loss": nn.functional.cross_entropy(logits, torch.arange(len(ids))), "logits": logits}
+        return nn.functional.cross_entropy(logits, labels), logits
+
+
+@pytest.mark.parametrize("structure", ["dict", "tuple"])
+def test_optimize_prices_the_default_loss_as_the_models_own_forward_says(structure):
+    """The compiled graph's flat outputs do not say whether the model returns its own loss; the graph
+    alone guesses from a cross-entropy on integer inputs, which is wrong both ways here. ``optimize()``
+    runs the model's own forward first and prices the loss training computes: nothing for a ``loss``
+    entry, the squares of both outputs for a tuple. The prediction then meets the allocator."""
+    torch.manual_seed(0)
+    model, ids, labels = _OwnLossOrNot(structure), torch.arange(16), torch.randint(0, 16, (16,))
+    optimized = rg.optimize(model, 1.0, example_inputs=(ids, labels), compiler=True)
+    graph = optimized.recompute_plan.graph
+    assert (graph.loss_bytes == 0) == (structure == "dict"), graph.loss_bytes
+    measured = allocator_peak_memory(lambda: default_loss(optimized(ids, labels)).backward())
+    assert 0.97 <= optimized.recompute_plan.predicted_step_peak_bytes / measured <= 1.03

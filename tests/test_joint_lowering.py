@@ -313,32 +313,36 @@ def test_every_differentiable_output_gets_a_gradient_in_the_plan_not_only_the_lo
 
 
 class _LogitsAnd(nn.Module):
-    """Logits and a scalar: the loss on integer labels (``transformers`` given ``labels``: the model's own
-    loss) or the mean of its hidden values (an auxiliary output, a mixture of experts' balance loss)."""
+    """Token ids in, logits and a scalar out: the cross-entropy on integer labels (``transformers`` given
+    ``labels``: the model's own loss), the mean of its hidden values (an auxiliary output), or a balance
+    loss of a router (a mixture of experts: computed from the token ids, not from labels)."""
 
     def __init__(self, scalar: str) -> None:
         super().__init__()
-        self.scalar, self.a, self.b = scalar, nn.Linear(16, 64), nn.Linear(64, 10)
+        self.scalar, self.a, self.b = scalar, nn.Embedding(10, 64), nn.Linear(64, 10)
 
-    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        h = torch.tanh(self.a(x))
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(self.a(ids))
         logits = self.b(h)
         if self.scalar == "labels":
             return nn.functional.cross_entropy(logits, labels), logits
+        if self.scalar == "router":
+            return logits, logits.softmax(-1).mean(0).square().sum() * 10
         return logits, h.mean()
 
 
-@pytest.mark.parametrize("scalar", ["labels", "auxiliary"])
+@pytest.mark.parametrize("scalar", ["labels", "auxiliary", "router"])
 def test_the_default_loss_is_the_models_own_only_when_computed_from_labels(scalar):
     """The flat outputs of a compiled graph do not say which is ``ModelOutput.loss``. A scalar computed
-    from an integer input is the model's own loss: nothing to price. An auxiliary scalar is not: the
-    default loss then squares every output, and its transient is priced (it was taken for the model's
-    loss, 0 B, in tests/test_fuzz_compiled.py's auxiliary case)."""
+    by a classification loss on integer targets from the inputs is the model's own loss: nothing to
+    price. An auxiliary scalar is not, nor a router's balance loss (computed from the token ids): the
+    default loss then squares every output, and its transient is priced (an auxiliary scalar was taken
+    for the model's loss, 0 B, in tests/test_fuzz_compiled.py's auxiliary case)."""
     torch.manual_seed(0)
-    model, x, labels = _LogitsAnd(scalar), torch.randn(32, 16), torch.randint(0, 10, (32,))
+    model, ids, labels = _LogitsAnd(scalar), torch.randint(0, 10, (32,)), torch.randint(0, 10, (32,))
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=budget_backend(1.0))
-    compiled(x, labels)[0].sum().backward()
+    compiled(ids, labels)[0].sum().backward()
     graph = last_lowering().graph
     if scalar == "labels":
         assert graph.loss_bytes == 0
