@@ -174,7 +174,8 @@ class CompiledRecomputedModule(SharedModelModule):
         finally:
             self.train(was_training)
 
-    def _own_forward(self, args: tuple, kwargs: dict) -> "tuple[list[torch.Tensor], list[torch.Tensor], bool] | None":
+    def _own_forward(self, args: tuple, kwargs: dict
+                     ) -> "tuple[list[torch.Tensor], list[torch.Tensor], bool] | None":
         """The model's own forward, undone: its floating-point outputs, the generators' states after it,
         and whether it returned its own loss; None on meta tensors (nothing runs)."""
         if any(isinstance(t, torch.Tensor) and t.is_meta for t in tree_flatten((args, kwargs))[0]):

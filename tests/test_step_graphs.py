@@ -165,7 +165,8 @@ def test_the_floor_a_broken_step_names_is_planned_again_when_the_times_move(call
     with pytest.raises(InfeasibleBudgetError, match="go down to") as raised:
         choose_step_plans(calls, graphs, 100, pools, steady=steady)
     named = raised.value.min_budget_bytes
-    lowest = min(step_peak_of(calls, graphs, {"first": a, "second": b}) for a in pools["first"] for b in pools["second"])
+    lowest = min(step_peak_of(calls, graphs, {"first": a, "second": b})
+                 for a in pools["first"] for b in pools["second"])
     assert named > min_budget_for_peak(lowest, 0, planning_margin(first))
     # the next capture's pools lack this one's lowest plans; the steady one is in their middle, where
     # thinning (two per graph: the first and the last) would drop it
