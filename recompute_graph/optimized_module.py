@@ -9,6 +9,7 @@ original model when the model was exported (``export_trace.py``).
 from __future__ import annotations
 
 import inspect
+import types
 import warnings
 from typing import Any, Callable, NamedTuple
 
@@ -138,6 +139,40 @@ class SharedModelModule(nn.Module):
         object.__setattr__(self, "_original_class", type(model).__name__)
         object.__setattr__(self, "_signature", inspect.signature(model.forward))
         object.__setattr__(self, "_original", model)
+        self._bind_forward()
+
+    def _bind_forward(self) -> None:
+        """``inspect.signature(optimized.forward)`` is the model's (``transformers``' Trainer keeps the
+        dataset columns the forward names; ours is ``(*args, **kwargs)``): an instance attribute that
+        calls the class's ``forward``, made again for a copy (``__setstate__``)."""
+        own_forward = types.MethodType(type(self).forward, self)
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            return own_forward(*args, **kwargs)
+        forward.__signature__ = self._signature  # type: ignore[attr-defined]
+        forward.__doc__ = getattr(self._original.forward, "__doc__", None)
+        object.__setattr__(self, "forward", forward)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("forward", None)  # bound to this module: a copy binds its own
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._bind_forward()
+
+    def __getattr__(self, name: str) -> Any:
+        """The model's own attributes where the module has none of its own (``config``, ``device``,
+        ``save_pretrained``, ``get_input_embeddings`` of a ``transformers`` model: what training loops
+        and the Trainer read); its submodules, parameters and buffers are shared already."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            original = self.__dict__.get("_original")
+            if original is None or name.startswith("__"):
+                raise
+            return getattr(original, name)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         """Copied (``copy.deepcopy``: an EMA of the model) or pickled (``torch.save``) as the original

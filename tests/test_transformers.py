@@ -223,3 +223,22 @@ def test_three_optimizer_steps_follow_the_original_model_step_for_step():
     assert losses["optimized"] == pytest.approx(losses["original"], rel=1e-5)
     assert losses["original"][2] < losses["original"][0]  # it trains
     assert len(optimized._plans) == 1  # in-place parameter updates do not plan again
+
+
+def test_the_optimized_module_answers_as_the_model_does_for_training_loops_and_the_trainer(tmp_path):
+    """What training loops and ``transformers``' Trainer read of the model they hold: the forward's
+    signature (the Trainer keeps the dataset columns it names; ours was ``(*args, **kwargs)``, which
+    would drop every column), ``config``, ``device``, ``main_input_name``, the model's own methods
+    (``save_pretrained``, ``get_input_embeddings``). Each was an ``AttributeError`` before."""
+    import inspect
+    model = tiny("gpt2")
+    optimized = rg.optimize(model, 0.9)
+    assert inspect.signature(optimized.forward) == inspect.signature(model.forward)
+    assert "labels" in inspect.signature(optimized.forward).parameters
+    assert optimized.config is model.config and optimized.main_input_name == "input_ids"
+    assert optimized.device == torch.device("cpu") and optimized.get_input_embeddings() is model.transformer.wte
+    optimized.save_pretrained(tmp_path)
+    loaded = type(model).from_pretrained(tmp_path)
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model.state_dict().values()))
+    with pytest.raises(AttributeError, match="no_such_attribute"):
+        optimized.no_such_attribute
