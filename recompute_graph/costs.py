@@ -519,12 +519,15 @@ def _build_cost_graph(gm: fx.GraphModule, traced: TraceResult, memory: _MemoryPa
                              if mem.requires_grad else 0.0)
         kind = {"call_module": "module", "call_function": "function", "call_method": "method"}[n.op]
         target = n.target if isinstance(n.target, str) else _qualified_name(n.target)
+        predecessors = tuple(index_of[a] for a in _data_predecessors(n, index_of))
+        alias = index_of[mem.alias_of] if mem.alias_of is not None else None
+        if alias is not None and not any(alias in _alias_chain(nodes, p) for p in predecessors):
+            # a view of a storage its predecessor does not alias (``broadcast_tensors(a, b)[1]``: the op
+            # aliases ``a`` alone here): that storage must be live when it runs, so it is read too
+            predecessors += (alias,)
         nodes.append(CostNode(
             index=i, name=n.name, kind="opaque" if (n.op == "call_module" and n.target in opaque) else kind,
-            target=target,
-            predecessors=tuple(index_of[a] for a in _data_predecessors(n, index_of)),
-            output_bytes=mem.output_bytes,
-            alias_of=index_of[mem.alias_of] if mem.alias_of is not None else None,
+            target=target, predecessors=predecessors, output_bytes=mem.output_bytes, alias_of=alias,
             grad_bytes=mem.grad_bytes,
             saved_input_bytes=mem.saved_input_bytes, saved_output_bytes=mem.saved_output_bytes,
             saved_buffer_bytes=mem.saved_buffer_bytes,
@@ -551,6 +554,13 @@ def _build_cost_graph(gm: fx.GraphModule, traced: TraceResult, memory: _MemoryPa
         loss_bytes=loss.transient_bytes, rng_state_bytes=rng_state_bytes(inputs),
         loss_gradient_outputs=tuple(sorted(index_of[o] for o in loss.gradient_outputs if o in index_of)),
     )
+
+
+def _alias_chain(nodes: list[CostNode], index: int) -> list[int]:
+    chain = [index]
+    while nodes[chain[-1]].alias_of is not None:
+        chain.append(nodes[chain[-1]].alias_of)
+    return chain
 
 
 def _data_predecessors(n: fx.Node, tensor_nodes: dict[str, int]) -> set[str]:

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import models_zoo
+import recompute_graph as rg
 from recompute_graph import InfeasibleBudgetError
 from recompute_graph.costs import profile_model
 from recompute_graph.measure import StorageTracker, default_loss, peak_memory
@@ -215,3 +216,28 @@ def test_a_fused_run_does_not_hold_the_gradients_of_many_readers_of_one_outside_
         results[fuse] = run_step(model, lambda x: run_schedule(executor, list(x)), inputs)
     assert relative_error(results[True][1], results[False][1]) <= 1e-6
     assert results[True][0] <= 1.05 * results[False][0] and results[False][0] <= plan.predicted_step_peak_bytes
+
+
+class _BroadcastScale(nn.Module):
+    """``torch.broadcast_tensors(a, b)``: one op whose two items view two different storages (found with
+    ``torch.distributions.Normal(mu, sigma).rsample()``, which broadcasts its parameters)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(16, 64), nn.Linear(16, 1), nn.Linear(64, 8)
+
+    def forward(self, x):
+        mu, scale = torch.broadcast_tensors(torch.tanh(self.a(x)), self.b(x).exp())
+        return self.c(mu + torch.tanh(mu) * scale)
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_an_op_whose_items_view_different_inputs_keeps_each_storage_alive(tracer):
+    """The cost graph's op aliases its first input only; its second item, a view of the other input,
+    was scheduled after that input was freed, and even store-all's schedule failed validation
+    (``ScheduleError: the node views node 3's storage, which is not live``). The item now reads the
+    storage it views."""
+    torch.manual_seed(0)
+    report = rg.verify(_BroadcastScale(), 0.9, example_inputs=(torch.randn(512, 16),), compiler=False, tracer=tracer)
+    assert report.gradient_error == 0.0
+    assert abs(report.predicted_peak_bytes / report.measured_peak_bytes - 1) < 0.01
