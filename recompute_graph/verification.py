@@ -161,7 +161,7 @@ def parameter_gradient_error(model: nn.Module, reference: nn.Module) -> float:
     """The largest gradient difference between ``model`` and ``reference`` (same parameters, in order)
     relative to that parameter's largest reference gradient: the strictest measure, for exact paths
     (0.0 where the gradients are equal to the bit). Parameters without a reference gradient are skipped."""
-    return max((((p.grad - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-12)).item()
+    return max((((_dense(p.grad) - _dense(q.grad)).abs().max() / _dense(q.grad).abs().max().clamp_min(1e-12)).item()
                 for p, q in zip(model.parameters(), reference.parameters()) if q.grad is not None), default=0.0)
 
 
@@ -173,12 +173,17 @@ def model_gradient_error(model: nn.Module, reference: nn.Module) -> float:
                            dict(reference.named_parameters()))[0]
 
 
+def _dense(gradient: torch.Tensor) -> torch.Tensor:
+    """A sparse gradient (``nn.Embedding(..., sparse=True)``) as the dense tensor it stands for."""
+    return gradient.to_dense() if gradient.is_sparse else gradient
+
+
 def _gradient_error(actual: dict[str, torch.Tensor | None], expected: dict[str, nn.Parameter]
                     ) -> tuple[float, int, tuple[str, ...]]:
     """(largest |difference| / largest |reference gradient|, tensors compared, names whose gradient is
     missing on one side only)."""
-    largest = max((p.grad.abs().max().item() for p in expected.values() if p.grad is not None and p.grad.numel()),
-                  default=0.0)
+    largest = max((_dense(p.grad).abs().max().item() for p in expected.values()
+                   if p.grad is not None and p.grad.numel()), default=0.0)
     worst, compared, missing = 0.0, 0, []
     for name, p in expected.items():
         mine = actual.get(name)
@@ -188,5 +193,5 @@ def _gradient_error(actual: dict[str, torch.Tensor | None], expected: dict[str, 
         if p.grad is None or not p.grad.numel():
             continue
         compared += 1
-        worst = max(worst, (mine.double() - p.grad.double()).abs().max().item())
+        worst = max(worst, (_dense(mine).double() - _dense(p.grad).double()).abs().max().item())
     return (worst / largest if largest > 0 else worst), compared, tuple(missing)

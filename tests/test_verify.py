@@ -2,6 +2,8 @@
 not the loss planned for."""
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -175,3 +177,20 @@ def test_a_buffer_updated_twice_is_a_mismatch_and_a_rounding_difference_is_not()
     assert set(buffer_mismatches(twice, once)) == {"running_mean", "running_var"}
     counted_twice = dict(once, num_batches_tracked=once["num_batches_tracked"] + 1)
     assert buffer_mismatches(counted_twice, once) == ("num_batches_tracked",)
+
+
+def test_verify_compares_sparse_gradients():
+    """``nn.Embedding(..., sparse=True)`` gives sparse gradients; verify's comparison failed on them
+    (``aten::max`` has no sparse kernel)."""
+    from recompute_graph.verification import parameter_gradient_error
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(100, 32, sparse=True), nn.Flatten(), nn.Linear(32 * 6, 256), nn.Tanh(),
+                          nn.Linear(256, 4))
+    ids = torch.randint(0, 100, (512, 6))
+    report = rg.verify(model, 1.0, example_inputs=(ids,))
+    assert report.gradient_error == 0.0
+    assert model[0].weight.grad is None  # verify leaves the gradients as they were
+    twin = copy.deepcopy(model)
+    for m in (model, twin):
+        default_loss(m(ids)).backward()
+    assert model[0].weight.grad.is_sparse and parameter_gradient_error(model, twin) == 0.0
