@@ -10,9 +10,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .errors import (BudgetExceededWarning, CompilerFallbackWarning, DynamicShapesError, GraphBreakWarning, GraphError,
-                     InfeasibleBudgetError, PlanFileError, PlanMismatchWarning, ProfileError, ProfilerActiveWarning,
-                     RecomputeError, RewriteError, ScheduleError, SolverError, TraceError)
+from .errors import (BudgetExceededWarning, CompilerFallbackWarning, DynamicShapesError, EvalModeGradientWarning,
+                     GraphBreakWarning, GraphError, InfeasibleBudgetError, PlanFileError, PlanMismatchWarning,
+                     ProfileError, ProfilerActiveWarning, RecomputeError, RewriteError, ScheduleError, SolverError,
+                     TraceError)
 from .graph import CostGraph, CostNode
 from .units import format_bytes, parse_bytes
 
@@ -43,7 +44,8 @@ _LAZY = {
 __all__ = ["CostGraph", "CostNode", "RecomputeError", "TraceError", "ProfileError", "GraphError",
            "SolverError", "InfeasibleBudgetError", "ScheduleError", "RewriteError", "PlanFileError",
            "PlanMismatchWarning", "BudgetExceededWarning", "CompilerFallbackWarning", "DynamicShapesError",
-           "GraphBreakWarning", "ProfilerActiveWarning", "parse_bytes", "format_bytes", *_LAZY]
+           "GraphBreakWarning", "ProfilerActiveWarning", "EvalModeGradientWarning", "parse_bytes", "format_bytes",
+           *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

@@ -86,6 +86,12 @@ class CompilerFallbackWarning(UserWarning):
     with the schedule executor instead."""
 
 
+class EvalModeGradientWarning(UserWarning):
+    """An optimized module called in ``eval()`` mode with grad enabled runs the model's plain forward:
+    its plans are for training mode, so a backward from that call is not kept within the budget. Once
+    per module."""
+
+
 class ScheduleError(RecomputeError, ValueError):
     """A schedule cannot run: a value used before it exists, a backward before its inputs, ..."""
 

@@ -17,7 +17,7 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .errors import BudgetExceededWarning, RewriteError
+from .errors import BudgetExceededWarning, EvalModeGradientWarning, RewriteError
 from .executor_state import autocast_state
 from .module_hooks import hooks_changed_error, planned_hooks_key
 from .units import format_bytes
@@ -200,10 +200,20 @@ class SharedModelModule(nn.Module):
 
     def _trains(self, args: tuple, kwargs: dict) -> bool:
         """Whether this call is a training step: training mode, grad enabled, and a parameter or an
-        input that requires grad (otherwise the plain forward runs)."""
-        return self.training and torch.is_grad_enabled() and (
-            any(p.requires_grad for p in self.parameters())
-            or any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten((args, kwargs))[0]))
+        input that requires grad (otherwise the plain forward runs). In ``eval()`` mode with grad
+        enabled and something requiring grad, an ``EvalModeGradientWarning`` says so, once."""
+        if not torch.is_grad_enabled():
+            return False
+        differentiable = any(p.requires_grad for p in self.parameters()) or any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten((args, kwargs))[0])
+        if differentiable and not self.training and not self.__dict__.get("_eval_gradient_warned"):
+            object.__setattr__(self, "_eval_gradient_warned", True)
+            warnings.warn(f"{self._original_class} is called in eval() mode with grad enabled: the call runs the "
+                          "model's plain forward, so a backward from it is not planned and not kept within the "
+                          "budget. Wrap validation in torch.no_grad(); to train with BatchNorm or dropout frozen, "
+                          "call model.train() and then .eval() on those modules.", EvalModeGradientWarning,
+                          stacklevel=4)
+        return self.training and differentiable
 
 
 def _optimized_again(model: nn.Module, options: dict[str, Any], training: bool) -> nn.Module:

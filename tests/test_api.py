@@ -344,3 +344,27 @@ def test_hooks_run_as_in_eager_or_are_refused(path_options, kind, when):
     assert all(torch.equal(a, b) for a, b in zip(_gradients(model), _gradients(expected)))
     if kind == "parameter" or when == "before":  # (a new capture runs the forward hooks once more)
         assert len(log) == len(expected_log)
+
+
+def test_a_call_in_eval_mode_with_grad_warns_once_that_it_is_not_planned(path_options):
+    """Training in ``eval()`` mode (BatchNorm frozen the blunt way) runs the plain forward: exact, but
+    outside the plan and its budget. Silent before; now an ``EvalModeGradientWarning`` says so once and
+    what to do. A validation call under ``torch.no_grad()`` does not warn."""
+    import copy
+    import warnings
+    torch.manual_seed(0)
+    model, x = _Mlp(), torch.randn(256, 8)
+    expected = copy.deepcopy(model).eval()
+    optimized = rg.optimize(model, 0.9, example_inputs=(x,), **path_options).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            optimized(x)
+    with pytest.warns(rg.EvalModeGradientWarning, match="no_grad"):
+        default_loss(optimized(x)).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        default_loss(optimized(x)).backward()  # once per module
+    default_loss(expected(x)).backward()
+    default_loss(expected(x)).backward()
+    assert all(torch.equal(a, b) for a, b in zip(_gradients(model), _gradients(expected)))
