@@ -109,7 +109,7 @@ class CompiledRecomputedModule(SharedModelModule):
         self._check_call(args, kwargs)
         if self.delegate is not None:
             return self.delegate.plan(*args, **kwargs)
-        key = (*_signature_key(args, kwargs), planned_hooks_key(self._original, self._original_class))
+        key = (*_signature_key(args, kwargs), planned_hooks_key(self._named_modules, self._original_class))
         if key not in self._planned:  # a new call signature, or forward hooks added: captured and planned
             lowered = len(self._lowerings)
             try:

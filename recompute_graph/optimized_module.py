@@ -139,6 +139,7 @@ class SharedModelModule(nn.Module):
         object.__setattr__(self, "_original_class", type(model).__name__)
         object.__setattr__(self, "_signature", inspect.signature(model.forward))
         object.__setattr__(self, "_original", model)
+        object.__setattr__(self, "_named_modules", list(model.named_modules()))  # whose hooks calls check
         self._bind_forward()
 
     def _bind_forward(self) -> None:
@@ -247,7 +248,7 @@ class RecomputedModule(SharedModelModule):
         object.__setattr__(self, "_watched", set())  # ids of the prepared steps whose first step was checked
         object.__setattr__(self, "recompute_plan", None)
         # the forward hooks the traced graph runs (``module_hooks``; a backward hook is refused now)
-        object.__setattr__(self, "_traced_hooks", planned_hooks_key(model, self._original_class))
+        object.__setattr__(self, "_traced_hooks", planned_hooks_key(self._named_modules, self._original_class))
 
     def plan(self, *args: Any, **kwargs: Any) -> Any:
         """Plan (or fetch the cached plan) for calls like this one; returns the plan."""
@@ -255,7 +256,7 @@ class RecomputedModule(SharedModelModule):
         return self._prepared(args, kwargs).plan
 
     def _prepared(self, args: tuple, kwargs: dict) -> PreparedStep:
-        if planned_hooks_key(self._original, self._original_class) != self._traced_hooks:
+        if planned_hooks_key(self._named_modules, self._original_class) != self._traced_hooks:
             raise hooks_changed_error(self._original_class)
         key = _signature_key(args, kwargs)
         if key not in self._plans:
