@@ -13,6 +13,7 @@ from torch.utils._pytree import tree_map
 from .collector import full_collections_deferred
 from .costs import profile_graph
 from .call_graphs import CallGraphs, profile_call, training_mode
+from .errors import TraceError
 from .optimized_module import PreparedStep, RecomputedModule
 
 if TYPE_CHECKING:
@@ -92,6 +93,7 @@ def optimize(model: nn.Module, budget: Budget, *, example_inputs: Sequence[Any] 
     fits. The user's model is never modified: the returned module shares its parameters and buffers.
     """
     parse_budget(budget)
+    _refuse_uninitialized_lazy_modules(model)
     saved = load_plan(os.fspath(plan)) if isinstance(plan, (str, os.PathLike)) else plan
     if solver != "auto":
         get_solver(solver)
@@ -146,6 +148,19 @@ def optimize(model: nn.Module, budget: Budget, *, example_inputs: Sequence[Any] 
         with _autocast_for(autocast, [*example_args, *example_kw.values()]):
             optimized.plan(*example_args, **example_kw)
     return _optimized_with(again, optimized)
+
+
+def _refuse_uninitialized_lazy_modules(model: nn.Module) -> None:
+    """``TraceError`` for a lazy module (``nn.LazyLinear``) not initialized yet: its parameters have no
+    shape to plan with, its first forward draws their values (the compiled forward then drew other
+    random numbers than eager PyTorch) and removes its initializing hook (which the executor read as a
+    hook removed after planning)."""
+    from torch.nn.modules.lazy import LazyModuleMixin
+    for name, module in model.named_modules():
+        if isinstance(module, LazyModuleMixin) and module.has_uninitialized_params():
+            raise TraceError(f"{type(model).__name__}: module {name or '(the root)'!r} ({type(module).__name__}) "
+                             "has uninitialized lazy parameters, whose shapes a plan needs. Run the model once "
+                             "(model(*example_inputs)) before optimize() to initialize them.", module_path=name)
 
 
 def _optimized_with(options: dict[str, Any], optimized: nn.Module) -> nn.Module:

@@ -368,3 +368,18 @@ def test_a_call_in_eval_mode_with_grad_warns_once_that_it_is_not_planned(path_op
     default_loss(expected(x)).backward()
     default_loss(expected(x)).backward()
     assert all(torch.equal(a, b) for a, b in zip(_gradients(model), _gradients(expected)))
+
+
+def test_uninitialized_lazy_modules_are_refused_with_what_to_do(path_options):
+    """``nn.LazyLinear`` before its first forward: no shapes to plan with, and its first forward draws
+    its parameters and removes its initializing hook. The compiler path fell back to the executor,
+    which then refused the step over the removed hook. Refused up front now; once run, it trains exactly."""
+    from recompute_graph.errors import TraceError
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LazyLinear(128), nn.Tanh(), nn.LazyLinear(128), nn.Tanh(), nn.LazyLinear(4))
+    x = torch.randn(512, 16)
+    with pytest.raises(TraceError, match=r"'0' \(LazyLinear\).*Run the model once"):
+        rg.optimize(model, 0.9, example_inputs=(x,), **path_options)
+    model(x)
+    report = rg.verify(model, 0.9, example_inputs=(x,), **path_options)
+    assert report.gradient_error == 0.0 and report.solver != "store_all"
