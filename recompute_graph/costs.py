@@ -46,7 +46,7 @@ from .losses import LossFunction, default_training_loss
 from .measure import StorageTracker, storage_key, unique_storages
 from .model_state import preserved_state
 from .progress import progress_bar
-from .trace import TraceResult, trace
+from .trace import BoundInterpreter, TraceResult, trace
 
 __all__ = ["DeviceProfile", "DEVICE_PROFILES", "profile_model", "profile_graph"]
 
@@ -162,7 +162,7 @@ class _NodeMemory:
     kept_bytes: int = 0  # storages created by the node still alive after it
 
 
-class _MemoryPass(fx.Interpreter):
+class _MemoryPass(BoundInterpreter):
     """Store-all forward recording storages, saved tensors and side effects per node."""
 
     def __init__(self, gm: fx.GraphModule) -> None:
@@ -314,7 +314,7 @@ class _NodeCompute:
     returned_bytes: int = 0  # new storage of the input gradients the isolated backward returns
 
 
-class _ComputePass(fx.Interpreter):
+class _ComputePass(BoundInterpreter):
     """Runs each node alone, forward and backward: counting its FLOPs and workspace (``timing="flops"``), or
     timing it (``timing="measure"``, the third pass)."""
 

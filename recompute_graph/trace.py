@@ -37,7 +37,7 @@ from torch.utils._pytree import tree_flatten
 from .errors import TraceError
 from .model_state import preserved_state
 
-__all__ = ["TraceResult", "functionalize", "trace", "user_source_location"]
+__all__ = ["TraceResult", "BoundInterpreter", "functionalize", "trace", "user_source_location"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 #: Tensor constructors that torch.fx cannot trace when a size comes from a traced shape
@@ -390,3 +390,13 @@ def _trace_error(model: nn.Module, qualname: str, error: BaseException) -> Trace
                + "\n  The root module's own forward must be traceable by torch.fx; move data-dependent "
                "control flow into a submodule (it then becomes one opaque node) or make it shape-based.")
     return TraceError(message, module_path=qualname, source_location=location)
+
+
+class BoundInterpreter(fx.Interpreter):
+    """An interpreter of a traced graph run on the values ``optimized_module.placeholder_binder`` gives:
+    one per placeholder, a ``*args`` one the tuple, a ``**kwargs`` one the dict. (fx's own gives a starred
+    placeholder the list of the values left, so ``forward(self, x, **extra)`` read ``extra`` as
+    ``[{...}]``: ``ProfileError: 'list' object has no attribute 'get'``.)"""
+
+    def placeholder(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        return next(self.args_iter)
