@@ -24,8 +24,9 @@ from .simulate import SimulationResult
 from .solvers import SOLVERS, Solution, collecting_plans, get_solver, solvers_for
 from .solvers.chain_dp import FINE_MAX_STAGES, FINE_REFINE_ABOVE, chain_of
 from .solvers.lower_set_dp import dp_for
-from .step_budget import (PLANNING_MARGIN, loss_allowance_bytes, loss_peak_bytes, min_budget_for_peak,
-                          min_budget_for_step, planning_margin, step_peak_bytes, usable_bytes_of)
+from .step_budget import (PLANNING_MARGIN, budget_with_loss_allowance, loss_allowance_bytes, loss_peak_bytes,
+                          min_budget_for_peak, min_budget_for_step, planning_margin, step_peak_bytes,
+                          usable_bytes_of)
 from .units import Budget, format_bytes, parse_budget
 
 __all__ = ["Budget", "parse_budget", "RecomputePlan", "make_plan", "AUTO_SOLVERS", "auto_solvers",
@@ -399,7 +400,7 @@ def _solver_grid(graph: CostGraph, name: str, variant: str) -> dict[Schedule, So
     """Solver ``name``'s plans at its floor and at the grid's budgets down to it (``candidate_pool``)."""
     store_all = store_all_plan(graph)
     allowance, margin = loss_allowance_bytes(graph), planning_margin(graph)
-    store_all_budget = min_budget_for_peak(store_all.peak_bytes, allowance, margin)
+    store_all_budget = budget_with_loss_allowance(graph, store_all.simulation)
     pool: dict[Schedule, Solution] = {}
     try:
         floor = run_solver(name, graph, None, variant)
@@ -455,7 +456,7 @@ def _plan_from_pool(graph: CostGraph, budget: Budget, variant: str) -> Recompute
 def _infeasible(graph: CostGraph, solver: str, budget_bytes: int, smallest: int, store_all: Solution,
                 lowest: int | None = None) -> InfeasibleBudgetError:
     """The error naming ``smallest``, and ``lowest`` where this planning's plans reach below it."""
-    store_all_budget = min_budget_for_peak(store_all.peak_bytes, loss_allowance_bytes(graph), planning_margin(graph))
+    store_all_budget = budget_with_loss_allowance(graph, store_all.simulation)
     below = (f"; this planning's plans, on node times measured now, go down to {lowest} bytes, which can move "
              "when they are measured again" if lowest is not None and lowest < smallest else "")
     return InfeasibleBudgetError(
@@ -486,8 +487,7 @@ def _store_all_and_budget(graph: CostGraph, budget: Budget) -> tuple[Solution, i
     """The store-all solution and ``budget`` in bytes (a fraction is of the store-all budget)."""
     kind, value = parse_budget(budget)
     store_all = store_all_plan(graph)
-    budget_bytes = (int(value * min_budget_for_peak(store_all.peak_bytes, loss_allowance_bytes(graph),
-                                                    planning_margin(graph)))
+    budget_bytes = (int(value * budget_with_loss_allowance(graph, store_all.simulation))
                     if kind == "fraction" else int(value))
     return store_all, budget_bytes
 
