@@ -19,9 +19,13 @@ __all__ = ["preserved_state", "training_step"]
 
 @contextlib.contextmanager
 def preserved_state(module: nn.Module, *, rng: bool = False, grads: bool = False) -> Iterator[None]:
-    """On exit, put back every buffer of ``module`` (by value; buffers on ``meta`` hold none), and with
-    ``rng`` the CPU and (initialized) CUDA random states, with ``grads`` each parameter's ``.grad``."""
+    """On exit, put back every buffer of ``module`` (by value; buffers on ``meta`` hold none) and the
+    plain Python values its modules hold as attributes (``self.calls += 1`` in a forward: planning runs
+    the forward twice, which counted as two calls; the training flag aside), and with ``rng`` the CPU
+    and (initialized) CUDA random states, with ``grads`` each parameter's ``.grad``."""
     buffers = [(b, b.detach().clone()) for b in module.buffers() if not b.is_meta]
+    scalars = [(m, name, value) for m in module.modules() for name, value in m.__dict__.items()
+               if name != "training" and isinstance(value, (int, float, str, bool, type(None)))]
     saved_grads = [(p, p.grad) for p in module.parameters()] if grads else []
     cpu_rng = torch.get_rng_state() if rng else None
     cuda_rng = (torch.cuda.get_rng_state_all()
@@ -33,6 +37,9 @@ def preserved_state(module: nn.Module, *, rng: bool = False, grads: bool = False
             for buffer, saved in buffers:
                 if not torch.equal(buffer, saved):
                     buffer.copy_(saved)
+        for m, name, value in scalars:
+            if m.__dict__.get(name, value) is not value:
+                m.__dict__[name] = value
         for p, grad in saved_grads:
             p.grad = grad
         if cpu_rng is not None:

@@ -168,13 +168,34 @@ def trace(model: nn.Module) -> TraceResult:
         return _trace(model)
 
 
+def _drop_leaked_proxies(before: list[tuple[nn.Module, dict, dict, dict]]) -> None:
+    """Undo what tracing assigned to the modules: with buffers read as proxies, ``self.steps += 1``
+    assigned the proxy to the buffer itself, and ``self.last_attention = attention`` a proxy to an
+    attribute; the model then ran on proxies after the trace (``KeyError`` in the executor's pricing,
+    the graph growing nodes after its output). Each attribute or buffer holding a proxy gets its value
+    from before the trace back, or is removed when it had none."""
+    for module, attributes, buffers, parameters in before:
+        for table, saved in ((module._buffers, buffers), (module._parameters, parameters),
+                             (module.__dict__, attributes)):
+            for name in [name for name, value in table.items() if isinstance(value, fx.Proxy)]:
+                if name in saved:
+                    table[name] = saved[name]
+                else:
+                    del table[name]
+
+
 def _trace(model: nn.Module) -> TraceResult:
     opaque: dict[str, str] = {}
     submodule_count = sum(1 for _ in model.modules())
     for _attempt in range(submodule_count + 1):
         tracer = _ModuleLevelTracer(frozenset(opaque))
+        before = [(module, dict(module.__dict__), dict(module._buffers), dict(module._parameters))
+                  for module in model.modules()]
         try:
-            graph = tracer.trace(model)
+            try:
+                graph = tracer.trace(model)
+            finally:  # before the graph module copies the attributes its graph reads
+                _drop_leaked_proxies(before)
         except _SubmoduleTraceFailure as failure:
             if failure.qualname in opaque:  # cannot happen: an opaque module is a leaf
                 raise _trace_error(model, "", failure.error) from failure.error
