@@ -262,8 +262,9 @@ def test_the_pool_leaves_the_collector_as_it_found_it(monkeypatch):
         with full_collections_deferred():
             planner._build_pool(chain(8), "time")  # nested: the inner block leaves the outer's settings
             assert gc.get_threshold()[2] == DEFERRED_FULL_COLLECTION_THRESHOLD
-        # the caller's stay frozen (a frozen object the pool's caches let go of leaves the count: a few)
-        assert while_planning[first_nested][0] == frozen and frozen - 100 <= gc.get_freeze_count() <= frozen
+        # the caller's stay frozen (a frozen object freed on the way, e.g. from a cache, leaves the count: a few)
+        during_nested = while_planning[first_nested][0]  # no second freeze: it would add every object made since
+        assert frozen - 100 <= during_nested <= frozen and frozen - 100 <= gc.get_freeze_count() <= during_nested
         assert gc.get_threshold() == thresholds
     finally:
         gc.unfreeze()
