@@ -44,7 +44,8 @@ from .joint_capture import CaptureError
 from .compile_backend import budget_backend
 from .joint_lowering import Lowered
 from .model_state import preserved_state
-from .joint_allocations import own_loss_expected
+from .joint_allocations import own_output_known
+from .output_structure import OutputStructure
 from .losses import own_loss
 from .module_hooks import planned_hooks_key
 from .optimized_module import OUTER_COMPILE_REASON, PeakWatch, SharedModelModule, _cuda_device, _signature_key
@@ -82,7 +83,7 @@ class CompiledRecomputedModule(SharedModelModule):
         object.__setattr__(self, "_planned", {})  # signature key -> the Lowered of its graph
         object.__setattr__(self, "_current", None)  # the signature of the last call planned or run
         object.__setattr__(self, "_watched", set())  # signatures whose first CUDA step was checked
-        object.__setattr__(self, "_own_losses", {})  # signature key -> whether the model returns its own loss
+        object.__setattr__(self, "_own_outputs", {})  # signature key -> its own forward's OutputStructure
         object.__setattr__(self, "_fallback", fallback)
         object.__setattr__(self, "delegate", None)  # the fallback module, once the compiler path failed
 
@@ -153,18 +154,18 @@ class CompiledRecomputedModule(SharedModelModule):
     def _trial(self, key: tuple, args: tuple, kwargs: dict) -> None:
         """The model's own forward, then one compiled forward, both in training mode with grad, undone
         (``model_state.preserved_state``: buffers by value, the random generators), outputs dropped.
-        The own forward says whether the model returns its own loss (``losses.own_loss`` on its output,
-        which the compiled graph's flat outputs cannot say), for pricing the default loss
-        (``joint_allocations.own_loss_expected``), and what the compiled forward must draw and compute
+        The own forward says how its output is built and whether it carries the model's own loss
+        (``losses.own_loss``), which the compiled graph's flat outputs cannot say, for pricing the loss
+        (``joint_allocations.own_output_known``), and what the compiled forward must draw and compute
         (:meth:`_check_random_draws`). Errors of the compiler come out as the library's own."""
         was_training = self.training
         self.train(True)
         try:
             own = self._own_forward(args, kwargs)
-            self._own_losses[key] = own[2] if own is not None else None
+            self._own_outputs[key] = own[2] if own is not None else None
             with preserved_state(self._original, rng=True), torch.enable_grad(), full_collections_deferred():
                 drawn_from = _generator_states()
-                with own_loss_expected(self._own_losses[key]):
+                with own_output_known(self._own_outputs[key]):
                     output = _floating_values(self._step_for(key)(*args, **kwargs))
                 compiled_draws = _generator_states()
             if own is not None:
@@ -175,17 +176,19 @@ class CompiledRecomputedModule(SharedModelModule):
             self.train(was_training)
 
     def _own_forward(self, args: tuple, kwargs: dict
-                     ) -> "tuple[list[torch.Tensor], list[torch.Tensor], bool] | None":
+                     ) -> "tuple[list[torch.Tensor], list[torch.Tensor], OutputStructure] | None":
         """The model's own forward, undone: its floating-point outputs, the generators' states after it,
-        and whether it returned its own loss; None on meta tensors (nothing runs)."""
+        and its output's structure (whether it returned its own loss; what the loss is priced on); None
+        on meta tensors (nothing runs)."""
         if any(isinstance(t, torch.Tensor) and t.is_meta for t in tree_flatten((args, kwargs))[0]):
             return None
         with preserved_state(self._original, rng=True), torch.enable_grad(), full_collections_deferred():
             output = self._original(*args, **kwargs)
-            returned_loss = own_loss(output) is not None
+            held = [*tree_flatten((args, kwargs))[0], *self._original.parameters(), *self._original.buffers()]
+            structure = OutputStructure.of(output, held, own_loss(output) is not None)
             expected = _floating_values(output)
-            del output
-            return expected, _generator_states(), returned_loss
+            del output, held
+            return expected, _generator_states(), structure
 
     def _check_random_draws(self, output: list[torch.Tensor], drawn_from: list[torch.Tensor],
                             compiled_draws: list[torch.Tensor], expected: list[torch.Tensor],
@@ -232,7 +235,7 @@ class CompiledRecomputedModule(SharedModelModule):
         key, lowered = self._current, len(self._lowerings)
         watch = self._watch(key, args, kwargs)
         try:
-            with own_loss_expected(self._own_losses.get(key)):  # a recompilation prices the loss alike
+            with own_output_known(self._own_outputs.get(key)):  # a recompilation prices the loss alike
                 output = self._step_for(key)(*args, **kwargs)
             if len(self._lowerings) > lowered:  # a recompilation (a guard Dynamo added) planned again
                 self._planned[key] = self._lowerings[-1]

@@ -24,28 +24,31 @@ from torch import fx
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .batch_norm_recompute import RECOMPUTE_SECONDS_SUFFIX, normalize_from_statistics, training_batch_norm
-from .joint_costs import _is_buffer_update
+from .joint_costs import buffer_updates
 from .meta_flops import node_signature
 from .joint_units import JointUnits, is_tangent
-from .joint_storage import value_bytes as _value_bytes
+from .joint_storage import storage_of, value_bytes as _value_bytes
 from .joint_partition import _is_tensor
+from .output_structure import OutputStructure, structure_builder
 
-__all__ = ["kernel_workspace_bytes", "node_seconds", "outputs_loss_bytes", "own_loss_expected"]
+__all__ = ["kernel_workspace_bytes", "node_seconds", "outputs_loss_bytes", "own_output_known"]
 
-_own_loss_expected: contextvars.ContextVar["bool | None"] = contextvars.ContextVar("own_loss_expected", default=None)
+_own_output: contextvars.ContextVar["OutputStructure | None"] = contextvars.ContextVar("own_output", default=None)
 
 
 @contextlib.contextmanager
-def own_loss_expected(returns_own_loss: "bool | None") -> Iterator[None]:
-    """While the block runs, :func:`outputs_loss_bytes` takes it as known whether the model returns its
-    own loss (``losses.own_loss`` on its structured output, which the joint graph's flat outputs do not
-    carry): ``optimize()``'s compiled module runs the model's own forward first and says so. None: the
-    graph alone decides (``_returns_own_loss``), as under a user's ``torch.compile`` with ``rg.backend``."""
-    token = _own_loss_expected.set(returns_own_loss)
+def own_output_known(structure: "OutputStructure | None") -> Iterator[None]:
+    """While the block runs, :func:`outputs_loss_bytes` knows the output of the model's own forward
+    (``output_structure.OutputStructure``, which the joint graph's flat outputs do not carry): whether it
+    returns its own loss (``losses.own_loss``), and its structure, on which the loss is priced.
+    ``optimize()``'s compiled module runs the model's own forward first and says so. None: the graph
+    alone decides (``_returns_own_loss``) and the loss runs on the flat outputs, as under a user's
+    ``torch.compile`` with ``rg.backend``."""
+    token = _own_output.set(structure)
     try:
         yield
     finally:
-        _own_loss_expected.reset(token)
+        _own_output.reset(token)
 
 
 def kernel_workspace_bytes(joint: fx.GraphModule, joint_inputs: Sequence[Any]) -> dict[str, int]:
@@ -218,6 +221,30 @@ def _materialize(value: Any) -> Any:
     return real
 
 
+class _FreshOutput(torch.autograd.Function):
+    """A model output made anew, shaped like ``value`` (``_materialize``), whose gradient is read at its
+    gradient edge: nothing outside the loss's graph holds it once the loss has let go of it (a leaf's
+    ``AccumulateGrad`` node would keep it alive)."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, value: Any) -> torch.Tensor:  # noqa: ARG004
+        return _materialize(value)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:  # noqa: ARG004 - never run: read at the edge
+        return None, None
+
+
+def _fresh_output(value: Any, differentiable: bool = True) -> torch.Tensor:
+    """A real tensor shaped like the fake ``value``, requiring grad (through :class:`_FreshOutput`) when
+    ``differentiable`` and floating-point."""
+    if not differentiable or not (value.is_floating_point() or value.is_complex()):
+        return _materialize(value)
+    anchor = torch.zeros((), dtype=value.dtype, device=value.device, requires_grad=True)
+    with torch.enable_grad():  # the backend plans under no_grad
+        return _FreshOutput.apply(anchor, value)
+
+
 def outputs_loss_bytes(joint: fx.GraphModule, units: JointUnits, loss_fn: Any) -> int | None:
     """Transient bytes of ``loss_fn`` on the model's outputs (the joint graph's forward outputs that are
     not buffer updates, as one tensor or a tuple), forward and backward, above the output gradients it
@@ -225,41 +252,68 @@ def outputs_loss_bytes(joint: fx.GraphModule, units: JointUnits, loss_fn: Any) -
     it makes: ``measure.StorageTracker``): what the step adds when the gradients arrive; 0 when the
     model returns its own loss (:func:`_returns_own_loss`). None when the loss cannot run on them."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.autograd.graph import get_gradient_edge
 
     from .loss_pricing import allocator_windows, node_window
     from .measure import StorageTracker
     graph = joint.graph
-    buffers = {p for p, g in zip([n for n in graph.nodes if n.op == "placeholder" and not is_tangent(n)],
-                                 units.gradient_outputs(graph)) if g is None}
-    outputs = [n for n in units.forward_outputs(graph) if not _is_buffer_update(n, buffers) and _is_tensor(n)]
+    primals = [n for n in graph.nodes if n.op == "placeholder" and not is_tangent(n)]
+    buffers = {p for p, g in zip(primals, units.gradient_outputs(graph)) if g is None}
+    updates = buffer_updates(units.forward_outputs(graph), buffers)
+    outputs = [n for n in units.forward_outputs(graph) if n not in updates and _is_tensor(n)]
     if not outputs:
         return None
     from .losses import default_training_loss
-    known = _own_loss_expected.get()
-    if loss_fn is default_training_loss and (known if known is not None else _returns_own_loss(graph, outputs)):
+    structure = _own_output.get()
+    own = structure.returns_own_loss if structure is not None else _returns_own_loss(graph, outputs)
+    if loss_fn is default_training_loss and own:
         # a model that returns its own loss (``transformers`` given labels): training backpropagates it,
         # and its computation is in the graph; the default loss on the flat outputs would price another
         # loss (Llama: 29 KB on a 245 KB step, 10 % over), as ``planner.loss_allowance_bytes`` rules too
         return 0
+    # an input returned (an autoencoder's ``(reconstruction, x)``) is the caller's: held through the
+    # step, outside what the step allocates, and without a gradient unless the input takes one
+    input_storages = {key for p in primals for key, _ in storage_of(p)}
+    callers = [any(key in input_storages for key, _ in storage_of(n)) for n in outputs]
+    trainable = set(primals) - buffers
+    differentiable = [bool(trainable & (_ancestors(n) | {n})) for n in outputs]
+    # an output the model's backward reads (a last ReLU's, whose backward reads it) outlives the loss
+    backward = {b for nodes in units.backward_of for b in nodes}
+    read_keys = {key for b in backward for a in b.all_input_nodes if a not in backward for key, _ in storage_of(a)}
+    saved = [any(key in read_keys for key, _ in storage_of(n)) for n in outputs]
     with unset_fake_temporarily():
-        real = [_materialize(n.meta["val"]) for n in outputs]
-        leaves = [t.requires_grad_(True) if t.is_floating_point() else t for t in real]
-        cuda = next((t.device for t in real if t.is_cuda), None)
+        values = [n.meta["val"] for n in outputs]
+        on_meta, cuda = any(v.is_meta for v in values), next((v.device for v in values if v.is_cuda), None)
+        caller_held = {i: _fresh_output(v, differentiable[i]) for i, v in enumerate(values) if callers[i]}
+        structured = structure_builder(structure, values)  # the output as the loss takes it
 
-        def loss_and_gradients() -> tuple:
-            with torch.enable_grad():
-                loss = loss_fn(leaves[0] if len(leaves) == 1 else tuple(leaves))
-                return torch.autograd.grad(loss, [t for t in leaves if t.requires_grad], allow_unused=True)
+        def made() -> list[torch.Tensor]:
+            return [caller_held[i] if i in caller_held else _fresh_output(v, differentiable[i])
+                    for i, v in enumerate(values)]
+
+        def loss_and_gradients(held: list[torch.Tensor]) -> tuple:
+            # the loop holds the outputs only through the loss's graph once the loss is made
+            # (``loss_fn(model(x)).backward()``), as the simulator's backward does: a cross-entropy on
+            # shifted logits copies them and lets them go (GPT-2 small's step, priced holding them, was
+            # predicted 57.7 MiB beside 48 MiB measured; scripts/demo.py)
+            edges = [get_gradient_edge(t) for t in held if t.requires_grad]
+            backward_reads = [t for t, read in zip(held, saved) if read]  # to the window's end
+            with node_window("loss"), torch.enable_grad():
+                loss = loss_fn(structured(held))
+                held.clear()
+                gradients = torch.autograd.grad(loss, edges, allow_unused=True)
+                del backward_reads  # held to here: the model's backward lets go of them later
+            return gradients
         try:
-            if any(t.is_meta for t in real) or (cuda is None and _cpu_allocator_blind()):
+            if on_meta or (cuda is None and _cpu_allocator_blind()):
                 # nothing is allocated, or the allocator cannot be read: the storages' own liveness
+                held = made()  # the storages made before are not counted
                 with StorageTracker() as tracker:
-                    grads = loss_and_gradients()
+                    grads = loss_and_gradients(held)
                 start, peak = 0, tracker.peak_bytes
             else:
-                with allocator_windows(False, cuda) as windows:
-                    with node_window("loss"):
-                        grads = loss_and_gradients()
+                with allocator_windows(False, cuda) as windows:  # made inside, seen to be freed
+                    grads = loss_and_gradients(made())
                 start, peak, _ = windows().get("loss", (0, 0, 0))
         except Exception:  # noqa: BLE001 - a loss that does not take these outputs: not priced
             return None
@@ -281,7 +335,7 @@ def _returns_own_loss(graph: fx.Graph, outputs: Sequence[fx.Node]) -> bool:
     returning ``(logits, h.mean())`` trained on both had its loss priced at 0, 57,416 B measured against
     49,224 B predicted (tests/test_fuzz_compiled.py); nor is a scalar computed from an integer input
     (a mixture of experts' balance loss, from token ids through the router). Used where the model's own
-    forward has not said so (:func:`own_loss_expected`): CLIP's loss, on targets it makes itself, is not
+    forward has not said so (:func:`own_output_known`): CLIP's loss, on targets it makes itself, is not
     recognized here. A loss function of the user's is run on the flat outputs instead: on a model that
     returns its own loss it reads it (``out[0]``: nothing to price) or fails on the tuple (``out.loss``:
     the planner's guess)."""

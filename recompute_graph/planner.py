@@ -141,7 +141,9 @@ class RecomputePlan:
         rows = [
             ("solver", f"{self.solver} ({self.description})" if self.description else self.solver),
             ("budget", format_bytes(self.budget_bytes)),
-            ("predicted peak", f"{format_bytes(self.predicted_peak_bytes)} ({change:+.1%} vs store-all)"),
+            ("predicted peak", f"{format_bytes(self.predicted_peak_bytes)} ({change:+.1%} vs store-all)"
+                               + (f"; the step {format_bytes(step)}, the loss at its moment"
+                                  if (step := self.predicted_step_peak_bytes) != self.predicted_peak_bytes else "")),
             ("store-all peak", format_bytes(self.store_all_peak_bytes)),
             ("compute overhead", f"+{self.predicted_compute_overhead:.1%}"),
             ("recomputed nodes", f"{len(self.recomputed_nodes)} of {len(self.graph)}"),

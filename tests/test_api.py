@@ -9,6 +9,7 @@ from torch import nn
 
 import models_zoo
 import recompute_graph as rg
+from recompute_graph import format_bytes
 from recompute_graph.measure import default_loss, make_training_step, peak_memory
 
 from test_trace import UntraceableRoot, snapshot, assert_unchanged
@@ -48,6 +49,9 @@ def test_plan_fields_and_summary(path_options):
     text = str(plan)
     for field in ("solver", "budget", "predicted peak", "store-all peak", "compute overhead"):
         assert field in text
+    # the step's peak, the loss with it, is what a user measures: shown where it is not the graph's peak
+    step = format_bytes(plan.predicted_step_peak_bytes)
+    assert (f"the step {step}" in text) == (plan.predicted_step_peak_bytes != plan.predicted_peak_bytes)
     assert plan.solver in repr(optimized) and "400 KiB" in repr(optimized)
     assert peak_memory(make_training_step(optimized, inputs)) <= plan.budget_bytes
 
@@ -431,6 +435,32 @@ def test_a_model_returning_its_input_is_planned_within_its_budget(path_options, 
     model, x = _ReturnsItsInput(), torch.randn(2048, 512)
     loss_fn = (lambda out: nn.functional.mse_loss(out[0], out[1])) if loss == "mse" else None
     report = rg.verify(model, 1.0, example_inputs=(x,), loss_fn=loss_fn, **path_options)
+    assert report.gradient_error == 0.0 and not report.warnings, report
+    assert abs(report.predicted_peak_bytes / report.measured_peak_bytes - 1) < 0.01, report
+
+
+class _LogitsAndHidden(nn.Module):
+    """A dictionary output: the logits and the hidden values, the hidden values shaped like the input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(512, 512), nn.Linear(512, 512)
+
+    def forward(self, x):
+        h = self.a(x)
+        return {"logits": self.b(torch.tanh(h)), "hidden": h}
+
+
+def test_a_loss_reading_the_outputs_by_name_is_priced_on_them(path_options):
+    """The compiled graph's outputs are flat: a loss reading ``out["logits"]`` failed on them and was
+    left unpriced. And the hidden values, made from the input and shaped like it, were taken for a
+    buffer's new value (``joint_costs.buffer_updates``): the step measured 24 MiB against 16 MiB
+    predicted, over its budget. Now the loss runs on the output as the model's own forward built it
+    (``output_structure.OutputStructure``)."""
+    torch.manual_seed(0)
+    model, x = _LogitsAndHidden(), torch.randn(2048, 512)
+    report = rg.verify(model, 1.0, example_inputs=(x,),
+                       loss_fn=lambda out: (out["logits"] - out["hidden"]).square().mean(), **path_options)
     assert report.gradient_error == 0.0 and not report.warnings, report
     assert abs(report.predicted_peak_bytes / report.measured_peak_bytes - 1) < 0.01, report
 
