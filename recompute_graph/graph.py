@@ -215,6 +215,10 @@ class CostGraph:
     beyond the output gradients it hands back), measured by the allocator; ``loss_gradient_outputs``:
     the outputs that loss sends a gradient to. None when no loss was priced (graphs from files, older
     saved plans): then the planner guesses (``planner.loss_allowance_bytes``).
+    ``loss_unreached_gradient_bytes``: on the compiler path, the gradients of the differentiable outputs
+    that loss does not reach: AOTAutograd fills them with zeros when the backward starts, after the
+    loss has run, so they count at the gradients' arrival but not while the loss runs
+    (``planner.held_at_loss_bytes``).
 
     ``rng_state_bytes``: bytes of one snapshot of the random generators (the CPU generator's state, and
     the CUDA one's per device in use), which the executor keeps for each random node it recomputes.
@@ -254,6 +258,7 @@ class CostGraph:
     loss_gradient_outputs: tuple[int, ...] | None = None
     output_gradients_held: bool = True
     estimated_costs: tuple[tuple[float, ...], ...] = ()
+    loss_unreached_gradient_bytes: int = 0
     _index_by_name: dict[str, int] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -444,6 +449,8 @@ class CostGraph:
                                       else list(self.loss_gradient_outputs)),
             "output_gradients_held": self.output_gradients_held,
             **({"estimated_costs": [list(pair) for pair in self.estimated_costs]} if self.estimated_costs else {}),
+            **({"loss_unreached_gradient_bytes": self.loss_unreached_gradient_bytes}
+               if self.loss_unreached_gradient_bytes else {}),
             "nodes": [{k: v for k, v in n.to_dict().items() if k != "successors"} for n in self.nodes],
         }
 
@@ -471,6 +478,7 @@ class CostGraph:
         kwargs["rng_state_bytes"] = int(data.get("rng_state_bytes", 0))
         kwargs["output_gradients_held"] = bool(data.get("output_gradients_held", True))
         kwargs["estimated_costs"] = tuple(tuple(pair) for pair in data.get("estimated_costs", ()))
+        kwargs["loss_unreached_gradient_bytes"] = int(data.get("loss_unreached_gradient_bytes", 0))
         gradient_outputs = data.get("loss_gradient_outputs")
         kwargs["loss_gradient_outputs"] = None if gradient_outputs is None else tuple(gradient_outputs)
         return cls(nodes=tuple(nodes), **kwargs)

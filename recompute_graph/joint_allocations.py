@@ -17,7 +17,7 @@ import contextlib
 import contextvars
 import statistics
 import time
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, NamedTuple, Sequence
 
 import torch
 from torch import fx
@@ -238,19 +238,20 @@ class _FreshOutput(torch.autograd.Function):
 def _fresh_output(value: Any, differentiable: bool = True) -> torch.Tensor:
     """A real tensor shaped like the fake ``value``, requiring grad (through :class:`_FreshOutput`) when
     ``differentiable`` and floating-point."""
-    if not differentiable or not (value.is_floating_point() or value.is_complex()):
+    if not differentiable or not _needs_gradient(value):
         return _materialize(value)
     anchor = torch.zeros((), dtype=value.dtype, device=value.device, requires_grad=True)
     with torch.enable_grad():  # the backend plans under no_grad
         return _FreshOutput.apply(anchor, value)
 
 
-def outputs_loss_bytes(joint: fx.GraphModule, units: JointUnits, loss_fn: Any) -> int | None:
+def outputs_loss_bytes(joint: fx.GraphModule, units: JointUnits, loss_fn: Any) -> "LossOnOutputs | None":
     """Transient bytes of ``loss_fn`` on the model's outputs (the joint graph's forward outputs that are
     not buffer updates, as one tensor or a tuple), forward and backward, above the output gradients it
     leaves, by the allocator on real tensors shaped like them (on meta, by the liveness of the storages
     it makes: ``measure.StorageTracker``): what the step adds when the gradients arrive; 0 when the
-    model returns its own loss (:func:`_returns_own_loss`). None when the loss cannot run on them."""
+    model returns its own loss (:func:`_returns_own_loss`). With it, the zero gradients of the outputs
+    the loss does not reach (:class:`LossOnOutputs`). None when the loss cannot run on them."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.autograd.graph import get_gradient_edge
 
@@ -270,7 +271,7 @@ def outputs_loss_bytes(joint: fx.GraphModule, units: JointUnits, loss_fn: Any) -
         # a model that returns its own loss (``transformers`` given labels): training backpropagates it,
         # and its computation is in the graph; the default loss on the flat outputs would price another
         # loss (Llama: 29 KB on a 245 KB step, 10 % over), as ``planner.loss_allowance_bytes`` rules too
-        return 0
+        return LossOnOutputs(0, 0)
     # an input returned (an autoencoder's ``(reconstruction, x)``) is the caller's: held through the
     # step, outside what the step allocates, and without a gradient unless the input takes one
     input_storages = {key for p in primals for key, _ in storage_of(p)}
@@ -318,7 +319,25 @@ def outputs_loss_bytes(joint: fx.GraphModule, units: JointUnits, loss_fn: Any) -
         except Exception:  # noqa: BLE001 - a loss that does not take these outputs: not priced
             return None
         kept = sum(g.untyped_storage().nbytes() for g in grads if g is not None)
-        return max(0, peak - start - kept)
+        reached = iter(g is not None for g in grads)  # in the order of the edges: the differentiable outputs
+        unreached = sum(v.numel() * v.element_size() for n, v, d in zip(outputs, values, differentiable)
+                        if d and _needs_gradient(v) and not next(reached) and n in units.unit_of)
+        return LossOnOutputs(max(0, peak - start - kept), unreached)
+
+
+class LossOnOutputs(NamedTuple):
+    """:func:`outputs_loss_bytes`' answer: the loss's transient bytes above the gradients it hands back
+    (``CostGraph.loss_bytes``), and the bytes of the zero gradients AOTAutograd makes, when the backward
+    starts, for the differentiable outputs the loss does not reach (``CostGraph.loss_unreached_gradient_bytes``:
+    a dictionary of logits and hidden values trained on the logits alone was predicted 1.17 of the
+    allocator with them counted while the loss ran)."""
+
+    transient_bytes: int
+    unreached_gradient_bytes: int
+
+
+def _needs_gradient(value: Any) -> bool:
+    return value.is_floating_point() or value.is_complex()
 
 
 #: The classification losses whose integer targets mark the model's own loss (``transformers`` given

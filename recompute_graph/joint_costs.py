@@ -276,10 +276,12 @@ def _returned_gradients(graph: fx.Graph, units: JointUnits, unit_of_backward: di
 
 def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "joint",
                      device_profile: DeviceProfile | str = "cpu", workspace: dict[str, int] | None = None,
-                     loss_bytes: int | None = None, node_seconds: dict[str, float] | None = None) -> CostGraph:
+                     loss_bytes: int | None = None, node_seconds: dict[str, float] | None = None,
+                     loss_unreached_gradient_bytes: int = 0) -> CostGraph:
     """The implicit-backward :class:`CostGraph` of ``units`` (module docstring), node ``i`` = unit ``i``,
     named after the unit's first node. ``loss_bytes``: the loss's transient
-    (``joint_allocations.outputs_loss_bytes``; None: the planner guesses). ``workspace``: each node's
+    (``joint_allocations.outputs_loss_bytes``; None: the planner guesses), and
+    ``loss_unreached_gradient_bytes`` the zero gradients of the outputs it does not reach. ``workspace``: each node's
     kernel temporaries (``joint_allocations.kernel_workspace_bytes``); a unit's forward workspace holds
     each node's beside what is live as it runs, and its backward's the largest of its backward nodes' on top of the
     temporaries they keep and the returned gradients they make. ``node_seconds``: each node's measured
@@ -477,4 +479,5 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
                      # the generated backward drops each after its last use, where AOTAutograd's runtime
                      # lets go of them (torch 2.13 on); before, they live until its backward returns
                      output_gradients_held=tangents_held_through_backward(),
-                     estimated_costs=tuple(estimated) if measured else ())
+                     estimated_costs=tuple(estimated) if measured else (),
+                     loss_unreached_gradient_bytes=loss_unreached_gradient_bytes)

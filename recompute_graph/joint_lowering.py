@@ -493,8 +493,10 @@ def price_joint(joint: fx.GraphModule, *, num_fwd_outputs: int, name: str = "com
     workspace = kernel_workspace_bytes(joint, joint_inputs) if joint_inputs is not None else {}
     seconds = (node_seconds(joint, joint_inputs, warm_up=not workspace)  # the workspace's run warmed it
                if joint_inputs is not None and timing == "measure" else {})
-    loss_bytes = outputs_loss_bytes(joint, units, loss_fn) if loss_fn is not None else None
-    graph = joint_cost_graph(joint, units, name, workspace=workspace, loss_bytes=loss_bytes,
+    loss = outputs_loss_bytes(joint, units, loss_fn) if loss_fn is not None else None
+    graph = joint_cost_graph(joint, units, name, workspace=workspace,
+                             loss_bytes=loss.transient_bytes if loss is not None else None,
+                             loss_unreached_gradient_bytes=loss.unreached_gradient_bytes if loss is not None else 0,
                              device_profile=device_profile, node_seconds=seconds)
     return units, graph
 

@@ -93,14 +93,17 @@ def _sequence(schedule: Schedule) -> list[tuple[int, Op | None]]:
     return [(index, op) for index, op in enumerate(program) if not isinstance(op, FreeValue)]
 
 
-def _op_peaks(schedule: Schedule, simulation: SimulationResult, allowance: int) -> list[int]:
+def _op_peaks(schedule: Schedule, simulation: SimulationResult, allowance: int, unreached_bytes: int = 0
+              ) -> list[int]:
     """Each program index's peak while its op ran; the arrival's, the loss's transient (``allowance``)
-    on what is live then (``planner.step_peak_bytes``)."""
+    on what is live then, the outputs with it and the zero gradients of those it does not reach
+    (``unreached_bytes``) without (``planner.step_peak_bytes``)."""
     forward = len(schedule.forward_ops)
     peaks = [0] * (forward + 1 + len(schedule.backward_ops))
     for point in simulation.timeline:
         if point.op is None:
-            peaks[forward] = point.live_bytes + (simulation.outputs_dropped_bytes + allowance if allowance else 0)
+            peaks[forward] = point.live_bytes + (simulation.outputs_dropped_bytes - unreached_bytes + allowance
+                                                 if allowance else 0)
         else:
             peaks[point.position if point.phase == "forward" else forward + 1 + point.position] = point.peak_bytes
     return peaks
@@ -174,8 +177,9 @@ def _choose(graph: CostGraph, schedule: Schedule, simulation: SimulationResult,
     as before, took 56 s of the 300 s that planning an LSTM over 100 steps took.)"""
     program = [*schedule.forward_ops, None, *schedule.backward_ops]
     held = _held(graph, program)
-    level = np.array(_op_peaks(schedule, simulation, loss_allowance_bytes), dtype=np.int64)  # each op's
-    # peak, with what this round's choices keep on top
+    # each op's peak, with what this round's choices keep on top
+    level = np.array(_op_peaks(schedule, simulation, loss_allowance_bytes, graph.loss_unreached_gradient_bytes),
+                     dtype=np.int64)
     chosen: list[int] = []
     touched: set[int] = set()
     for position, before, index in _candidates(graph, program, sequence):

@@ -72,9 +72,13 @@ def loss_peak_bytes(graph: CostGraph, simulation: SimulationResult) -> int:
 def held_at_loss_bytes(graph: CostGraph, simulation: SimulationResult) -> int:
     """What is live beside the loss's transient while it runs: the step when the output gradients
     arrive, and the outputs, which a loss with a transient holds while its backward makes their
-    gradients (on the compiler path the simulator lets them go first, ``outputs_dropped_bytes``)."""
+    gradients (on the compiler path the simulator lets them go first, ``outputs_dropped_bytes``), less
+    the zero gradients of the outputs the loss does not reach, made only when the backward starts
+    (``CostGraph.loss_unreached_gradient_bytes``)."""
     arrival = next((p.live_bytes for p in simulation.timeline if p.op is None), simulation.peak_bytes)
-    return arrival + (simulation.outputs_dropped_bytes if loss_allowance_bytes(graph) else 0)
+    if not loss_allowance_bytes(graph):
+        return arrival
+    return arrival + simulation.outputs_dropped_bytes - graph.loss_unreached_gradient_bytes
 
 
 def budget_with_loss_allowance(graph: CostGraph, simulation: SimulationResult) -> int:
