@@ -11,7 +11,8 @@ import importlib
 from typing import Any
 
 from .errors import (BudgetExceededWarning, CompilerFallbackWarning, DynamicShapesError, EvalModeGradientWarning,
-                     GraphBreakWarning, GraphError, InfeasibleBudgetError, PlanFileError, PlanMismatchWarning,
+                     GraphBreakWarning, GraphError, InfeasibleBudgetError, LossNotPricedWarning, PlanFileError,
+                     PlanMismatchWarning,
                      ProfileError, ProfilerActiveWarning, RecomputeError, RewriteError, ScheduleError, SolverError,
                      TraceError)
 from .graph import CostGraph, CostNode
@@ -44,7 +45,8 @@ _LAZY = {
 __all__ = ["CostGraph", "CostNode", "RecomputeError", "TraceError", "ProfileError", "GraphError",
            "SolverError", "InfeasibleBudgetError", "ScheduleError", "RewriteError", "PlanFileError",
            "PlanMismatchWarning", "BudgetExceededWarning", "CompilerFallbackWarning", "DynamicShapesError",
-           "GraphBreakWarning", "ProfilerActiveWarning", "EvalModeGradientWarning", "parse_bytes", "format_bytes",
+           "GraphBreakWarning", "ProfilerActiveWarning", "EvalModeGradientWarning", "LossNotPricedWarning",
+           "parse_bytes", "format_bytes",
            *_LAZY]
 
 

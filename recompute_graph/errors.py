@@ -92,6 +92,13 @@ class EvalModeGradientWarning(UserWarning):
     per module."""
 
 
+class LossNotPricedWarning(UserWarning):
+    """The ``loss_fn`` a graph was planned with could not run on the outputs it was priced on (the
+    message says why): bytes are set aside for it by a guess, the outputs' size, instead of its
+    measured transient. Under ``rg.backend`` the loss takes the graph's flat outputs (one tensor, or a
+    tuple in the order the model returns them)."""
+
+
 class ScheduleError(RecomputeError, ValueError):
     """A schedule cannot run: a value used before it exists, a backward before its inputs, ..."""
 

@@ -260,7 +260,7 @@ def outputs_loss_bytes(joint: fx.GraphModule, units: JointUnits, loss_fn: Any) -
     graph = joint.graph
     primals = [n for n in graph.nodes if n.op == "placeholder" and not is_tangent(n)]
     buffers = {p for p, g in zip(primals, units.gradient_outputs(graph)) if g is None}
-    updates = buffer_updates(units.forward_outputs(graph), buffers)
+    updates = buffer_updates(graph, units.forward_outputs(graph), buffers)
     outputs = [n for n in units.forward_outputs(graph) if n not in updates and _is_tensor(n)]
     if not outputs:
         return None
@@ -316,13 +316,28 @@ def outputs_loss_bytes(joint: fx.GraphModule, units: JointUnits, loss_fn: Any) -
                 with allocator_windows(False, cuda) as windows:  # made inside, seen to be freed
                     grads = loss_and_gradients(made())
                 start, peak, _ = windows().get("loss", (0, 0, 0))
-        except Exception:  # noqa: BLE001 - a loss that does not take these outputs: not priced
+        except Exception as error:  # noqa: BLE001 - a loss that does not take these outputs: not priced
+            if loss_fn is not default_training_loss:
+                _warn_not_priced(error, structure is not None and structure.matches(values))
             return None
         kept = sum(g.untyped_storage().nbytes() for g in grads if g is not None)
         reached = iter(g is not None for g in grads)  # in the order of the edges: the differentiable outputs
         unreached = sum(v.numel() * v.element_size() for n, v, d in zip(outputs, values, differentiable)
                         if d and _needs_gradient(v) and not next(reached) and n in units.unit_of)
         return LossOnOutputs(max(0, peak - start - kept), unreached)
+
+
+def _warn_not_priced(error: Exception, structured: bool) -> None:
+    import warnings
+
+    from .errors import LossNotPricedWarning
+    taken = ("the output as the model's own forward returned it" if structured else
+             "the compiled graph's flat outputs (one tensor, or a tuple in the order the model returns them: "
+             "under rg.backend, or where the model's output could not be rebuilt)")
+    warnings.warn(f"loss_fn could not run on {taken} ({type(error).__name__}: {error}); bytes are set aside for "
+                  "it by a guess, the outputs' size, not by its measured transient. Give a loss_fn that takes "
+                  f"{'that output' if structured else 'those outputs'}, or check the step with rg.verify.",
+                  LossNotPricedWarning, stacklevel=2)
 
 
 class LossOnOutputs(NamedTuple):

@@ -101,12 +101,20 @@ def _is_buffer_update(node: fx.Node, buffers: set[fx.Node]) -> bool:
                and a.meta["val"].dtype == value.dtype for a in producer.all_input_nodes)
 
 
-def buffer_updates(forward_outputs: Sequence[fx.Node], buffers: set[fx.Node]) -> set[fx.Node]:
-    """The forward outputs that are buffers' new values (:func:`_is_buffer_update`): the leading ones only.
-    AOTAutograd returns the inputs' new values before the model's own outputs, and ``buffers`` (the
-    primals without a gradient) hold the model's inputs too: a ``Linear(512, 512)`` on the input,
-    returned beside the logits, was taken for a buffer's update, priced as let go of after the forward,
-    and the step measured 24 MiB against 16 MiB predicted."""
+def buffer_updates(graph: fx.Graph, forward_outputs: Sequence[fx.Node], buffers: set[fx.Node]) -> set[fx.Node]:
+    """The forward outputs that are inputs' new values (a buffer's: BatchNorm's running statistics).
+    AOTAutograd says so where it describes the outputs (``meta["desc"]`` of the output node, from torch
+    2.9: ``InputMutationAOTOutput``). Otherwise :func:`_is_buffer_update` judges the leading outputs
+    (AOTAutograd returns the inputs' new values before the model's outputs). ``buffers`` (the primals
+    without a gradient) hold the model's inputs too: a ``Linear(16, 16)`` on the input, returned, was
+    taken for a buffer's update and the loss on it was not priced; returned beside the logits, one was
+    priced as let go of after the forward, and the step measured 24 MiB against 16 MiB predicted."""
+    output = next(n for n in graph.nodes if n.op == "output")
+    descriptions = output.meta.get("desc")
+    if isinstance(descriptions, (list, tuple)) and len(descriptions) == len(output.args[0]):
+        return {node for node, description in zip(output.args[0], descriptions)
+                if isinstance(node, fx.Node) and node in forward_outputs
+                and type(description).__name__ == "InputMutationAOTOutput"}
     updates: set[fx.Node] = set()
     for node in forward_outputs:
         if not _is_buffer_update(node, buffers):
@@ -304,7 +312,7 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
     # the model's outputs; a buffer's new value (BatchNorm's running statistics, written back after the
     # forward) is not one: it would keep its unit's whole value (the normalized activations) alive
     returned = set(units.forward_outputs(graph))
-    updates = buffer_updates(units.forward_outputs(graph), set(primals) - trainable)
+    updates = buffer_updates(graph, units.forward_outputs(graph), set(primals) - trainable)
     forward_outputs = returned - updates
     update_keys = {key for n in updates for key, _ in _storage(n)}
     backward_unit = {b: i for i, nodes in enumerate(units.backward_of) for b in nodes}

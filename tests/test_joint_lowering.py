@@ -635,3 +635,23 @@ def test_a_loss_that_copies_the_outputs_is_priced_with_them_let_go_of():
     logits_bytes = tokens.numel() * vocab * 4
     assert loss.measured_peak_bytes > 2 * logits_bytes  # the loss dominates the step
     assert abs(loss.excess_bytes) <= 0.02 * loss.measured_peak_bytes, loss  # was one logits (2 MiB) over
+
+
+def test_a_loss_that_cannot_run_on_the_flat_outputs_warns_that_it_is_guessed():
+    """Under ``rg.backend`` the loss takes the graph's flat outputs: one reading a dictionary's entry
+    fails there, and its bytes were guessed without a word."""
+    import recompute_graph as rg
+
+    class _Named(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(16, 16)
+
+        def forward(self, x):
+            return {"logits": self.a(x)}
+    model, x = _Named(), torch.randn(8, 16)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=rg.backend(1.0, loss_fn=lambda out: out["logits"].square().mean()))
+    with pytest.warns(rg.LossNotPricedWarning, match="flat outputs.*IndexError"):
+        compiled(x)["logits"].square().mean().backward()
+    assert last_lowering().graph.loss_bytes is None
