@@ -6,9 +6,12 @@
   where a FLOP roofline misjudges them: a CPU's training-mode BatchNorm costs twice its roofline, its
   convolutions 0.4 of it, a view nothing), and of a training BatchNorm's normalization from its batch
   statistics, what recomputing it costs (``batch_norm_recompute``);
-* :func:`outputs_loss_bytes`: the transient of the training loop's loss on the model's outputs.
+* :func:`outputs_loss_bytes`: the transient of the training loop's loss on the model's outputs, run as
+  the loop runs it (the outputs in the structure the model returns, let go of once the loss is made),
+  and the zero gradients of the outputs it does not reach.
 
-All go into ``joint_costs.joint_cost_graph`` (``workspace``, ``node_seconds`` and ``loss_bytes``).
+All go into ``joint_costs.joint_cost_graph`` (``workspace``, ``node_seconds``, ``loss_bytes`` and
+``loss_unreached_gradient_bytes``).
 Units: bytes, seconds.
 """
 from __future__ import annotations
@@ -247,9 +250,11 @@ def _fresh_output(value: Any, differentiable: bool = True) -> torch.Tensor:
 
 def outputs_loss_bytes(joint: fx.GraphModule, units: JointUnits, loss_fn: Any) -> "LossOnOutputs | None":
     """Transient bytes of ``loss_fn`` on the model's outputs (the joint graph's forward outputs that are
-    not buffer updates, as one tensor or a tuple), forward and backward, above the output gradients it
-    leaves, by the allocator on real tensors shaped like them (on meta, by the liveness of the storages
-    it makes: ``measure.StorageTracker``): what the step adds when the gradients arrive; 0 when the
+    not buffer updates: in the structure the model's own forward returned, ``own_output_known``, where it
+    matches them, else as one tensor or a tuple), forward and backward, above the output gradients it
+    leaves, by the allocator on real tensors shaped like them, each let go of once the loss is made
+    unless the model's backward reads it (on meta, by the liveness of the storages it makes:
+    ``measure.StorageTracker``): what the step adds when the gradients arrive; 0 when the
     model returns its own loss (:func:`_returns_own_loss`). With it, the zero gradients of the outputs
     the loss does not reach (:class:`LossOnOutputs`). None when the loss cannot run on them."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
