@@ -8,11 +8,11 @@ training. ``optimize()``'s compiled module runs the model's own forward before c
 holds it, or it is a plain value or another object) lets ``joint_allocations.outputs_loss_bytes``
 rebuild the output from fresh tensors shaped like the graph's outputs and price the loss on it. The
 structure holds no tensor of the model's: shapes, strides, dtypes and devices only, and the plain values
-as they were (another object, a ``Cache`` holding tensors, is not kept: the flat outputs are priced).
+as they were (another object, a ``Cache`` holding tensors, is not kept: the loss gets None there).
 
-Invariant: a structure is used for a graph only when its *made* leaves, in flattening order, have the
-shapes and dtypes of the graph's forward outputs (buffer updates left out), in order (:meth:`matches`);
-otherwise the flat outputs are priced as before.
+Invariant: a structure is used for a graph only when each of its *made* leaves is one of the graph's
+forward outputs (buffer updates left out) with its shape and dtype, each output taken once, in order
+(:meth:`OutputStructure.assignment`); otherwise the flat outputs are priced as before.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ MADE = "made"
 HELD = "held"
 #: A plain value (``None``, a number, a string): kept as it was.
 VALUE = "value"
-#: Any other object: not kept, and the output is not rebuilt (the flat outputs are priced).
+#: Any other object: not kept; the rebuilt output has None in its place (a loss reading it fails, and warns).
 OPAQUE = "opaque"
 
 
@@ -90,24 +90,40 @@ class OutputStructure:
     def made(self) -> tuple[OutputLeaf, ...]:
         return tuple(leaf for leaf in self.leaves if leaf.kind == MADE)
 
+    def assignment(self, values: Sequence[Any]) -> list[int] | None:
+        """For each made leaf, in order, the position among the graph's forward outputs ``values`` (fake
+        or real tensors) of the one it is: the first not yet taken with its shape and dtype. None when a
+        made leaf has none. Outputs left over are allowed: the tensors of an opaque leaf (GPT-2's
+        ``DynamicCache``, whose keys and values the graph returns before the logits)."""
+        free = list(range(len(values)))
+        positions = []
+        for leaf in self.made:
+            found = next((i for i in free if tuple(int(d) for d in values[i].shape) == leaf.shape
+                          and values[i].dtype == leaf.dtype), None)
+            if found is None:
+                return None
+            free.remove(found)
+            positions.append(found)
+        return positions
+
     def matches(self, values: Sequence[Any]) -> bool:
-        """Whether the graph's forward outputs ``values`` (fake or real tensors) are this structure's made
-        leaves, in order: the same count, shapes and dtypes."""
-        made = self.made
-        return all(leaf.kind != OPAQUE for leaf in self.leaves) and len(made) == len(values) and all(
-            tuple(int(d) for d in v.shape) == leaf.shape and v.dtype == leaf.dtype for v, leaf in zip(values, made))
+        """Whether every made leaf is one of the graph's forward outputs ``values`` (:meth:`assignment`)."""
+        return self.assignment(values) is not None
 
     def held_tensors(self) -> dict[int, torch.Tensor]:
         """A real tensor for each held leaf, by its flat position (made once, outside what is measured:
         the caller holds them through the step)."""
         return {i: leaf.materialize() for i, leaf in enumerate(self.leaves) if leaf.kind == HELD}
 
-    def rebuild(self, made: Sequence[torch.Tensor], held: dict[int, torch.Tensor]) -> Any:
-        """The output with ``made`` (tensors for the made leaves, in order) and ``held`` in place."""
-        made_iter = iter(made)
+    def rebuild(self, outputs: Sequence[torch.Tensor], assignment: Sequence[int],
+                held: dict[int, torch.Tensor]) -> Any:
+        """The output with the graph's ``outputs`` in the made leaves' places (``assignment``), ``held``
+        in the held leaves' and None in the opaque leaves'."""
+        made_iter = iter(assignment)
         flat: list[Any] = []
         for i, leaf in enumerate(self.leaves):
-            flat.append(next(made_iter) if leaf.kind == MADE else held[i] if leaf.kind == HELD else leaf.value)
+            flat.append(outputs[next(made_iter)] if leaf.kind == MADE else held[i] if leaf.kind == HELD
+                        else leaf.value)
         return tree_unflatten(flat, self.spec)
 
 
@@ -121,10 +137,11 @@ def _storage_key(tensor: torch.Tensor) -> int | None:
 
 def structure_builder(structure: "OutputStructure | None", values: Sequence[Any]
                       ) -> Callable[[list[torch.Tensor]], Any]:
-    """A function from the fresh graph outputs to what the loss takes: the model's structure where it
-    :meth:`~OutputStructure.matches` the graph's ``values``, else the flat outputs (one tensor, or a
-    tuple)."""
-    if structure is not None and structure.matches(values):
+    """A function from the fresh graph outputs to what the loss takes: the model's structure where its
+    made leaves are among the graph's ``values`` (:meth:`~OutputStructure.assignment`), else the flat
+    outputs (one tensor, or a tuple)."""
+    assignment = structure.assignment(values) if structure is not None else None
+    if assignment is not None:
         held = structure.held_tensors()
-        return lambda made: structure.rebuild(made, held)
+        return lambda made: structure.rebuild(made, assignment, held)
     return lambda made: made[0] if len(made) == 1 else tuple(made)
