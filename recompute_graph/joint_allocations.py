@@ -32,7 +32,7 @@ from .meta_flops import node_signature
 from .joint_units import JointUnits, is_tangent
 from .joint_storage import storage_of, value_bytes as _value_bytes
 from .joint_partition import _is_tensor
-from .output_structure import OutputStructure, structure_builder
+from .output_structure import OutputStructure, filled_tensor, structure_builder
 
 __all__ = ["kernel_workspace_bytes", "node_seconds", "outputs_loss_bytes", "own_output_known"]
 
@@ -214,14 +214,7 @@ def _real_inputs(joint_inputs: Sequence[Any]) -> "tuple[list[Any], torch.device 
 def _materialize(value: Any) -> Any:
     if not isinstance(value, torch.Tensor):
         return value
-    shape = [int(d) for d in value.shape]
-    stride = [int(d) for d in value.stride()]
-    real = torch.empty_strided(shape, stride, dtype=value.dtype, device=value.device)
-    if real.is_floating_point() or real.is_complex():
-        real.normal_()
-    else:
-        real.zero_()
-    return real
+    return filled_tensor([int(d) for d in value.shape], [int(d) for d in value.stride()], value.dtype, value.device)
 
 
 class _FreshOutput(torch.autograd.Function):

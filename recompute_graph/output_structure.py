@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
-__all__ = ["OutputLeaf", "OutputStructure", "structure_builder"]
+__all__ = ["OutputLeaf", "OutputStructure", "structure_builder", "filled_tensor"]
 
 #: A leaf the graph computes: one of the joint graph's forward outputs.
 MADE = "made"
@@ -50,11 +50,7 @@ class OutputLeaf:
     def materialize(self) -> torch.Tensor:
         """A real tensor with this leaf's layout, random values (zeros for integers), requiring grad as
         the original did (a leaf: whoever holds it keeps its storage alive anyway)."""
-        tensor = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.device)
-        if tensor.is_floating_point() or tensor.is_complex():
-            tensor.normal_()
-        else:
-            tensor.zero_()
+        tensor = filled_tensor(self.shape, self.stride, self.dtype, self.device)
         return tensor.requires_grad_(self.requires_grad and tensor.is_floating_point())
 
 
@@ -125,6 +121,12 @@ class OutputStructure:
             flat.append(outputs[next(made_iter)] if leaf.kind == MADE else held[i] if leaf.kind == HELD
                         else leaf.value)
         return tree_unflatten(flat, self.spec)
+
+
+def filled_tensor(shape: Sequence[int], stride: Sequence[int], dtype: torch.dtype, device: Any) -> torch.Tensor:
+    """A real tensor with this layout: random normal values, zeros for integers and booleans."""
+    tensor = torch.empty_strided(tuple(shape), tuple(stride), dtype=dtype, device=device)
+    return tensor.normal_() if tensor.is_floating_point() or tensor.is_complex() else tensor.zero_()
 
 
 def _storage_key(tensor: torch.Tensor) -> int | None:

@@ -413,6 +413,14 @@ def test_a_forward_with_starred_parameters_trains_exactly(path_options):
     assert all(torch.equal(a, b) for a, b in zip(_gradients(model), _gradients(expected)))
 
 
+def _verified_exactly_and_priced(model, x, loss_fn, path_options):
+    """``rg.verify`` at 1.0 with ``loss_fn``: exact gradients, no warning (within the budget), and the
+    predicted step peak within 1 % of the allocator's."""
+    report = rg.verify(model, 1.0, example_inputs=(x,), loss_fn=loss_fn, **path_options)
+    assert report.gradient_error == 0.0 and not report.warnings, report
+    assert abs(report.predicted_peak_bytes / report.measured_peak_bytes - 1) < 0.01, report
+
+
 class _ReturnsItsInput(nn.Module):
     """An autoencoder returning its input beside the reconstruction, for the loss to compare the two."""
 
@@ -434,9 +442,7 @@ def test_a_model_returning_its_input_is_planned_within_its_budget(path_options, 
     torch.manual_seed(0)
     model, x = _ReturnsItsInput(), torch.randn(2048, 512)
     loss_fn = (lambda out: nn.functional.mse_loss(out[0], out[1])) if loss == "mse" else None
-    report = rg.verify(model, 1.0, example_inputs=(x,), loss_fn=loss_fn, **path_options)
-    assert report.gradient_error == 0.0 and not report.warnings, report
-    assert abs(report.predicted_peak_bytes / report.measured_peak_bytes - 1) < 0.01, report
+    _verified_exactly_and_priced(model, x, loss_fn, path_options)
 
 
 class _LogitsAndHidden(nn.Module):
@@ -465,9 +471,7 @@ def test_a_loss_reading_the_outputs_by_name_is_priced_on_them(path_options, read
 
     def loss_fn(out):
         return (out["logits"] - out["hidden"] if reads == "both" else out["logits"]).square().mean()
-    report = rg.verify(model, 1.0, example_inputs=(x,), loss_fn=loss_fn, **path_options)
-    assert report.gradient_error == 0.0 and not report.warnings, report
-    assert abs(report.predicted_peak_bytes / report.measured_peak_bytes - 1) < 0.01, report
+    _verified_exactly_and_priced(model, x, loss_fn, path_options)
 
 
 class _CountsItsCalls(nn.Module):
