@@ -13,13 +13,13 @@ from torch.utils._pytree import tree_map
 from .collector import full_collections_deferred
 from .costs import profile_graph
 from .call_graphs import CallGraphs, profile_call, training_mode
-from .errors import TraceError
-from .optimized_module import PreparedStep, RecomputedModule
+from .errors import InfeasibleBudgetError, TraceError
+from .optimized_module import PreparedStep, RecomputedModule, infeasible_for_new_call
 
 if TYPE_CHECKING:
     from .compiled_module import CompiledRecomputedModule
 from .graph import CostGraph
-from .planner import Budget, RecomputePlan, make_plan, parse_budget
+from .planner import Budget, RecomputePlan, make_plan, make_plan_for_call, parse_budget
 from .rewrite import ScheduleExecutor
 from .saved_plans import load_plan, reuse_plan
 from .solvers import get_solver
@@ -124,6 +124,7 @@ def optimize(model: nn.Module, budget: Budget, *, example_inputs: Sequence[Any] 
             model, budget, example_inputs, example_kwargs, solver, autocast, loss_fn, fallback=compiler == "auto",
             saved_plan=saved, graph_compiler=graph_compiler))
     graphs = CallGraphs(model, tracer)
+    planned_bytes: list[int] = []  # the budget of each call signature planned so far
 
     def prepare(args: tuple, kwargs: dict) -> PreparedStep:
         with full_collections_deferred():
@@ -138,7 +139,11 @@ def optimize(model: nn.Module, budget: Budget, *, example_inputs: Sequence[Any] 
                                       loss_fn=loss_fn, output_of=call.output_of, **options)
         chosen = reuse_plan(saved, graph, budget, stacklevel=4) if saved is not None else None
         if chosen is None:
-            chosen = make_plan(graph, budget, solver)
+            try:
+                chosen = make_plan_for_call(graph, budget, solver, earlier_bytes=max(planned_bytes, default=0))
+            except InfeasibleBudgetError as error:
+                raise (infeasible_for_new_call(error, args, kwargs) if planned_bytes else error) from None
+        planned_bytes.append(chosen.budget_bytes)
         executor = ScheduleExecutor(call.trace.graph_module, graph, chosen.schedule)
         return PreparedStep(executor, chosen, call.inputs_of, call.output_of)
 

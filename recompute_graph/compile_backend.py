@@ -120,6 +120,7 @@ class RecomputeBackend:
         self._pass_running = False  # the end of the backward pass is queued with autograd's engine
         self._finished: tuple[int, ...] = ()  # the calls of the last step, not yet looked at
         self._planned_calls: tuple[int, ...] | None = None
+        self.planned_bytes = 0  # the most a graph compiled alone was planned at (``make_plan_for_call``)
 
     @property
     def lowerings(self) -> tuple[Lowered, ...]:
@@ -205,12 +206,13 @@ class RecomputeBackend:
                                       joint_inputs=joint_inputs if measured else None,
                                       loss_fn=self.loss_fn if measured else None, on_infeasible=self.on_infeasible,
                                       saved_plan=saved_plan, device_profile=self.device_profile,
-                                      timing=self.timing)
+                                      timing=self.timing, earlier_bytes=self.planned_bytes)
             lowered = lower_at(self.budget, self.saved_plan)
             if self.inductor and measured:  # inductor's code measured, the plan made again if over
                 from .inductor_lowering import fit_plan_to_inductor
                 lowered = fit_plan_to_inductor(lowered, lowered.plan.budget_bytes, lower_at)
                 set_last_lowering(lowered)
+            self.planned_bytes = max(self.planned_bytes, lowered.plan.budget_bytes)
         record.units, record.graph, record.num_fwd_outputs = lowered.units, lowered.graph, num_fwd_outputs
         return lowered
 

@@ -48,7 +48,8 @@ from .joint_allocations import own_output_known
 from .output_structure import OutputStructure
 from .losses import own_loss
 from .module_hooks import planned_hooks_key
-from .optimized_module import OUTER_COMPILE_REASON, PeakWatch, SharedModelModule, _cuda_device, _signature_key
+from .optimized_module import (OUTER_COMPILE_REASON, PeakWatch, SharedModelModule, _cuda_device, _signature_key,
+                               infeasible_for_new_call)
 
 __all__ = ["CompiledRecomputedModule", "ignored_logging_calls", "logging_calls_ignored"]
 
@@ -118,8 +119,10 @@ class CompiledRecomputedModule(SharedModelModule):
                 if len(self._lowerings) == lowered:
                     raise CaptureError(f"{self._original_class}: torch.compile made no backward graph for this "
                                        "call (nothing in it requires grad), so there is nothing to plan")
-            except InfeasibleBudgetError:
-                raise
+            except InfeasibleBudgetError as error:
+                if not self._planned:
+                    raise
+                raise infeasible_for_new_call(error, args, kwargs) from None
             except RecomputeError as error:
                 self._fall_back(error)
                 return self.delegate.plan(*args, **kwargs)

@@ -519,20 +519,22 @@ def lower_plan(joint: fx.GraphModule, units: JointUnits, graph: CostGraph, plan:
 def plan_and_lower(joint: fx.GraphModule, budget: Any, *, num_fwd_outputs: int, solver: str = "auto",
                    name: str = "compiled", schedule_pass: SchedulePass | None = None,
                    joint_inputs: Any = None, loss_fn: Any = None, on_infeasible: str = "raise",
-                   saved_plan: Any = None, device_profile: Any = "cpu", timing: str = "measure") -> Lowered:
+                   saved_plan: Any = None, device_profile: Any = "cpu", timing: str = "measure",
+                   earlier_bytes: int = 0) -> Lowered:
     """Price ``joint`` (:func:`price_joint`), plan it at ``budget`` (``planner.make_plan``) and lower the
     plan (:func:`lower_plan`), after ``schedule_pass(graph, schedule)`` when given (a hook to lower
     other valid schedules). ``saved_plan``: a ``RecomputePlan`` to reuse instead of solving when its
     cost graph has the joint cost graph's structure and fits the budget (``saved_plans.reuse_plan``; a
     ``PlanMismatchWarning`` says why not otherwise). ``on_infeasible``: ``"raise"``, or ``"floor"``:
-    plan at the smallest feasible budget, with an ``InfeasibleBudgetWarning``."""
-    from .planner import make_plan
+    plan at the smallest feasible budget, with an ``InfeasibleBudgetWarning``. ``earlier_bytes``: the
+    most an earlier call signature of the same module was planned at (``planner.make_plan_for_call``)."""
+    from .planner import make_plan, make_plan_for_call
     from .saved_plans import reuse_plan
     units, graph = price_joint(joint, num_fwd_outputs=num_fwd_outputs, name=name, joint_inputs=joint_inputs,
                                loss_fn=loss_fn, device_profile=device_profile, timing=timing)
     try:
         plan = reuse_plan(saved_plan, graph, budget) if saved_plan is not None else None
-        plan = plan or make_plan(graph, budget, solver)
+        plan = plan or make_plan_for_call(graph, budget, solver, earlier_bytes=earlier_bytes)
     except InfeasibleBudgetError as error:
         if on_infeasible != "floor":
             raise

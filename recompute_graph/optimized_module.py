@@ -17,13 +17,14 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .errors import BudgetExceededWarning, EvalModeGradientWarning, RewriteError
+from .errors import BudgetExceededWarning, EvalModeGradientWarning, InfeasibleBudgetError, RewriteError
 from .executor_state import autocast_state
 from .module_hooks import hooks_changed_error, planned_hooks_key
 from .units import format_bytes
 from .rewrite import ScheduleExecutor
 
-__all__ = ["PeakWatch", "PreparedStep", "RecomputedModule", "SharedModelModule", "placeholder_binder", "run_schedule"]
+__all__ = ["PeakWatch", "PreparedStep", "RecomputedModule", "SharedModelModule", "placeholder_binder", "run_schedule",
+           "infeasible_for_new_call"]
 
 
 class _ScheduleFunction(torch.autograd.Function):
@@ -327,3 +328,18 @@ def _signature_key(args: tuple, kwargs: dict) -> tuple:
         else:
             key.append(repr(value))
     return tuple(key)
+
+
+def infeasible_for_new_call(error: InfeasibleBudgetError, args: tuple, kwargs: dict) -> InfeasibleBudgetError:
+    """``error``, raised planning a training call of another signature (input shapes, dtypes, autocast)
+    than the calls planned before it, with that call's shapes and the rule for such calls named."""
+    shapes = [tuple(t.shape) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+    named = ", ".join(map(str, shapes[:4])) + (", ..." if len(shapes) > 4 else "")
+    new = InfeasibleBudgetError(
+        f"a training call unlike those planned before (its inputs' shapes: {named}) is planned on its own, and "
+        f"{error} A byte budget "
+        "holds for every call; a fraction is of each call's own store-all step, or the most an earlier call was "
+        "planned at where that is more (docs/training.md, \"Calls of other shapes\").",
+        budget_bytes=error.budget_bytes, min_budget_bytes=error.min_budget_bytes)
+    new.__cause__ = error.__cause__
+    return new

@@ -29,7 +29,7 @@ from .step_budget import (PLANNING_MARGIN, budget_with_loss_allowance, loss_allo
                           usable_bytes_of)
 from .units import Budget, format_bytes, parse_budget
 
-__all__ = ["Budget", "parse_budget", "RecomputePlan", "make_plan", "AUTO_SOLVERS", "auto_solvers",
+__all__ = ["Budget", "parse_budget", "RecomputePlan", "make_plan", "make_plan_for_call", "AUTO_SOLVERS", "auto_solvers",
            "min_feasible_budget", "reproducible_floor_bytes", "replan_schedule", "plan_from_solution",
            "loss_allowance_bytes", "usable_bytes_of", "PLANNING_MARGIN", "min_budget_for_peak", "loss_peak_bytes",
            "planning_margin", "step_peak_bytes", "min_budget_for_step", "candidate_pool", "POOL_FRACTIONS",
@@ -453,6 +453,24 @@ def _plan_from_pool(graph: CostGraph, budget: Budget, variant: str) -> Recompute
         raise _infeasible(graph, "auto", budget_bytes, reproducible_floor_bytes(graph, variant), store_all, lowest)
     chosen = min(fitting, key=lambda s: (s.recompute_cost, step_peak_bytes(graph, s.simulation)))
     return _plan(chosen, graph, budget_bytes, store_all, store_all.simulation.compute_cost)
+
+
+def make_plan_for_call(graph: CostGraph, budget: Budget, solver: str = "auto", *,
+                       earlier_bytes: int = 0) -> RecomputePlan:
+    """:func:`make_plan` for one call signature (input shapes) of a module whose earlier signatures were
+    planned at up to ``earlier_bytes`` (0 for its first). A fraction is of this signature's own store-all
+    step. Where that fraction is below this graph's smallest feasible budget and the smallest fits
+    ``earlier_bytes`` (the last, smaller batch of an epoch: its parameters and gradients outweigh its
+    activations, and half its store-all step is below any plan), the plan is made at ``earlier_bytes``
+    instead: the memory the module was already planned to use. So a smaller call never fails where a
+    larger one ran. A byte budget is the same for every signature."""
+    try:
+        return make_plan(graph, budget, solver)
+    except InfeasibleBudgetError as error:
+        floor = error.min_budget_bytes
+        if parse_budget(budget)[0] != "fraction" or floor is None or not 0 < floor <= earlier_bytes:
+            raise
+        return make_plan(graph, earlier_bytes, solver)
 
 
 def _infeasible(graph: CostGraph, solver: str, budget_bytes: int, smallest: int, store_all: Solution,

@@ -453,3 +453,42 @@ def test_optimize_prices_the_default_loss_as_the_models_own_forward_says(structu
     assert (graph.loss_bytes == 0) == (structure == "dict"), graph.loss_bytes
     measured = allocator_peak_memory(lambda: default_loss(optimized(ids, labels)).backward())
     assert 0.97 <= optimized.recompute_plan.predicted_step_peak_bytes / measured <= 1.03
+
+
+def _deep_mlp() -> nn.Module:
+    return nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(64, 64), nn.GELU(), nn.LayerNorm(64))],
+                         nn.Linear(64, 10))
+
+
+@pytest.mark.parametrize("compiler", [True, False])
+def test_a_smaller_last_batch_under_a_fraction_is_planned_within_the_first_calls_bytes(compiler):
+    """Half of a 16-row batch's store-all step is below any plan of it (its parameters and gradients
+    outweigh its activations): the epoch's last batch raised InfeasibleBudgetError in the middle of
+    training. A fraction is of each call's own step, or, where that is infeasible, the bytes an earlier
+    call was planned at (``planner.make_plan_for_call``). A byte budget a larger call cannot meet raises,
+    naming that call's shapes, and the calls planned before run on."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _deep_mlp()
+    reference = copy.deepcopy(model)
+    x = torch.randn(512, 64)
+    optimized = rg.optimize(model, 0.5, example_inputs=(x,), compiler=compiler)
+    first = optimized.recompute_plan
+    with pytest.raises(rg.InfeasibleBudgetError):  # the 16-row step alone, at half its store-all step
+        rg.optimize(copy.deepcopy(model), 0.5, example_inputs=(x[:16],), compiler=compiler)
+    for rows in (512, 16):
+        _step(reference, (x[:rows],))
+        _step(optimized, (x[:rows],))
+        assert parameter_gradient_error(model, reference) == 0.0
+    small = optimized.recompute_plan
+    assert small is not first and small.budget_bytes == first.budget_bytes
+    measured = allocator_peak_memory(lambda: _step(optimized, (x[:16],)))
+    assert measured <= small.budget_bytes and measured * 0.9 <= small.predicted_step_peak_bytes <= measured * 1.1
+
+    bytes_budget = rg.optimize(model, first.budget_bytes, example_inputs=(x,), compiler=compiler)
+    with pytest.raises(rg.InfeasibleBudgetError, match=r"unlike those planned before .*\(8192, 64\).*A byte budget"):
+        _step(bytes_budget, (torch.randn(8192, 64),))
+    assert all(p.grad is None for p in model.parameters())  # nothing of that step ran
+    _step(reference, (x,))
+    _step(bytes_budget, (x,))
+    assert parameter_gradient_error(model, reference) == 0.0
