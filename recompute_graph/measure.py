@@ -23,8 +23,13 @@ Two meters implement it (``peak_memory(..., meter=...)``):
 """
 from __future__ import annotations
 
+import contextlib
 import gc
+import os
+import re
 import statistics
+import sys
+import tempfile
 import time
 import weakref
 from dataclasses import dataclass
@@ -189,6 +194,39 @@ def trace_peak_bytes(trace: Sequence[dict[str, Any]]) -> int:
     return rise
 
 
+#: What the profiler writes to the process's stderr about itself: Kineto (torch 2.13's CPU build) as it
+#: starts and stops, and c10's CPU allocator when a block allocated before the recording is freed in it
+_PROFILER_NOTE = re.compile(rb"^(USDT:.*\] profiler_(start|stop)|\[W.*\] Memory block of unknown size was "
+                            rb"allocated before the profiling started.*)\s*$")
+
+
+@contextlib.contextmanager
+def _profiler_notes_dropped() -> Any:
+    """Kineto writes ``USDT:... profiler_start`` and ``profiler_stop`` to file descriptor 2 each time a
+    profiler starts or stops, and c10 a warning about blocks allocated before it (which the meter's
+    lowest point accounts for): a plan's pricing printed a pair per recording, noise to a user who never
+    started a profiler. While the block runs, descriptor 2 goes to a temporary file; every other line
+    written there is written back to stderr after it, in order. Where descriptor 2 cannot be redirected,
+    nothing is done."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError, AttributeError):
+        yield
+        return
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            kept = [line for line in captured.read().splitlines(keepends=True) if not _PROFILER_NOTE.match(line)]
+            if kept:
+                os.write(2, b"".join(kept))
+
+
 class AllocatorRecorder:
     """``torch.profiler`` memory events of the CPU allocator while the context is active.
 
@@ -216,12 +254,21 @@ class AllocatorRecorder:
         # collector off while recording (a full collection first would cost 0.2 s each time).
         self._collector_was_enabled = gc.isenabled()
         gc.disable()
-        self._profile.__enter__()
+        self._quiet = contextlib.ExitStack()
+        self._quiet.enter_context(_profiler_notes_dropped())
+        try:
+            self._profile.__enter__()
+        except BaseException:
+            self._quiet.close()
+            raise
         return self
 
     def __exit__(self, *exc: Any) -> None:
         try:
-            self._profile.__exit__(*exc)
+            try:
+                self._profile.__exit__(*exc)
+            finally:
+                self._quiet.close()
         finally:
             if self._collector_was_enabled:
                 gc.enable()

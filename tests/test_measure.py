@@ -5,6 +5,7 @@ MLPChain(D, W): D x (Linear(W, W) -> ReLU) then Linear(W, O); batch B, float32; 
 so a store-all forward keeps exactly one activation per layer (the model input is not counted).
 The loss is a plain sum, whose gradient is a broadcast scalar owning no memory.
 """
+import os
 import pytest
 import torch
 from torch import nn
@@ -206,3 +207,16 @@ def test_garbage_collected_during_a_step_does_not_hide_what_the_step_holds():
         assert allocator_peak_memory(step) >= 2 * 2**20
     finally:
         gc.set_threshold(*thresholds)
+
+
+def test_the_profilers_start_and_stop_lines_are_dropped_from_stderr_and_other_lines_kept(capfd):
+    from recompute_graph.measure import AllocatorRecorder, _profiler_notes_dropped
+    with _profiler_notes_dropped():
+        os.write(2, b"USDT:2026-12-06 17:29:34 15896:15896 SyncActivityProfilerHandler.cpp:52] profiler_start\n")
+        os.write(2, b"a warning of someone else's\n")
+        os.write(2, b"[W1206 17:36:42.030428179 CPUAllocator.cpp:245] Memory block of unknown size was allocated "
+                    b"before the profiling started, profiler results will not include the deallocation event\n")
+    with AllocatorRecorder() as recorder:
+        torch.ones(1000) + 1
+    assert recorder.peak_bytes() >= 4000
+    assert capfd.readouterr().err == "a warning of someone else's\n"
