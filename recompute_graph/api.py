@@ -145,7 +145,8 @@ def optimize(model: nn.Module, budget: Budget, *, example_inputs: Sequence[Any] 
                 raise (infeasible_for_new_call(error, args, kwargs) if planned_bytes else error) from None
         planned_bytes.append(chosen.budget_bytes)
         executor = ScheduleExecutor(call.trace.graph_module, graph, chosen.schedule)
-        return PreparedStep(executor, chosen, call.inputs_of, call.output_of)
+        exported = tuple(p for p in model.parameters() if p.requires_grad) if call.exported else ()
+        return PreparedStep(executor, chosen, call.inputs_of, call.output_of, exported)
 
     optimized = RecomputedModule(model, prepare, graphs.eval_forward)
     if example_inputs is not None or example_kwargs is not None:

@@ -9,6 +9,7 @@ original model when the model was exported (``export_trace.py``).
 from __future__ import annotations
 
 import inspect
+import sys
 import types
 import warnings
 from typing import Any, Callable, NamedTuple
@@ -124,6 +125,19 @@ class PreparedStep(NamedTuple):
     plan: Any
     inputs_of: Callable[[tuple, dict], list[Any]]
     output_of: Callable[[Any], Any]
+    #: the model's trainable parameters when planned: an exported graph holds the objects of its export,
+    #: so a wrapper's swap (FSDP2's unsharded parameters) is seen on the model, not on the graph
+    model_parameters: tuple = ()
+
+    def parameters_changed(self, model: nn.Module) -> bool:
+        """Whether the executor's graph or ``model`` holds other trainable parameters than when planned."""
+        if self.executor.parameters_changed():
+            return True
+        if not self.model_parameters:
+            return False
+        current = [p for p in model.parameters() if p.requires_grad]
+        return len(current) != len(self.model_parameters) or any(
+            a is not b for a, b in zip(current, self.model_parameters))
 
 
 class SharedModelModule(nn.Module):
@@ -179,6 +193,31 @@ class SharedModelModule(nn.Module):
             if original is None or name.startswith("__"):
                 raise
             return getattr(original, name)
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:
+        """The model's class for a ``transformers`` model (``isinstance(optimized, PreTrainedModel)``,
+        ``optimized._get_name()``), this module's own otherwise; ``type(optimized)`` is always its own.
+        The Trainer saves a model that is not a ``PreTrainedModel`` as a bare state dict, which
+        safetensors refuses for tied weights: GPT-2 training stopped at its first checkpoint. And its
+        label smoothing shifts the labels only for a causal language model it recognizes by class name."""
+        original = self.__dict__.get("_original")
+        return type(original) if original is not None and _is_transformers_model(original) else type(self)
+
+    @__class__.setter
+    def __class__(self, cls: type) -> None:
+        """FSDP2's ``fully_shard`` sets ``module.__class__`` to ``FSDP{class}(FSDPModule, class)``, made
+        from the class it reads: made from the model's class instead of this module's, it would drop this
+        module's ``forward``. The class set is made from this module's own type in its place."""
+        shown, own = self.__class__, type(self)
+        if shown is not own and shown in cls.__bases__:
+            namespace = {k: v for k, v in vars(cls).items() if k not in ("__dict__", "__weakref__")}
+            cls = type(cls.__name__, tuple(own if base is shown else base for base in cls.__bases__), namespace)
+        object.__dict__["__class__"].__set__(self, cls)
+
+    def __repr__(self) -> str:
+        text, shown = super().__repr__(), self._get_name()
+        return type(self).__name__ + text[len(shown):] if text.startswith(shown) else text
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         """Copied (``copy.deepcopy``: an EMA of the model) or pickled (``torch.save``) as the original
@@ -276,7 +315,7 @@ class RecomputedModule(SharedModelModule):
         if not self._trains(args, kwargs):
             return self._eval_forward(args, kwargs)
         step = self._prepared(args, kwargs)
-        if step.executor.parameters_changed():
+        if step.parameters_changed(self._original):
             # Parameters were replaced since planning (assignment, ``requires_grad_``, FSDP2's unsharded
             # parameters on its first all-gather): plan again, so gradients reach the tensors in use.
             self._plans.clear()
@@ -315,6 +354,12 @@ def placeholder_binder(model: nn.Module, graph_module: fx.GraphModule) -> Callab
                 raise TypeError(f"missing argument {name!r}")
         return values
     return bind
+
+
+def _is_transformers_model(model: nn.Module) -> bool:
+    """Whether ``model`` is a ``transformers.PreTrainedModel`` (without importing ``transformers``)."""
+    modeling = sys.modules.get("transformers.modeling_utils")
+    return modeling is not None and isinstance(model, getattr(modeling, "PreTrainedModel", ()))
 
 
 def _signature_key(args: tuple, kwargs: dict) -> tuple:

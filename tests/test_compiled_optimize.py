@@ -356,7 +356,7 @@ def test_planning_runs_with_full_collections_deferred_and_hands_the_collector_ba
     collections held back (``collector.full_collections_deferred``): ``make_plan`` runs before the pool,
     so what it sees is the planning call's setting, not the pool's own."""
     import gc
-    from recompute_graph import api, planner
+    from recompute_graph import planner
     from recompute_graph.collector import DEFERRED_FULL_COLLECTION_THRESHOLD
     torch._dynamo.reset()
     thresholds, seen, make_plan = gc.get_threshold(), [], planner.make_plan
@@ -364,8 +364,8 @@ def test_planning_runs_with_full_collections_deferred_and_hands_the_collector_ba
     def watched(*args, **kwargs):
         seen.append((gc.get_freeze_count(), gc.get_threshold()[2]))
         return make_plan(*args, **kwargs)
-    # the compiler path imports make_plan from the planner when it plans, the executor's at import
-    monkeypatch.setattr(planner if compiler else api, "make_plan", watched)
+    # both paths plan through planner.make_plan_for_call, which calls the planner's make_plan
+    monkeypatch.setattr(planner, "make_plan", watched)
     model, inputs = models_zoo.get_model("mlp", "tiny")
     rg.optimize(model, 0.9, example_inputs=inputs, compiler=compiler)
     assert seen and seen[0][0] > 0 and seen[0][1] == DEFERRED_FULL_COLLECTION_THRESHOLD

@@ -21,7 +21,7 @@ def _train(wrapped, module, batches, full_tensor=lambda g: g) -> list:
     grads = []
     for batch in batches:
         optimizer.zero_grad(set_to_none=True)
-        default_loss(wrapped(batch)).backward()
+        default_loss(wrapped(**batch) if isinstance(batch, dict) else wrapped(batch)).backward()
         grads.append([full_tensor(p.grad).clone() for p in module.parameters()])
         optimizer.step()
     return grads
@@ -74,7 +74,8 @@ def test_ddp_gradients_of_the_optimized_module_equal_the_unoptimized_ddp_run(tmp
         torch.testing.assert_close(a, b)
 
 
-def _fsdp_worker(rank: int, store_path: str, results_dir: str, compiler: bool = False) -> None:
+def _fsdp_worker(rank: int, store_path: str, results_dir: str, compiler: bool = False,
+                 transformers: bool = False) -> None:
     import copy
 
     import models_zoo
@@ -84,12 +85,20 @@ def _fsdp_worker(rank: int, store_path: str, results_dir: str, compiler: bool = 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=WORLD_SIZE)
     try:
-        model, _ = models_zoo.get_model("gpt2", "tiny", seed=0, dropout=0.0)
+        if transformers:  # exported on the executor: its graph holds the parameters of its export
+            from models_zoo import hf
+            torch.manual_seed(0)
+            model, _ = hf.gpt2(layers=2, width=32, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        else:
+            model, _ = models_zoo.get_model("gpt2", "tiny", seed=0, dropout=0.0)
         reference = copy.deepcopy(model)
         torch.manual_seed(100 + rank)
         batches = [torch.randint(0, 97, (2, 32)) for _ in range(STEPS)]
+        if transformers:
+            batches = [{"input_ids": ids, "labels": ids} for ids in batches]
         options = {"compiler": True} if compiler else {"timing": "flops"}
-        optimized = optimize(model, 0.75, example_inputs=(batches[0],), **options)
+        example = {"example_kwargs": batches[0]} if transformers else {"example_inputs": (batches[0],)}
+        optimized = optimize(model, 0.75, **example, **options)
         assert optimized.recompute_plan.recomputed_nodes
         results = {}
         for name, module in (("reference", reference), ("optimized", optimized)):
@@ -101,9 +110,13 @@ def _fsdp_worker(rank: int, store_path: str, results_dir: str, compiler: bool = 
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
-@pytest.mark.parametrize("compiler", [False, True], ids=["executor", "compiler"])
-def test_fsdp2_gradients_of_the_optimized_module_equal_the_unoptimized_fsdp2_run(tmp_path, compiler):
-    mp.spawn(_fsdp_worker, args=(str(tmp_path / "store"), str(tmp_path), compiler), nprocs=WORLD_SIZE,
-             join=True)
+@pytest.mark.parametrize("compiler, transformers", [(False, False), (True, False), (False, True)],
+                         ids=["executor", "compiler", "executor-transformers"])
+def test_fsdp2_gradients_of_the_optimized_module_equal_the_unoptimized_fsdp2_run(tmp_path, compiler, transformers):
+    """On the executor an exported ``transformers`` model got no gradients at all under FSDP2: its graph
+    held the parameters of its export, not the unsharded ones FSDP2 puts in the model for the step
+    (``PreparedStep.parameters_changed``)."""
+    mp.spawn(_fsdp_worker, args=(str(tmp_path / "store"), str(tmp_path), compiler, transformers),
+             nprocs=WORLD_SIZE, join=True)
     for rank in range(WORLD_SIZE):
         _assert_same_gradients(torch.load(tmp_path / f"fsdp{rank}.pt"))

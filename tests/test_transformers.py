@@ -255,11 +255,14 @@ class _TokenDataset(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i], "attention_mask": torch.ones(32, dtype=torch.long)}
 
 
-def test_the_trainer_trains_the_optimized_module_step_for_step_as_the_model(tmp_path):
+def test_the_trainer_trains_saves_and_label_smooths_the_optimized_module_as_the_model(tmp_path):
     """``transformers``' Trainer, as its users call it, on the optimized module and on a copy of the
     model: the same losses, bit for bit, and the same parameters after four steps. Before, the Trainer
     dropped every dataset column (it keeps those the forward's signature names: ``args, kwargs``) and
-    raised ``The batch received was empty``."""
+    raised ``The batch received was empty``. It checkpoints every two steps and smooths the labels: a
+    module that was not a ``PreTrainedModel`` was saved as a bare state dict, which safetensors refused
+    for GPT-2's tied weights (training stopped at its first checkpoint), and its labels were smoothed
+    unshifted, the Trainer not recognizing a causal language model by the class name."""
     pytest.importorskip("accelerate")
     from models_zoo import third_party
     third_party.import_torchvision()  # the Trainer imports torchvision, whose C ops this CPU torch lacks
@@ -271,15 +274,44 @@ def test_the_trainer_trains_the_optimized_module_step_for_step_as_the_model(tmp_
 
     def train(trained, directory):
         arguments = TrainingArguments(output_dir=str(directory), per_device_train_batch_size=4, max_steps=4,
-                                      logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", seed=0,
-                                      learning_rate=1e-3)
+                                      logging_steps=1, report_to=[], use_cpu=True, save_strategy="steps",
+                                      save_steps=2, seed=0, learning_rate=1e-3, label_smoothing_factor=0.1)
         trainer = Trainer(model=trained, args=arguments, train_dataset=_TokenDataset())
         trainer.train()
+        trainer.save_model(str(directory / "final"))
         return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     losses = train(optimized, tmp_path / "optimized")
     assert optimized.recompute_plan.recomputed_nodes
     assert len(losses) == 4 and losses == train(reference, tmp_path / "reference")
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
+    assert {"config.json", "model.safetensors"} <= {p.name for p in (tmp_path / "optimized/checkpoint-2").iterdir()}
+    loaded = type(model).from_pretrained(tmp_path / "optimized/final")
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model.state_dict().values()))
+
+
+@pytest.mark.parametrize("compiler", [True, False])
+def test_the_optimized_module_is_an_instance_of_the_models_class_and_keeps_its_own_forward(compiler):
+    """``isinstance(optimized, type(model))`` for a ``transformers`` model (what the Trainer checks),
+    while ``type(optimized)`` stays the library's. FSDP2's ``fully_shard`` sets ``module.__class__`` to
+    a class made from the one it reads (``FSDP{class}(FSDPModule, class)``): made from the model's class,
+    it would drop the optimized module's forward; it is made from the module's own type instead."""
+    model = tiny("gpt2")
+    reference = copy.deepcopy(model)
+    optimized = rg.optimize(model, 0.8, compiler=compiler)
+    own = type(optimized)
+    assert isinstance(optimized, type(model)) and isinstance(optimized, own) and own.__name__.endswith("Module")
+    assert optimized._get_name() == "GPT2LMHeadModel" and repr(optimized).startswith(own.__name__ + "(")
+
+    class Wrapper:  # what fully_shard does to the module's class (torch/distributed/fsdp/_fully_shard)
+        pass
+    shown = optimized.__class__
+    optimized.__class__ = type(f"FSDP{shown.__name__}", (Wrapper, shown), {"__deepcopy__": None})
+    assert isinstance(optimized, Wrapper) and issubclass(type(optimized), own)
+    kwargs = batch()
+    _, _, expected = train_step(reference, kwargs)
+    _, _, gradients = train_step(optimized, kwargs)
+    assert optimized.recompute_plan.recomputed_nodes and gradients.keys() == expected.keys()
+    assert all(torch.equal(gradients[k], expected[k]) for k in expected)
 
 
 def test_a_loss_reading_the_logits_of_a_model_output_is_priced_on_them(recwarn):
