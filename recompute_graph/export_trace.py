@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -261,8 +262,12 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict) -> ExportedTrace:
     in_spec, out_spec = program.call_spec.in_spec, program.call_spec.out_spec
     _refuse_unused_random_draws(program.graph, type(model).__name__)
     try:
-        # functionalized: writes through views become data edges, buffer writes outputs
-        program = program.run_decompositions(_hidden_state_writer_decompositions())
+        # functionalized: writes through views become data edges, buffer writes outputs. torch's own copy
+        # of the program's specs warns that it uses a deprecated check: nothing a user can act on
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                                    category=FutureWarning)
+            program = program.run_decompositions(_hidden_state_writer_decompositions())
     except Exception as error:  # noqa: BLE001
         raise TraceError(f"cannot functionalize the exported graph of {type(model).__name__}: "
                          f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}",
