@@ -46,7 +46,7 @@ from .losses import LossFunction, default_training_loss
 from .measure import StorageTracker, storage_key, unique_storages
 from .model_state import preserved_state
 from .progress import progress_bar
-from .trace import BoundInterpreter, TraceResult, trace
+from .trace import BoundInterpreter, TraceResult, mutated_input_constraints, trace
 
 __all__ = ["DeviceProfile", "DEVICE_PROFILES", "profile_model", "profile_graph"]
 
@@ -507,7 +507,7 @@ def _build_cost_graph(gm: fx.GraphModule, traced: TraceResult, memory: _MemoryPa
     for index, nbytes in last_user.values():
         param_grad_bytes[index] += nbytes
 
-    nodes = []
+    nodes, (computed_once, written_first) = [], mutated_input_constraints(gm)
     for i, n in enumerate(compute_nodes):
         mem = memory.records[n.name]
         comp = compute.records.get(n.name, _NodeCompute())
@@ -519,7 +519,8 @@ def _build_cost_graph(gm: fx.GraphModule, traced: TraceResult, memory: _MemoryPa
                              if mem.requires_grad else 0.0)
         kind = {"call_module": "module", "call_function": "function", "call_method": "method"}[n.op]
         target = n.target if isinstance(n.target, str) else _qualified_name(n.target)
-        predecessors = tuple(index_of[a] for a in _data_predecessors(n, index_of))
+        predecessors = tuple(sorted({index_of[a] for a in _data_predecessors(n, index_of)
+                                     | written_first.get(n.name, set()) if a in index_of}))
         alias = index_of[mem.alias_of] if mem.alias_of is not None else None
         if alias is not None and not any(alias in _alias_chain(nodes, p) for p in predecessors):
             # a view of a storage its predecessor does not alias (``broadcast_tensors(a, b)[1]``: the op
@@ -538,8 +539,7 @@ def _build_cost_graph(gm: fx.GraphModule, traced: TraceResult, memory: _MemoryPa
             forward_cost=forward_cost, backward_cost=backward_cost,
             forward_flops=comp.forward_flops, backward_flops=comp.backward_flops,
             requires_grad=mem.requires_grad, inplace=mem.inplace, random=mem.random, stateful=mem.stateful,
-            opaque=n.op == "call_module" and n.target in opaque,
-        ))
+            opaque=n.op == "call_module" and n.target in opaque, reads_mutated_input=n.name in computed_once))
     parameters = {p.untyped_storage()._cdata: p.untyped_storage().nbytes() for p in gm.parameters()}
     buffers = {b.untyped_storage()._cdata: b.untyped_storage().nbytes() for b in gm.buffers()}
     input_storages = {storage_key(t): t.untyped_storage().nbytes() for t in _tensors(inputs)}

@@ -40,7 +40,7 @@ from torch import nn
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from .errors import TraceError
-from .trace import TraceResult, functionalize, user_source_location
+from .trace import TraceResult, functionalize, grad_mode_switches_refused, user_source_location
 
 __all__ = ["ExportedTrace", "export_trace", "training_kwargs"]
 
@@ -248,7 +248,10 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict) -> ExportedTrace:
     model cannot be exported either. The model is not modified.
     """
     try:
-        program = torch.export.export(model, tuple(args), dict(kwargs), strict=False)
+        with grad_mode_switches_refused(model, "torch.export"):
+            program = torch.export.export(model, tuple(args), dict(kwargs), strict=False)
+    except TraceError:
+        raise
     except Exception as error:  # noqa: BLE001 - any failure of export is reported the same way
         text = str(error).strip()
         first_line = text.splitlines()[0] if text else type(error).__name__

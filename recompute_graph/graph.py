@@ -130,6 +130,11 @@ class CostNode:
         (at most ``saved_buffer_bytes``), which are kept from the first computation to the node's
         backward when it is computed more than once. Solvers price every computation at
         :attr:`recomputation_cost` (the first computations are the same in every plan).
+    reads_mutated_input
+        The node reads the value an input of the step had before the step wrote into it (a model input
+        written in place, a parameter's momentum update, a counter buffer): the write lands once the
+        forward ends, so a recomputation would read the new value. Such a node is computed once; every
+        solver's schedule is made without its recomputations (``schedule_passes.computed_once``).
     state_update_bytes
         The buffers' new values the node's first computation makes (a joint graph's training-mode
         BatchNorm: its new running statistics). The generated forward returns them and the runtime
@@ -174,6 +179,7 @@ class CostNode:
     recompute_cost: float | None = None
     recompute_kept_bytes: int = 0
     state_update_bytes: int = 0
+    reads_mutated_input: bool = False
 
     @property
     def recomputation_cost(self) -> float:
@@ -199,6 +205,8 @@ class CostNode:
             del data["recompute_cost"], data["recompute_kept_bytes"]
         if not self.state_update_bytes:
             del data["state_update_bytes"]
+        if not self.reads_mutated_input:
+            del data["reads_mutated_input"]
         return data
 
 

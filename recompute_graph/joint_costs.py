@@ -123,6 +123,34 @@ def buffer_updates(graph: fx.Graph, forward_outputs: Sequence[fx.Node], buffers:
     return updates
 
 
+def units_reading_mutated_inputs(graph: fx.Graph, units: JointUnits) -> frozenset[int]:
+    """The units with a forward node that reads an input the step writes into (AOTAutograd describes the
+    write as an ``InputMutationAOTOutput`` naming the input's description), directly or through views of
+    it: ``CostNode.reads_mutated_input``. ``x.mul_(2)`` on the model's input became ``mul(primal, 2)``,
+    and a plan recomputing it read the input after the write (autograd refused the backward). A training
+    BatchNorm reading its running statistics is left out: a recomputation normalizes from the batch's
+    statistics its first computation made (``batch_norm_recompute``)."""
+    output = next(n for n in graph.nodes if n.op == "output")
+    descriptions = output.meta.get("desc")
+    if not isinstance(descriptions, (list, tuple)):
+        return frozenset()
+    mutated = [d.mutated_input for d in descriptions if type(d).__name__ == "InputMutationAOTOutput"]
+    values = [n for n in graph.nodes if n.op == "placeholder" and any(n.meta.get("desc") == d for d in mutated)]
+    readers: set[int] = set()
+    seen = set(values)
+    while values:
+        value = values.pop()
+        for user in value.users:
+            if user not in units.unit_of or user.op != "call_function":
+                continue
+            if op_name(user.target) in VIEW_TARGETS and user not in seen:
+                seen.add(user)
+                values.append(user)
+            if op_name(user.target) not in STATE_READING_TARGETS:
+                readers.add(units.unit_of[user])
+    return frozenset(readers)
+
+
 #: aten ops that convert a value to another dtype (a reduced-precision buffer's update: ``_is_buffer_update``)
 _CONVERSIONS = ("_to_copy", "convert_element_type", "to")
 
@@ -325,6 +353,7 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
     estimated: list[tuple[float, float]] = []  # the roofline's seconds beside measured ones
     unit_predecessors: list[tuple[int, ...]] = []
     has_backward = [bool(b) for b in units.backward_of]
+    computed_once = units_reading_mutated_inputs(graph, units)
     unit_inputs = [{units.unit_of[a] for n in members for a in n.all_input_nodes
                     if a in units.unit_of and units.unit_of[a] != index} | backward_reads(units, index)
                    for index, members in enumerate(units.units)]
@@ -471,7 +500,8 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
             forward_flops=forward_flops, backward_flops=backward_flops, requires_grad=grad,
             random=bool(targets & RANDOM_TARGETS), stateful=bool(targets & STATE_READING_TARGETS),
             random_op_count=max(1, sum(1 for n in members if n.op == "call_function"
-                                       and op_name(n.target) in RANDOM_TARGETS))))
+                                       and op_name(n.target) in RANDOM_TARGETS)),
+            reads_mutated_input=index in computed_once))
     outputs = tuple(sorted({units.unit_of[n] for n in forward_outputs if n in units.unit_of}))
     input_bytes = sum(_value_bytes(p) for p in primals if p not in trainable)
     return CostGraph(name=name, nodes=tuple(nodes), cost_unit="seconds", loss_bytes=loss_bytes,

@@ -17,13 +17,21 @@ needs what the branches' own nodes saved. This pass:
 
 The result computes the same values in the same order, with fewer recomputations; its memory and time
 come from the simulator like any schedule's. Graphs with explicit backward nodes are returned unchanged.
+
+``computed_once``: a node that reads an input's value from before the step wrote into it
+(``CostNode.reads_mutated_input``) cannot be recomputed: the value it read is gone. Every recomputation
+of such a node is dropped, and the node's first computation is kept in its place (with the tape, where a
+dropped recomputation recorded it); then the frees are derived again and the recomputations that only
+fed the dropped ones are removed (``keep_free_tapes``). ``solvers.Solution.of`` applies it to every
+solver's schedule, so the plans the planner compares are priced as they will run.
 """
 from __future__ import annotations
 
 from .graph import CostGraph
+from .graph_memo import memoized
 from .schedule import Forward, FreeValue, Op, Schedule, insert_frees
 
-__all__ = ["free_tape_nodes", "keep_free_tapes"]
+__all__ = ["free_tape_nodes", "keep_free_tapes", "computed_once_nodes", "computed_once"]
 
 
 def free_tape_nodes(graph: CostGraph) -> frozenset[int]:
@@ -91,3 +99,37 @@ def _without_unread_recomputations(graph: CostGraph, sequence: list[Op | None], 
             needed.update(graph.nodes[op.node].predecessors)
     return [op for op, kept in zip(sequence, keep) if kept]
 
+
+
+def computed_once_nodes(graph: CostGraph) -> frozenset[int]:
+    """The nodes that read an input's value from before the step wrote into it (module docstring)."""
+    return memoized(graph, "computed_once_nodes",
+                    lambda: frozenset(n.index for n in graph.nodes if n.reads_mutated_input))
+
+
+def computed_once(graph: CostGraph, schedule: Schedule) -> Schedule:
+    """``schedule`` without recomputations of ``computed_once_nodes(graph)`` (module docstring); the
+    same schedule object when it has none."""
+    once = computed_once_nodes(graph)
+    program = [*schedule.forward_ops, None, *schedule.backward_ops]
+    if not once:
+        return schedule
+    computed = [op.node for op in program if isinstance(op, Forward) and op.node in once]
+    if len(computed) == len(set(computed)):
+        return schedule
+    kept: list[Op | None] = []
+    first: dict[int, int] = {}  # node -> position of its first computation in ``kept``
+    for op in program:
+        if isinstance(op, FreeValue):
+            continue
+        if isinstance(op, Forward) and op.node in once:
+            if op.node in first:
+                if op.tape:
+                    kept[first[op.node]] = Forward(op.node, tape=True)
+                continue
+            first[op.node] = len(kept)
+        kept.append(op)
+    boundary = kept.index(None)
+    forward_ops = [op for op in kept[:boundary] if op is not None]
+    backward_ops = [op for op in kept[boundary + 1:] if op is not None]
+    return keep_free_tapes(graph, insert_frees(graph, forward_ops, backward_ops))

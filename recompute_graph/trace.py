@@ -22,10 +22,13 @@ and the returned ``GraphModule`` refers to the user's submodules and parameters 
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
+import linecache
 import operator
 import os
+import sys
 import traceback
 from dataclasses import dataclass
 from typing import Any
@@ -165,7 +168,47 @@ def trace(model: nn.Module) -> TraceResult:
     if not isinstance(model, nn.Module):
         raise TraceError(f"expected an nn.Module, got {type(model).__name__}")
     with preserved_state(model):  # tracing runs the model's Python code: what it writes into buffers is undone
-        return _trace(model)
+        with grad_mode_switches_refused(model, "torch.fx"):
+            return _trace(model)
+
+
+_LIBRARY_DIR = os.path.dirname(_THIS_FILE)
+
+
+@contextlib.contextmanager
+def grad_mode_switches_refused(model: nn.Module, tracer: str) -> Any:
+    """Raise :class:`TraceError` after the block when the model's own code switched autograd's grad mode
+    while it was traced (``with torch.no_grad():`` in ``forward``, a stop-gradient): neither tracer's
+    graph keeps the switch, so the schedule executor ran those ops with grad and gradients flowed where
+    the model stops them (a SimSiam-like target branch: gradients off by 1e-3, silently). The compiler
+    path keeps it (``optimize(..., compiler="auto")``). Calls from torch or this library are not the model's."""
+    found: list[str] = []
+    original = torch._C._set_grad_enabled
+
+    def watched(mode: bool) -> None:
+        if mode != torch.is_grad_enabled() and not found:
+            frame = sys._getframe(1)
+            while frame is not None:
+                path = os.path.abspath(frame.f_code.co_filename)
+                if path.startswith(_LIBRARY_DIR):
+                    break
+                if not path.startswith(_TORCH_DIR) and "contextlib" not in path:
+                    line = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+                    found.append(f"{frame.f_code.co_filename}:{frame.f_lineno} ({line})")
+                    break
+                frame = frame.f_back
+        original(mode)
+    torch._C._set_grad_enabled = watched
+    try:
+        yield
+    finally:
+        torch._C._set_grad_enabled = original
+    if found:
+        raise TraceError(
+            f"{type(model).__name__}.forward switches autograd's grad mode at {found[0]}: the {tracer} graph "
+            "the schedule executor runs does not keep the switch, and gradients would flow where the model "
+            "stops them. The compiler path keeps it: optimize(..., compiler='auto') (the default) or "
+            "compiler=True.", module_path="", source_location=found[0])
 
 
 def _drop_leaked_proxies(before: list[tuple[nn.Module, dict, dict, dict]]) -> None:
@@ -282,11 +325,12 @@ def _is_view_of_argument(node: fx.Node) -> bool:
     return False
 
 
-def _alias_group(target: fx.Node) -> tuple[fx.Node, set[fx.Node]]:
-    """The base whose storage ``target`` may share (walking up through views) and every node that may
-    alias it (the base and all views taken from it, transitively)."""
+def _alias_group(target: fx.Node, gm: fx.GraphModule | None = None) -> tuple[fx.Node, set[fx.Node]]:
+    """The base whose storage ``target`` may share (walking up through views and, given ``gm``, through
+    writes kept in place: ``w.mul_(0.9).add_(v)`` writes twice into ``w``) and every node that may alias
+    it (the base and all views taken from it, transitively)."""
     base = target
-    while _is_view_of_argument(base):
+    while _is_view_of_argument(base) or (gm is not None and _writes_in_place(gm, base)):
         base = base.args[0]
     members, stack = {base}, [base]
     while stack:
@@ -297,13 +341,20 @@ def _alias_group(target: fx.Node) -> tuple[fx.Node, set[fx.Node]]:
     return base, members
 
 
-def _functionalizable(node: fx.Node, mutated: fx.Node, order: dict[fx.Node, int]) -> bool | None:
+def _writes_in_place(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether ``node`` writes into its first argument (what :func:`functionalize` has not rewritten)."""
+    return (bool(node.args) and isinstance(node.args[0], fx.Node)
+            and (_out_of_place_twin(gm, node) is not None or _writes_without_twin(node)))
+
+
+def _functionalizable(node: fx.Node, mutated: fx.Node, order: dict[fx.Node, int],
+                      gm: fx.GraphModule | None = None) -> bool | None:
     """Whether the in-place ``node`` writing into ``mutated`` can become out of place exactly: True when
     nothing but ``mutated`` itself, among the tensors that may share its storage, is read after the
     write (later readers of ``mutated`` then read the new value). None when the write reaches a model
     input, parameter or buffer (kept in place on purpose); False otherwise (a write whose effect other
     aliases would see)."""
-    base, members = _alias_group(mutated)
+    base, members = _alias_group(mutated, gm)
     if base.op in ("placeholder", "get_attr"):
         return None
     for member in members - {mutated}:
@@ -323,11 +374,11 @@ def functionalize(gm: fx.GraphModule) -> tuple[tuple[str, ...], tuple[str, ...]]
             continue
         rewrite = _out_of_place_twin(gm, node)
         if rewrite is None:
-            if _writes_without_twin(node) and _alias_group(node.args[0])[0].op not in ("placeholder", "get_attr"):
+            if _writes_without_twin(node) and _alias_group(node.args[0], gm)[0].op not in ("placeholder", "get_attr"):
                 unsafe.append(describe_node(node))  # x[:, :4] = 0, x.copy_(y), x.zero_() on an activation
             continue
         mutated = node.args[0]
-        exact = _functionalizable(node, mutated, order)
+        exact = _functionalizable(node, mutated, order, gm)
         if exact is None:
             continue
         if not exact:
@@ -346,6 +397,43 @@ def functionalize(gm: fx.GraphModule) -> tuple[tuple[str, ...], tuple[str, ...]]
 
 #: In-place tensor methods that change no values.
 _METADATA_IN_PLACE = frozenset({"requires_grad_", "retain_grad", "share_memory_", "resize_", "set_"})
+
+
+def mutated_input_constraints(gm: fx.GraphModule) -> tuple[frozenset[str], dict[str, set[str]]]:
+    """What writes kept in place into a model input, parameter or buffer (:func:`functionalize` keeps
+    them) ask of a schedule: ``(once, after)``.
+
+    ``once``: the writing nodes and the nodes that read the written tensor or a view of it before the
+    write; a recomputation of either would read the value after the write (``CostNode.reads_mutated_input``).
+    ``x.mul_(2)`` on the input, recomputed, doubled it again; a momentum update of a frozen parameter in
+    ``forward`` was applied twice. Views are left out (a view of the written storage shows the new values
+    however often it is taken), and so is a batch norm reading its running statistics (an exported graph
+    writes them back at its end): in training it normalizes with the batch's own, and the executor
+    restores the statistics after each recomputation (``stateful``).
+
+    ``after``: for each node, the nodes it must follow besides those it reads: a reader of the written
+    tensor after the write follows the write, which follows the readers before it. The graph has no edge
+    between them (later readers read the input, not the write's result), and a plan ran the write after
+    the first block that read the input (forward outputs off by 4)."""
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    once: set[str] = set()
+    after: dict[str, set[str]] = {}
+    for node in gm.graph.nodes:
+        if not _writes_in_place(gm, node):
+            continue
+        base, members = _alias_group(node.args[0], gm)
+        if base.op not in ("placeholder", "get_attr"):
+            continue
+        once.add(node.name)
+        for user in {user for member in members for user in member.users}:
+            if user is node or user in members or user.op == "output":
+                continue
+            if order[user] > order[node]:
+                after.setdefault(user.name, set()).add(node.name)
+            elif "batch_norm" not in getattr(user.target, "__name__", str(user.target)):
+                once.add(user.name)
+                after.setdefault(node.name, set()).add(user.name)
+    return frozenset(once), after
 
 
 def _writes_without_twin(node: fx.Node) -> bool:

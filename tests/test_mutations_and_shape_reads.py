@@ -162,3 +162,100 @@ def test_an_auxiliary_scalar_output_is_not_taken_for_the_loss():
     from recompute_graph.measure import make_training_step, peak_memory
     measured = peak_memory(make_training_step(optimized, (x,), default_training_loss))
     assert measured <= optimized.recompute_plan.budget_bytes
+
+
+class WritesIntoItsInput(nn.Module):
+    """``x.mul_(2)`` on the model's input, then residual blocks: a plan that recomputed the ``mul``
+    read the input after the write (the compiler's backward was refused by autograd; the executor's
+    gradients were off by 18)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(64, 64) for _ in range(6))
+        self.head = nn.Linear(64, 4)
+
+    def forward(self, x):
+        x.mul_(2)
+        for block in self.blocks:
+            x = torch.nn.functional.gelu(block(x)) + x
+        return self.head(x)
+
+
+@pytest.mark.parametrize("compiler", [True, False])
+def test_a_model_writing_into_its_input_is_planned_without_recomputing_what_read_it(compiler):
+    torch.manual_seed(0)
+    model = WritesIntoItsInput()
+    reference = copy.deepcopy(model)
+    x = torch.randn(256, 64)
+    optimized = rg.optimize(model, 0.6, example_inputs=(x.clone(),), compiler=compiler)
+    plan = optimized.recompute_plan
+    once = {n.index for n in plan.graph.nodes if n.reads_mutated_input}
+    assert once and plan.recomputed_nodes and not once & set(plan.recomputed_nodes)
+    inputs = []
+    for module in (reference, optimized):
+        module.zero_grad()
+        inputs.append(x.clone())
+        default_training_loss(module(inputs[-1])).backward()
+    assert torch.equal(inputs[0], inputs[1]) and torch.equal(inputs[0], 2 * x)  # written once, as eager does
+    for a, b in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(a.grad, b.grad)
+
+
+class MomentumInForward(nn.Module):
+    """A frozen parameter updated in place in ``forward`` by a chain of two writes."""
+
+    def __init__(self):
+        super().__init__()
+        self.target = nn.Parameter(torch.zeros(8), requires_grad=False)
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        self.target.mul_(0.9).add_(torch.ones(8))
+        return self.fc(x) + self.target
+
+
+def test_a_chain_of_writes_into_a_parameter_stays_in_place_and_is_computed_once():
+    """``functionalize`` took the second write for a write into an activation and made it out of place:
+    the parameter got 0.9 w, not 0.9 w + 1."""
+    from recompute_graph.trace import mutated_input_constraints
+    traced = trace(MomentumInForward())
+    targets = {n.name: n.target for n in traced.graph_module.graph.nodes}
+    assert targets["mul_"] == "mul_" and targets["add_"] == "add_"
+    assert {"mul_", "add_"} <= mutated_input_constraints(traced.graph_module)[0]
+    model, x = MomentumInForward(), torch.randn(4, 8)
+    optimized = rg.optimize(model, 1.0, example_inputs=(x,), compiler=False)
+    model.target.zero_()  # planning ran the forward too: its writes into parameters are not undone
+    optimized(x).sum().backward()
+    assert torch.allclose(model.target, torch.ones(8))  # one update of zeros: 0.9 * 0 + 1
+
+
+class StopGradient(nn.Module):
+    """SimSiam's target branch: the same encoder under ``torch.no_grad()``."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32))
+        self.predictor = nn.Linear(32, 32)
+
+    def forward(self, x):
+        online = self.predictor(self.encoder(x))
+        with torch.no_grad():
+            target = self.encoder(x.flip(0))
+        return (online - target).square().mean(1)
+
+
+def test_a_no_grad_block_in_forward_is_refused_by_the_executor_and_trained_exactly_by_the_compiler():
+    """Neither tracer's graph keeps a grad-mode switch: the executor ran the target branch with grad, and
+    the encoder's gradients were off by 1e-3, silently."""
+    torch.manual_seed(0)
+    model, x = StopGradient(), torch.randn(64, 32)
+    for tracer in ("fx", "export"):
+        with pytest.raises(TraceError, match=r"switches autograd's grad mode at .*test_mutations.*no_grad"):
+            rg.optimize(copy.deepcopy(model), 0.8, example_inputs=(x,), compiler=False, tracer=tracer)
+    reference = copy.deepcopy(model)
+    optimized = rg.optimize(model, 0.8, example_inputs=(x,))
+    assert isinstance(optimized, rg.CompiledRecomputedModule)
+    for module in (reference, optimized):
+        module(x).mean().backward()
+    for a, b in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(a.grad, b.grad)

@@ -107,3 +107,25 @@ def test_the_planner_uses_the_pass_only_where_it_lowers_a_peak_that_does_not_fit
         # a budget the solver's own schedule fits: left as the solver made it
         fitting = SOLVERS[name](graph, raw.peak_bytes)
         assert run_solver(name, graph, raw.peak_bytes).schedule == fitting.schedule, name
+
+
+@settings(max_examples=60, deadline=None)
+@given(cost_graphs(), st.floats(0.2, 0.8), st.data())
+def test_nodes_reading_a_written_input_are_computed_once_in_every_solvers_schedule(graph, fraction, data):
+    """``CostNode.reads_mutated_input``: such a node's recomputation would read the input after the step
+    wrote into it (``x.mul_(2)`` on the model input). ``Solution.of`` drops every recomputation of it
+    (``schedule_passes.computed_once``), so each solver's schedule, as simulated and compared, computes
+    it once and stays valid."""
+    import dataclasses
+    flagged = set(data.draw(st.sets(st.sampled_from(range(len(graph.nodes))), max_size=3)))
+    graph = dataclasses.replace(graph, nodes=tuple(dataclasses.replace(n, reads_mutated_input=n.index in flagged)
+                                                   for n in graph.nodes))
+    budget = int(fraction * SOLVERS["store_all"](graph, None).peak_bytes)
+    for name in ("chain_dp", "dp_approx", "chen_sqrt", "revolve"):
+        if name not in solvers_for(graph):
+            continue
+        solution = SOLVERS[name](graph, budget)
+        computed = [op.node for op in solution.schedule.ops if isinstance(op, Forward) and op.node in flagged]
+        assert len(computed) == len(set(computed)), (name, computed)
+        assert simulate(graph, solution.schedule).peak_bytes == solution.peak_bytes
+    assert CostGraph.from_dict(graph.to_dict()) == graph

@@ -14,6 +14,7 @@ from typing import Callable, Iterator
 
 from ..graph import CostGraph
 from ..schedule import Backward, Forward, FreeValue, Op, Schedule
+from ..schedule_passes import computed_once
 from ..simulate import SimulationResult, TimelinePoint, simulate
 
 __all__ = ["Solution", "SOLVERS", "GRAPH_KINDS", "get_solver", "register", "solvers_for", "best_of",
@@ -33,7 +34,9 @@ class Solution:
     def of(cls, solver: str, graph: CostGraph, schedule: Schedule, description: str = "") -> "Solution":
         """``schedule`` and its simulation on ``graph``; while ``collecting_plans()`` is open, a schedule
         simulated before on the same graph reuses that simulation (the pool's solvers meet the same
-        schedule at neighbouring budgets: 27 of ResNet-152's 110 simulations)."""
+        schedule at neighbouring budgets: 27 of ResNet-152's 110 simulations). Nodes that cannot be
+        recomputed are computed once in it first (``schedule_passes.computed_once``)."""
+        schedule = computed_once(graph, schedule)
         if not _SIMULATED:
             return cls(solver, schedule, simulate(graph, schedule), description)
         simulations = _SIMULATED[-1]
