@@ -185,7 +185,8 @@ class CompiledRecomputedModule(SharedModelModule):
         on meta tensors (nothing runs)."""
         if any(isinstance(t, torch.Tensor) and t.is_meta for t in tree_flatten((args, kwargs))[0]):
             return None
-        with preserved_state(self._original, rng=True), torch.enable_grad(), full_collections_deferred():
+        with preserved_state(self._original, rng=True, watch_parameters=True), torch.enable_grad(), \
+                full_collections_deferred():
             output = self._original(*args, **kwargs)
             held = [*tree_flatten((args, kwargs))[0], *self._original.parameters(), *self._original.buffers()]
             structure = OutputStructure.of(output, held, own_loss(output) is not None)

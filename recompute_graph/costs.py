@@ -125,7 +125,8 @@ def _run_counted(interpreter: Any, inputs: tuple, bar: Any) -> Any:
         bar.update()
         return result
     interpreter.run_node = counted
-    with preserved_state(interpreter.module, rng=True):
+    # the first pass (memory: not timed) watches for writes into parameters, which later passes undo too
+    with preserved_state(interpreter.module, rng=True, watch_parameters=isinstance(interpreter, _MemoryPass)):
         interpreter.run(*inputs)
     return interpreter
 

@@ -2,27 +2,80 @@
 
 Profiling, tracing, verifying and the conformance suite all run a model's code on the side. None of
 that may leave a trace in the model: :func:`preserved_state` restores every buffer (BatchNorm running
-statistics, ``num_batches_tracked``) by value, optionally the parameters' ``.grad`` and the CPU/CUDA
-random generators. :func:`training_step` is the README loop's step as a callable, for measuring and
+statistics, ``num_batches_tracked``) by value, the parameters a forward writes into (a momentum update
+in ``forward``), optionally the parameters' ``.grad`` and the CPU/CUDA random generators. :func:`training_step` is the README loop's step as a callable, for measuring and
 comparing.
 """
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["preserved_state", "training_step"]
 
 
+#: Parameters some forward was seen writing into in place, by id (a tensor's ``==`` compares values, so a
+#: ``WeakSet`` cannot hold them): each later preserved block copies them first
+_WRITTEN_PARAMETERS: "dict[int, weakref.ref[torch.Tensor]]" = {}
+
+
+def _seen_written(parameter: torch.Tensor) -> bool:
+    held = _WRITTEN_PARAMETERS.get(id(parameter))
+    return held is not None and held() is parameter
+
+
+def _mark_written(parameter: torch.Tensor) -> None:
+    if not _seen_written(parameter):
+        key = id(parameter)
+        _WRITTEN_PARAMETERS[key] = weakref.ref(parameter, lambda _: _WRITTEN_PARAMETERS.pop(key, None))
+
+
+class _CopyBeforeWrite(TorchDispatchMode):
+    """Copies each of ``parameters`` the first time an op writes into its storage (the schema's
+    ``alias_info.is_write``: ``mul_``, ``copy_``, ``out=``), before the write, so it can be put back."""
+
+    def __init__(self, parameters: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.by_storage = {p.untyped_storage().data_ptr(): p for p in parameters if not p.is_meta}
+        self.copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        for position, argument in enumerate(func._schema.arguments):
+            if argument.alias_info is None or not argument.alias_info.is_write:
+                continue
+            value = args[position] if position < len(args) else kwargs.get(argument.name)
+            if isinstance(value, torch.Tensor) and not value.is_meta:
+                key = value.untyped_storage().data_ptr()
+                if key in self.by_storage and key not in self.copies:
+                    parameter = self.by_storage[key]
+                    self.copies[key] = (parameter, parameter.detach().clone())
+        return func(*args, **kwargs)
+
+
 @contextlib.contextmanager
-def preserved_state(module: nn.Module, *, rng: bool = False, grads: bool = False) -> Iterator[None]:
+def preserved_state(module: nn.Module, *, rng: bool = False, grads: bool = False,
+                    watch_parameters: bool = False) -> Iterator[None]:
     """On exit, put back every buffer of ``module`` (by value; buffers on ``meta`` hold none) and the
     plain Python values its modules hold as attributes (``self.calls += 1`` in a forward: planning runs
     the forward twice, which counted as two calls; the training flag aside), and with ``rng`` the CPU
-    and (initialized) CUDA random states, with ``grads`` each parameter's ``.grad``."""
+    and (initialized) CUDA random states, with ``grads`` each parameter's ``.grad``.
+
+    Parameters: a ``.data`` assigned anew (``p.data = p.data * m + ...``, MoCo's momentum update) is put
+    back (nothing copied). One written in place is copied before the block when an earlier block saw it
+    written (``_WRITTEN_PARAMETERS``), and, with ``watch_parameters`` (an eager block: a dispatch mode
+    watches it, which ``torch.compile`` does not run under), right before its first write. A write no
+    block saw coming is not undone; the parameter is copied from then on."""
+    parameters = list(module.parameters())
+    data = [(p, p.data) for p in parameters if not p.is_meta]
+    versions = [(p, p._version) for p in parameters]
+    known = [(p, p.detach().clone()) for p in parameters if _seen_written(p) and not p.is_meta]
+    watch = _CopyBeforeWrite(parameters) if watch_parameters else contextlib.nullcontext()
     buffers = [(b, b.detach().clone()) for b in module.buffers() if not b.is_meta]
     scalars = [(m, name, value) for m in module.modules() for name, value in m.__dict__.items()
                if name != "training" and isinstance(value, (int, float, str, bool, type(None)))]
@@ -31,12 +84,25 @@ def preserved_state(module: nn.Module, *, rng: bool = False, grads: bool = False
     cuda_rng = (torch.cuda.get_rng_state_all()
                 if rng and torch.cuda.is_available() and torch.cuda.is_initialized() else None)
     try:
-        yield
+        with watch:
+            yield
     finally:
         with torch.no_grad():
             for buffer, saved in buffers:
                 if not torch.equal(buffer, saved):
                     buffer.copy_(saved)
+            for p, before in data:
+                if p.data.untyped_storage().data_ptr() != before.untyped_storage().data_ptr():
+                    p.data = before
+            copied = [*known, *(watch.copies.values() if watch_parameters else ())]
+            for p, saved in copied:
+                if not torch.equal(p, saved):
+                    p.copy_(saved)
+            restored = {id(p) for p, _ in copied}
+            for p in [p for p, version in versions if p._version != version and id(p) not in restored]:
+                _mark_written(p)
+            for p, _ in copied:
+                _mark_written(p)
         for m, name, value in scalars:
             if m.__dict__.get(name, value) is not value:
                 m.__dict__[name] = value

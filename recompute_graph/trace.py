@@ -106,6 +106,17 @@ def _settle_lazy_torch_tables() -> None:
         rule_map()
 
 
+def _refused_tensor_attribute_writes(proxy: fx.Proxy, name: str, value: Any) -> None:
+    """``Proxy.__setattr__`` while tracing: ``p.data = p.data * m + ...`` (MoCo's momentum update in
+    ``forward``) set an attribute on the proxy and left no node, so the executor never made the update."""
+    if name in ("data", "requires_grad", "grad"):
+        raise RuntimeError(f"forward assigns a tensor's .{name} ({proxy.node.name}.{name} = ...), which torch.fx "
+                           "does not record: the schedule executor would never make that change. Write it "
+                           "in place under torch.no_grad() instead (tensor.mul_(m).add_(...)), which "
+                           "optimize()'s compiler path (compiler='auto' or True) plans exactly")
+    object.__setattr__(proxy, name, value)
+
+
 class _ModuleLevelTracer(fx.Tracer):
     """fx tracer that treats ``opaque`` submodules as leaves and reports which submodule failed."""
 
@@ -120,12 +131,13 @@ class _ModuleLevelTracer(fx.Tracer):
     def trace(self, root: Any, concrete_args: Any = None) -> fx.Graph:
         _settle_lazy_torch_tables()
         originals = {name: getattr(torch, name) for name in SHAPE_DEPENDENT_CONSTRUCTORS}
-        proxy_originals = {dunder: fx.Proxy.__dict__.get(dunder) for dunder in IN_PLACE_OPERATORS}
+        proxy_originals = {dunder: fx.Proxy.__dict__.get(dunder) for dunder in (*IN_PLACE_OPERATORS, "__setattr__")}
         try:
             for name, function in originals.items():
                 setattr(torch, name, self._recording(function))
             for dunder, function in IN_PLACE_OPERATORS.items():
                 setattr(fx.Proxy, dunder, _in_place_operator(function))
+            fx.Proxy.__setattr__ = _refused_tensor_attribute_writes  # type: ignore[method-assign]
             return super().trace(root, concrete_args)
         finally:
             for name, function in originals.items():

@@ -214,17 +214,19 @@ class MomentumInForward(nn.Module):
         return self.fc(x) + self.target
 
 
-def test_a_chain_of_writes_into_a_parameter_stays_in_place_and_is_computed_once():
+@pytest.mark.parametrize("compiler", [True, False])
+def test_a_chain_of_writes_into_a_parameter_stays_in_place_and_planning_undoes_it(compiler):
     """``functionalize`` took the second write for a write into an activation and made it out of place:
-    the parameter got 0.9 w, not 0.9 w + 1."""
+    the parameter got 0.9 w, not 0.9 w + 1. And planning's own runs of the forward wrote into it, four
+    updates where the step made one (``model_state.preserved_state`` now puts parameters back)."""
     from recompute_graph.trace import mutated_input_constraints
     traced = trace(MomentumInForward())
     targets = {n.name: n.target for n in traced.graph_module.graph.nodes}
     assert targets["mul_"] == "mul_" and targets["add_"] == "add_"
     assert {"mul_", "add_"} <= mutated_input_constraints(traced.graph_module)[0]
     model, x = MomentumInForward(), torch.randn(4, 8)
-    optimized = rg.optimize(model, 1.0, example_inputs=(x,), compiler=False)
-    model.target.zero_()  # planning ran the forward too: its writes into parameters are not undone
+    optimized = rg.optimize(model, 1.0, example_inputs=(x,), compiler=compiler)
+    assert torch.equal(model.target, torch.zeros(8))
     optimized(x).sum().backward()
     assert torch.allclose(model.target, torch.ones(8))  # one update of zeros: 0.9 * 0 + 1
 
@@ -259,3 +261,19 @@ def test_a_no_grad_block_in_forward_is_refused_by_the_executor_and_trained_exact
         module(x).mean().backward()
     for a, b in zip(model.parameters(), reference.parameters()):
         assert torch.equal(a.grad, b.grad)
+
+
+def test_an_assignment_to_a_parameters_data_in_forward_is_refused_by_both_paths():
+    """``p.data = p.data * m + ...`` (MoCo's momentum update): fx recorded nothing, and the executor's
+    steps never updated the parameter; Dynamo refuses the ``set_``. Both refuse, the executor naming the
+    write."""
+
+    class DataAssignment(MomentumInForward):
+        def forward(self, x):
+            self.target.data = self.target.data * 0.9 + 1
+            return self.fc(x) + self.target
+    x = torch.randn(4, 8)
+    with pytest.raises(TraceError, match=r"assigns a tensor's \.data \(target\.data = \.\.\.\)"):
+        rg.optimize(DataAssignment(), 1.0, example_inputs=(x,), compiler=False, tracer="fx")
+    with pytest.raises(rg.RecomputeError):
+        rg.optimize(DataAssignment(), 1.0, example_inputs=(x,))
