@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten
 
 from .measure import storage_key
 
-__all__ = ["Tape", "StepState", "autocast_state", "autocast_as", "pytree_leaves", "unique_parameters",
+__all__ = ["Tape", "StepState", "recomputed_state", "autocast_state", "autocast_as", "pytree_leaves", "unique_parameters",
            "fresh_results", "InjectGradient", "unpack_saved", "replayed_rng"]
 
 
@@ -53,6 +53,7 @@ class StepState:
     autocast: tuple = ()  # the autocast settings of the forward, re-entered to recompute in backward
     external_keys: set = field(default_factory=set)  # storages of the output gradients autograd handed in
     passed_on: set = field(default_factory=set)  # ids of tensors a node returned as given (an nn.Identity)
+    state_before: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # see ``recomputed_state``
 
 
 #: Device types whose autocast state a step records (``autocast_state``).
@@ -176,3 +177,24 @@ class replayed_rng:  # noqa: N801 - used like a function: ``with replayed_rng(..
                 torch.cuda.set_rng_state(rng, device)
         if self.last:
             self.state.rng_states.pop(self.index, None)
+
+
+def recomputed_state(state: StepState, index: int, tensors: list[torch.Tensor], recompute: bool,
+                     computations: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Before one run of the stateful node ``index`` (``tensors``: the buffers it may write), what to put
+    back after it: a recomputation runs from the values the buffers had before the node's first
+    computation, kept then when the schedule computes the node ``computations > 1`` times, and leaves
+    them as it found them. Spectral norm's power iteration reads its vectors: run from the values its
+    first computation left, it made another weight, and the gradients were off by 4e-4. (A training
+    BatchNorm's output does not read its running statistics; it is restored all the same.)"""
+    if not tensors:
+        return []
+    if not recompute:
+        if computations > 1:
+            state.state_before[index] = [t.detach().clone() for t in tensors]
+        return []
+    restore = [(t, t.detach().clone()) for t in tensors]
+    with torch.no_grad():
+        for tensor, before in zip(tensors, state.state_before.get(index, ())):
+            tensor.copy_(before)
+    return restore

@@ -52,7 +52,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .errors import RewriteError
 from .executor_state import (InjectGradient, StepState, Tape, autocast_as, autocast_state, fresh_results,
-                             parameter_hooks_held, pytree_leaves, replayed_rng, unique_parameters, unpack_saved)
+                             parameter_hooks_held, pytree_leaves, recomputed_state, replayed_rng, unique_parameters,
+                             unpack_saved)
 from .graph import CostGraph
 from .measure import storage_key
 from .schedule import Backward, Forward, FreeValue, Op, Schedule
@@ -267,7 +268,7 @@ class ScheduleExecutor:
             return inputs[a]
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), input_of)
         recompute = index in state.computed
-        restore = [(t, t.clone()) for t in self._state_tensors[index]] if recompute else []
+        restore = recomputed_state(state, index, self._state_tensors[index], recompute, self._computations[index])
         saved: list[int | None] | None = [] if tape else None
         try:
             with (replayed_rng(state, index, recompute, args, last=self._last_computation(state, index))
