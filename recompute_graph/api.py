@@ -142,6 +142,13 @@ def optimize(model: nn.Module, budget: Budget, *, example_inputs: Sequence[Any] 
             try:
                 chosen = make_plan_for_call(graph, budget, solver, earlier_bytes=max(planned_bytes, default=0))
             except InfeasibleBudgetError as error:
+                if not any(node.requires_grad for node in graph.nodes):
+                    error = InfeasibleBudgetError(
+                        f"{error} Nothing in this call requires grad (all parameters frozen, no input with "
+                        "requires_grad), so it has no backward to save memory in. If training takes gradients "
+                        "with respect to an input, pass the example input as training does "
+                        "(x.requires_grad_()).", budget_bytes=error.budget_bytes,
+                        min_budget_bytes=error.min_budget_bytes)
                 raise (infeasible_for_new_call(error, args, kwargs) if planned_bytes else error) from None
         planned_bytes.append(chosen.budget_bytes)
         executor = ScheduleExecutor(call.trace.graph_module, graph, chosen.schedule)

@@ -207,6 +207,14 @@ def test_a_call_nothing_in_which_requires_grad_is_refused_by_the_compiler_path_a
         optimized = rg.optimize(model, 1.0, example_inputs=(x,))
     assert isinstance(optimized, rg.RecomputedModule)
     torch.testing.assert_close(optimized(x), model(x))
+    with pytest.raises(rg.InfeasibleBudgetError, match=r"Nothing in this call requires grad.*x\.requires_grad_"):
+        rg.optimize(model, 0.5, example_inputs=(x,), compiler=False)
+    x.requires_grad_()  # gradients with respect to the input alone: planned and exact
+    optimized = rg.optimize(model, 0.6, example_inputs=(x,), compiler=False)
+    assert optimized.recompute_plan.recomputed_nodes
+    (expected,) = torch.autograd.grad(model(x).square().sum(), x)
+    (actual,) = torch.autograd.grad(optimized(x).square().sum(), x)
+    assert torch.equal(actual, expected)
 
 
 class _UnusedDropout(nn.Module):
