@@ -3,8 +3,8 @@
 Profiling, tracing, verifying and the conformance suite all run a model's code on the side. None of
 that may leave a trace in the model: :func:`preserved_state` restores every buffer (BatchNorm running
 statistics, ``num_batches_tracked``) by value, the parameters a forward writes into (a momentum update
-in ``forward``), optionally the parameters' ``.grad`` and the CPU/CUDA random generators. :func:`training_step` is the README loop's step as a callable, for measuring and
-comparing.
+in ``forward``), optionally the parameters' ``.grad`` and the CPU/CUDA random generators.
+:func:`training_step` is the README loop's step as a callable, for measuring and comparing.
 """
 from __future__ import annotations
 
