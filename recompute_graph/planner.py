@@ -514,12 +514,11 @@ def _store_all_and_budget(graph: CostGraph, budget: Budget) -> tuple[Solution, i
 
 def replan_schedule(saved: RecomputePlan, graph: CostGraph, budget: Budget) -> RecomputePlan:
     """``saved``'s schedule priced on ``graph`` (same structure, possibly other times) at ``budget``;
-    whether it fits is for the caller to check (``min_budget_for_peak``)."""
-    from .simulate import simulate
+    whether it fits is for the caller to check (``min_budget_for_peak``). A node the saved schedule
+    recomputes that cannot be recomputed on ``graph`` is computed once (``Solution.of``)."""
     store_all, budget_bytes = _store_all_and_budget(graph, budget)
-    simulation = simulate(graph, saved.schedule)
     description = f"reused saved plan: {saved.description}" if saved.description else "reused saved plan"
-    chosen = Solution(saved.solver, saved.schedule, simulation, description)
+    chosen = Solution.of(saved.solver, graph, saved.schedule, description)
     return _plan(chosen, graph, budget_bytes, store_all, store_all.simulation.compute_cost)
 
 
