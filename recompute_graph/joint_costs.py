@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Container, Sequence
+from typing import Any
 from dataclasses import dataclass
 
 import torch
@@ -101,6 +102,19 @@ def _is_buffer_update(node: fx.Node, buffers: set[fx.Node]) -> bool:
                and a.meta["val"].dtype == value.dtype for a in producer.all_input_nodes)
 
 
+def _output_descriptions(graph: fx.Graph) -> tuple[fx.Node, "Sequence[Any] | None"]:
+    """The output node and AOTAutograd's description of each output (``meta["desc"]``, torch 2.9 on;
+    None where it is missing)."""
+    output = next(n for n in graph.nodes if n.op == "output")
+    descriptions = output.meta.get("desc")
+    return output, descriptions if isinstance(descriptions, (list, tuple)) else None
+
+
+def _is_input_mutation(description: Any) -> bool:
+    """An output that is an input's new value (``InputMutationAOTOutput``: a buffer's, a written input's)."""
+    return type(description).__name__ == "InputMutationAOTOutput"
+
+
 def buffer_updates(graph: fx.Graph, forward_outputs: Sequence[fx.Node], buffers: set[fx.Node]) -> set[fx.Node]:
     """The forward outputs that are inputs' new values (a buffer's: BatchNorm's running statistics).
     AOTAutograd says so where it describes the outputs (``meta["desc"]`` of the output node, from torch
@@ -109,12 +123,10 @@ def buffer_updates(graph: fx.Graph, forward_outputs: Sequence[fx.Node], buffers:
     without a gradient) hold the model's inputs too: a ``Linear(16, 16)`` on the input, returned, was
     taken for a buffer's update and the loss on it was not priced; returned beside the logits, one was
     priced as let go of after the forward, and the step measured 24 MiB against 16 MiB predicted."""
-    output = next(n for n in graph.nodes if n.op == "output")
-    descriptions = output.meta.get("desc")
-    if isinstance(descriptions, (list, tuple)) and len(descriptions) == len(output.args[0]):
+    output, descriptions = _output_descriptions(graph)
+    if descriptions is not None and len(descriptions) == len(output.args[0]):
         return {node for node, description in zip(output.args[0], descriptions)
-                if isinstance(node, fx.Node) and node in forward_outputs
-                and type(description).__name__ == "InputMutationAOTOutput"}
+                if isinstance(node, fx.Node) and node in forward_outputs and _is_input_mutation(description)}
     updates: set[fx.Node] = set()
     for node in forward_outputs:
         if not _is_buffer_update(node, buffers):
@@ -130,11 +142,10 @@ def units_reading_mutated_inputs(graph: fx.Graph, units: JointUnits) -> frozense
     and a plan recomputing it read the input after the write (autograd refused the backward). A training
     BatchNorm reading its running statistics is left out: a recomputation normalizes from the batch's
     statistics its first computation made (``batch_norm_recompute``)."""
-    output = next(n for n in graph.nodes if n.op == "output")
-    descriptions = output.meta.get("desc")
-    if not isinstance(descriptions, (list, tuple)):
+    _, descriptions = _output_descriptions(graph)
+    if descriptions is None:
         return frozenset()
-    mutated = [d.mutated_input for d in descriptions if type(d).__name__ == "InputMutationAOTOutput"]
+    mutated = [d.mutated_input for d in descriptions if _is_input_mutation(d)]
     values = [n for n in graph.nodes if n.op == "placeholder" and any(n.meta.get("desc") == d for d in mutated)]
     readers: set[int] = set()
     seen = set(values)

@@ -98,11 +98,9 @@ def preserved_state(module: nn.Module, *, rng: bool = False, grads: bool = False
             for p, saved in copied:
                 if not torch.equal(p, saved):
                     p.copy_(saved)
-            restored = {id(p) for p, _ in copied}
-            for p in [p for p, version in versions if p._version != version and id(p) not in restored]:
-                _mark_written(p)
-            for p, _ in copied:
-                _mark_written(p)
+            for p, version in versions:  # written in the block (a restore by copy counts too)
+                if p._version != version:
+                    _mark_written(p)
         for m, name, value in scalars:
             if m.__dict__.get(name, value) is not value:
                 m.__dict__[name] = value

@@ -382,9 +382,8 @@ def infeasible_for_new_call(error: InfeasibleBudgetError, args: tuple, kwargs: d
     named = ", ".join(map(str, shapes[:4])) + (", ..." if len(shapes) > 4 else "")
     new = InfeasibleBudgetError(
         f"a training call unlike those planned before (its inputs' shapes: {named}) is planned on its own, and "
-        f"{error} A byte budget "
-        "holds for every call; a fraction is of each call's own store-all step, or the most an earlier call was "
-        "planned at where that is more (docs/training.md, \"Calls of other shapes\").",
+        f"{error} A byte budget holds for every call; a fraction is of each call's own store-all step, or the "
+        "most an earlier call was planned at where that is more (docs/training.md, \"Calls of other shapes\").",
         budget_bytes=error.budget_bytes, min_budget_bytes=error.min_budget_bytes)
     new.__cause__ = error.__cause__
     return new

@@ -29,7 +29,8 @@ from .step_budget import (PLANNING_MARGIN, budget_with_loss_allowance, loss_allo
                           usable_bytes_of)
 from .units import Budget, format_bytes, parse_budget
 
-__all__ = ["Budget", "parse_budget", "RecomputePlan", "make_plan", "make_plan_for_call", "AUTO_SOLVERS", "auto_solvers",
+__all__ = ["Budget", "parse_budget", "RecomputePlan", "make_plan", "make_plan_for_call", "AUTO_SOLVERS",
+           "auto_solvers",
            "min_feasible_budget", "reproducible_floor_bytes", "replan_schedule", "plan_from_solution",
            "loss_allowance_bytes", "usable_bytes_of", "PLANNING_MARGIN", "min_budget_for_peak", "loss_peak_bytes",
            "planning_margin", "step_peak_bytes", "min_budget_for_step", "candidate_pool", "POOL_FRACTIONS",

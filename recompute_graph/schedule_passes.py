@@ -100,7 +100,6 @@ def _without_unread_recomputations(graph: CostGraph, sequence: list[Op | None], 
     return [op for op, kept in zip(sequence, keep) if kept]
 
 
-
 def computed_once_nodes(graph: CostGraph) -> frozenset[int]:
     """The nodes that read an input's value from before the step wrote into it (module docstring)."""
     return memoized(graph, "computed_once_nodes",
@@ -111,9 +110,9 @@ def computed_once(graph: CostGraph, schedule: Schedule) -> Schedule:
     """``schedule`` without recomputations of ``computed_once_nodes(graph)`` (module docstring); the
     same schedule object when it has none."""
     once = computed_once_nodes(graph)
-    program = [*schedule.forward_ops, None, *schedule.backward_ops]
-    if not once:
+    if not once:  # most graphs: nothing to look at (``Solution.of`` runs this on every schedule)
         return schedule
+    program = [*schedule.forward_ops, None, *schedule.backward_ops]
     computed = [op.node for op in program if isinstance(op, Forward) and op.node in once]
     if len(computed) == len(set(computed)):
         return schedule
