@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import inspect
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +41,7 @@ from torch import nn
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from .errors import TraceError
+from .library_classes import is_transformers_model
 from .trace import TraceResult, functionalize, grad_mode_switches_refused, user_source_location
 
 __all__ = ["ExportedTrace", "export_trace", "training_kwargs"]
@@ -72,20 +74,46 @@ class ExportedTrace:
 
 def training_kwargs(model: nn.Module, kwargs: dict) -> dict:
     """``kwargs`` with ``use_cache=False`` added when ``model.forward`` accepts ``use_cache`` and the
-    caller did not pass it (see the module docstring)."""
-    if "use_cache" in kwargs or not _forward_takes_use_cache(type(model)):
+    caller did not pass it (see the module docstring). A wrapper whose ``forward`` takes ``**kwargs``
+    (``peft``'s ``PeftModel``, a user's ``forward(self, **batch)``) accepts it when it holds a
+    ``transformers`` model that does: the wrapper hands its keyword arguments on."""
+    if "use_cache" in kwargs or not _passes_use_cache(model):
         return kwargs
     return {**kwargs, "use_cache": False}
 
 
+_PASSES_USE_CACHE: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
+
+
+def _passes_use_cache(model: nn.Module) -> bool:
+    """Whether ``model``'s forward accepts ``use_cache`` (:func:`training_kwargs`); asked once per model:
+    training calls ask on every step."""
+    known = _PASSES_USE_CACHE.get(model)
+    if known is None:
+        known = _forward_takes_use_cache(type(model)) or (
+            _forward_takes_any_keyword(type(model))
+            and any(is_transformers_model(m) and _forward_takes_use_cache(type(m)) for m in model.modules()))
+        _PASSES_USE_CACHE[model] = known
+    return known
+
+
 @functools.lru_cache(maxsize=None)
 def _forward_takes_use_cache(model_class: type) -> bool:
-    """Whether ``model_class.forward`` has a ``use_cache`` parameter (asked once per class: training
-    calls ask on every step)."""
+    """Whether ``model_class.forward`` has a ``use_cache`` parameter."""
     try:
         return "use_cache" in inspect.signature(model_class.forward).parameters
     except (TypeError, ValueError):  # pragma: no cover - builtins without a signature
         return False
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_takes_any_keyword(model_class: type) -> bool:
+    """Whether ``model_class.forward`` has a ``**kwargs`` parameter."""
+    try:
+        parameters = inspect.signature(model_class.forward).parameters.values()
+    except (TypeError, ValueError):  # pragma: no cover - builtins without a signature
+        return False
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
 def functional_copy(destination: torch.Tensor, source: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,6 @@ original model when the model was exported (``export_trace.py``).
 from __future__ import annotations
 
 import inspect
-import sys
 import types
 import warnings
 from typing import Any, Callable, NamedTuple
@@ -20,6 +19,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .errors import BudgetExceededWarning, EvalModeGradientWarning, InfeasibleBudgetError, RewriteError
 from .executor_state import autocast_state
+from .library_classes import is_peft_model, is_transformers_model
 from .module_hooks import hooks_changed_error, planned_hooks_key
 from .units import format_bytes
 from .rewrite import ScheduleExecutor
@@ -197,12 +197,14 @@ class SharedModelModule(nn.Module):
     @property  # type: ignore[misc]
     def __class__(self) -> type:
         """The model's class for a ``transformers`` model (``isinstance(optimized, PreTrainedModel)``,
-        ``optimized._get_name()``), this module's own otherwise; ``type(optimized)`` is always its own.
+        ``optimized._get_name()``) or a ``peft`` one, this module's own otherwise; ``type(optimized)`` is always its own.
         The Trainer saves a model that is not a ``PreTrainedModel`` as a bare state dict, which
         safetensors refuses for tied weights: GPT-2 training stopped at its first checkpoint. And its
-        label smoothing shifts the labels only for a causal language model it recognizes by class name."""
+        label smoothing shifts the labels only for a causal language model it recognizes by class name. A
+        ``PeftModel`` it saves as adapters, and reads the dataset columns off its base model's forward."""
         original = self.__dict__.get("_original")
-        return type(original) if original is not None and _is_transformers_model(original) else type(self)
+        shown = original is not None and (is_transformers_model(original) or is_peft_model(original))
+        return type(original) if shown else type(self)
 
     @__class__.setter
     def __class__(self, cls: type) -> None:
@@ -354,12 +356,6 @@ def placeholder_binder(model: nn.Module, graph_module: fx.GraphModule) -> Callab
                 raise TypeError(f"missing argument {name!r}")
         return values
     return bind
-
-
-def _is_transformers_model(model: nn.Module) -> bool:
-    """Whether ``model`` is a ``transformers.PreTrainedModel`` (without importing ``transformers``)."""
-    modeling = sys.modules.get("transformers.modeling_utils")
-    return modeling is not None and isinstance(model, getattr(modeling, "PreTrainedModel", ()))
 
 
 def _signature_key(args: tuple, kwargs: dict) -> tuple:

@@ -329,3 +329,47 @@ def test_a_loss_reading_the_logits_of_a_model_output_is_priced_on_them(recwarn):
     assert not [w for w in recwarn if issubclass(w.category, rg.LossNotPricedWarning)]
     assert report.gradient_error == 0.0 and not report.warnings, report
     assert abs(report.predicted_peak_bytes / report.measured_peak_bytes - 1) < 0.01, report
+
+
+@pytest.mark.parametrize("compiler", [True, False])
+def test_a_peft_lora_model_trains_its_adapters_like_the_model_and_the_trainer_saves_them(compiler, tmp_path):
+    """LoRA fine-tuning with ``peft``, as its users write it: ``get_peft_model`` wraps GPT-2 (adapters
+    with dropout on the attention projections, the base frozen), then ``optimize()`` and the Trainer.
+    Before, the executor could not export the wrapper (its ``forward(*args, **kwargs)`` does not name
+    ``use_cache``, so the cache was returned, which export refuses), and on both paths the Trainer
+    dropped every dataset column: it reads them off a ``PeftModel``'s base model, and the optimized
+    module was no ``PeftModel``."""
+    peft = pytest.importorskip("peft")
+    pytest.importorskip("accelerate")
+    from models_zoo import third_party
+    third_party.import_torchvision()  # the Trainer imports torchvision, whose C ops this CPU torch lacks
+    from transformers import Trainer, TrainingArguments
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["c_attn"])
+    model = peft.get_peft_model(tiny("gpt2"), config)
+    reference = copy.deepcopy(model)
+    optimized = rg.optimize(model, 0.7, example_kwargs=batch(), compiler=compiler)
+    assert isinstance(optimized, peft.PeftModel) and optimized.recompute_plan.recomputed_nodes
+
+    def train(trained, directory):
+        arguments = TrainingArguments(output_dir=str(directory), per_device_train_batch_size=4, max_steps=3,
+                                      logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", seed=0,
+                                      learning_rate=1e-2)
+        trainer = Trainer(model=trained, args=arguments, train_dataset=_TokenDataset())
+        trainer.train()
+        trainer.save_model(str(directory))
+        return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    losses = train(optimized, tmp_path / "optimized")
+    assert len(losses) == 3 and losses == pytest.approx(train(reference, tmp_path / "reference"), rel=1e-5)
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    assert trained and all("lora_" in n for n, _ in trained)
+    assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
+    for (_, ours), theirs in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    assert (tmp_path / "optimized/adapter_model.safetensors").exists()
+    torch.manual_seed(0)  # the same base model
+    loaded = peft.PeftModel.from_pretrained(tiny("gpt2"), tmp_path / "optimized")
+    kwargs = batch()
+    model.eval(), loaded.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**kwargs).logits, optimized(**kwargs).logits)
