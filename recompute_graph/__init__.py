@@ -11,7 +11,8 @@ import importlib
 from typing import Any
 
 from .errors import (BudgetExceededWarning, CompilerFallbackWarning, DynamicShapesError, EvalModeGradientWarning,
-                     GraphBreakWarning, GraphError, InfeasibleBudgetError, LossNotPricedWarning, PlanFileError,
+                     GraphBreakWarning, GraphError, InfeasibleBudgetError, LossNotPricedWarning,
+                     ManyCallSignaturesWarning, PlanFileError,
                      PlanMismatchWarning,
                      ProfileError, ProfilerActiveWarning, RecomputeError, RewriteError, ScheduleError, SolverError,
                      TraceError)
@@ -46,6 +47,7 @@ __all__ = ["CostGraph", "CostNode", "RecomputeError", "TraceError", "ProfileErro
            "SolverError", "InfeasibleBudgetError", "ScheduleError", "RewriteError", "PlanFileError",
            "PlanMismatchWarning", "BudgetExceededWarning", "CompilerFallbackWarning", "DynamicShapesError",
            "GraphBreakWarning", "ProfilerActiveWarning", "EvalModeGradientWarning", "LossNotPricedWarning",
+           "ManyCallSignaturesWarning",
            "parse_bytes", "format_bytes",
            *_LAZY]
 

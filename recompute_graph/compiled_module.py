@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 import warnings
 from typing import Any, Callable, Iterator
 
@@ -113,7 +114,7 @@ class CompiledRecomputedModule(SharedModelModule):
             return self.delegate.plan(*args, **kwargs)
         key = (*_signature_key(args, kwargs), planned_hooks_key(self._named_modules, self._original_class))
         if key not in self._planned:  # a new call signature, or forward hooks added: captured and planned
-            lowered = len(self._lowerings)
+            lowered, started = len(self._lowerings), time.perf_counter()
             try:
                 self._trial(key, args, kwargs)
                 if len(self._lowerings) == lowered:
@@ -127,6 +128,7 @@ class CompiledRecomputedModule(SharedModelModule):
                 self._fall_back(error)
                 return self.delegate.plan(*args, **kwargs)
             self._planned[key] = self._lowerings[-1]
+            self._signature_planned(time.perf_counter() - started, args, kwargs)
         object.__setattr__(self, "_current", key)
         return self._planned[key].plan
 

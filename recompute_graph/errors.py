@@ -92,6 +92,13 @@ class EvalModeGradientWarning(UserWarning):
     per module."""
 
 
+class ManyCallSignaturesWarning(UserWarning):
+    """An optimized module has planned many call signatures: each new input shape (or dtype, or
+    autocast setting) is captured, priced and planned on its first training call, so inputs whose
+    shape changes from batch to batch (padded to each batch's longest sequence) pay for a plan per
+    shape. The message says how long planning took and how to pad. Once per module."""
+
+
 class LossNotPricedWarning(UserWarning):
     """The ``loss_fn`` a graph was planned with could not run on the outputs it was priced on (the
     message says why): bytes are set aside for it by a guess, the outputs' size, instead of its

@@ -9,6 +9,7 @@ original model when the model was exported (``export_trace.py``).
 from __future__ import annotations
 
 import inspect
+import time
 import types
 import warnings
 from typing import Any, Callable, NamedTuple
@@ -17,7 +18,8 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .errors import BudgetExceededWarning, EvalModeGradientWarning, InfeasibleBudgetError, RewriteError
+from .errors import (BudgetExceededWarning, EvalModeGradientWarning, InfeasibleBudgetError, ManyCallSignaturesWarning,
+                     RewriteError)
 from .executor_state import autocast_state
 from .library_classes import is_peft_model, is_transformers_model
 from .module_hooks import hooks_changed_error, planned_hooks_key
@@ -159,7 +161,23 @@ class SharedModelModule(nn.Module):
         object.__setattr__(self, "_signature", inspect.signature(model.forward))
         object.__setattr__(self, "_original", model)
         object.__setattr__(self, "_named_modules", list(model.named_modules()))  # whose hooks calls check
+        object.__setattr__(self, "_planning_seconds", [])  # the time each call signature's planning took
         self._bind_forward()
+
+    def _signature_planned(self, seconds: float, args: tuple, kwargs: dict) -> None:
+        """Record that a new call signature was planned in ``seconds``; the :data:`MANY_SIGNATURES`-th
+        gets a :class:`ManyCallSignaturesWarning` (once per module)."""
+        self._planning_seconds.append(seconds)
+        count = len(self._planning_seconds)
+        if count != MANY_SIGNATURES:
+            return
+        warnings.warn(
+            f"{self._original_class}: {count} call signatures planned so far, {sum(self._planning_seconds):.0f} s "
+            f"of planning (the last with inputs of shapes {_input_shapes(args, kwargs)}). Each new input shape is "
+            "captured and planned on its first training call, so batches padded to their own longest sequence pay "
+            "for a plan per length: pad them to a few fixed lengths (transformers' DataCollatorWithPadding("
+            "pad_to_multiple_of=64), or to one maximum length) (docs/training.md, \"Calls of other shapes\").",
+            ManyCallSignaturesWarning, stacklevel=4)
 
     def _bind_forward(self) -> None:
         """``inspect.signature(optimized.forward)`` is the model's (``transformers``' Trainer keeps the
@@ -306,7 +324,9 @@ class RecomputedModule(SharedModelModule):
             raise hooks_changed_error(self._original_class)
         key = _signature_key(args, kwargs)
         if key not in self._plans:
+            started = time.perf_counter()
             self._plans[key] = self._prepare(args, kwargs)
+            self._signature_planned(time.perf_counter() - started, args, kwargs)
         step = self._plans[key]
         object.__setattr__(self, "recompute_plan", step.plan)
         return step
@@ -371,11 +391,20 @@ def _signature_key(args: tuple, kwargs: dict) -> tuple:
     return tuple(key)
 
 
+#: the number of call signatures planned at which :class:`ManyCallSignaturesWarning` is shown
+MANY_SIGNATURES = 8
+
+
+def _input_shapes(args: tuple, kwargs: dict) -> str:
+    """The shapes of a call's tensors, the first four."""
+    shapes = [tuple(t.shape) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+    return ", ".join(map(str, shapes[:4])) + (", ..." if len(shapes) > 4 else "")
+
+
 def infeasible_for_new_call(error: InfeasibleBudgetError, args: tuple, kwargs: dict) -> InfeasibleBudgetError:
     """``error``, raised planning a training call of another signature (input shapes, dtypes, autocast)
     than the calls planned before it, with that call's shapes and the rule for such calls named."""
-    shapes = [tuple(t.shape) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-    named = ", ".join(map(str, shapes[:4])) + (", ..." if len(shapes) > 4 else "")
+    named = _input_shapes(args, kwargs)
     new = InfeasibleBudgetError(
         f"a training call unlike those planned before (its inputs' shapes: {named}) is planned on its own, and "
         f"{error} A byte budget holds for every call; a fraction is of each call's own store-all step, or the "

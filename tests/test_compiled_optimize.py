@@ -3,6 +3,8 @@ partitioner) behind the one call users make, checked against eager autograd on t
 code nobody here wrote, with its errors and its fallback to the schedule executor."""
 import copy
 import logging
+import re
+import warnings
 
 import pytest
 import torch
@@ -500,3 +502,24 @@ def test_a_smaller_last_batch_under_a_fraction_is_planned_within_the_first_calls
     _step(reference, (x,))
     _step(bytes_budget, (x,))
     assert parameter_gradient_error(model, reference) == 0.0
+
+
+@pytest.mark.parametrize("compiler", [True, False])
+def test_many_call_signatures_get_one_warning_that_says_to_pad(compiler, monkeypatch):
+    """Batches padded to their own longest sequence make a new call signature, and so a new plan, per
+    length: the module says so once, at the ``MANY_SIGNATURES``-th signature (3 here), with the
+    planning time spent and how to pad; a signature seen before is not planned again."""
+    from recompute_graph import optimized_module
+    monkeypatch.setattr(optimized_module, "MANY_SIGNATURES", 3)
+    torch._dynamo.reset()
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+    optimized = rg.optimize(model, 1.0, compiler=compiler)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for rows in (8, 9, 8, 10, 11, 10):
+            _step(optimized, (torch.randn(rows, 16),))
+    shown = [w for w in caught if issubclass(w.category, rg.ManyCallSignaturesWarning)]
+    assert len(shown) == 1, [str(w.message) for w in caught]
+    assert re.search(r"3 call signatures planned so far, \d+ s of planning .*\(10, 16\).*pad_to_multiple_of",
+                     str(shown[0].message))
+    assert len(optimized._planning_seconds) == 4
