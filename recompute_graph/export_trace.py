@@ -40,6 +40,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
+from .custom_functions import functions_refused
 from .errors import TraceError
 from .library_classes import is_transformers_model
 from .trace import TraceResult, functionalize, grad_mode_switches_refused, user_source_location
@@ -276,7 +277,8 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict) -> ExportedTrace:
     model cannot be exported either. The model is not modified.
     """
     try:
-        with grad_mode_switches_refused(model, "torch.export"):
+        with grad_mode_switches_refused(model, "torch.export"), functions_refused(type(model).__name__,
+                                                                                   "torch.export"):
             program = torch.export.export(model, tuple(args), dict(kwargs), strict=False)
     except TraceError:
         raise

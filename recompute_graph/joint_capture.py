@@ -49,6 +49,7 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .custom_functions import functions_refused
 from .errors import DynamicShapesError, GraphBreakWarning, TraceError
 from .losses import default_training_loss
 from .model_state import preserved_state
@@ -194,7 +195,8 @@ def capture_joint(model: nn.Module, example_inputs: Sequence[Any], example_kwarg
             try:
                 # through torch.export: model code that asks "am I being exported?" (transformers'
                 # masks) takes its traceable path, and one graph without Python control flow comes back
-                exported = torch.export.export(step, tuple(tensors), strict=False).module()
+                with functions_refused(type(model).__name__, "torch.export"):  # it would lose their backward
+                    exported = torch.export.export(step, tuple(tensors), strict=False).module()
                 _drop_unread_parameters(exported)
                 gm, signature = aot_export_module(exported, tuple(tensors), trace_joint=True,
                                                   output_loss_index=0)

@@ -37,6 +37,7 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_flatten
 
+from .custom_functions import functions_kept_whole
 from .errors import TraceError
 from .model_state import preserved_state
 
@@ -180,7 +181,7 @@ def trace(model: nn.Module) -> TraceResult:
     if not isinstance(model, nn.Module):
         raise TraceError(f"expected an nn.Module, got {type(model).__name__}")
     with preserved_state(model):  # tracing runs the model's Python code: what it writes into buffers is undone
-        with grad_mode_switches_refused(model, "torch.fx"):
+        with grad_mode_switches_refused(model, "torch.fx"), functions_kept_whole(type(model).__name__):
             return _trace(model)
 
 
