@@ -128,7 +128,7 @@ class CompiledRecomputedModule(SharedModelModule):
                 self._fall_back(error)
                 return self.delegate.plan(*args, **kwargs)
             self._planned[key] = self._lowerings[-1]
-            self._signature_planned(time.perf_counter() - started, args, kwargs)
+            self._signature_planned(key, time.perf_counter() - started, args, kwargs)
         object.__setattr__(self, "_current", key)
         return self._planned[key].plan
 

@@ -7,6 +7,8 @@
 * :class:`InjectGradient`: hands a gradient computed outside autograd back into it;
 * :class:`replayed_rng`: the generator states a random node saw the first time, replayed when it is
   recomputed (dropout masks are identical);
+* :func:`forward_parameters_held`: the parameters the forward ran with, put back into the modules while
+  the backward recomputes (``torch.func.functional_call`` swaps its own in for the forward alone);
 * small helpers over pytrees of tensors.
 """
 from __future__ import annotations
@@ -24,7 +26,8 @@ from .measure import storage_key
 
 __all__ = ["Tape", "StepState", "recomputed_state", "autocast_state", "autocast_as", "pytree_leaves",
            "unique_parameters",
-           "fresh_results", "InjectGradient", "unpack_saved", "replayed_rng"]
+           "fresh_results", "InjectGradient", "unpack_saved", "replayed_rng", "parameter_slots",
+           "forward_parameters_held"]
 
 
 @dataclass
@@ -199,3 +202,26 @@ def recomputed_state(state: StepState, index: int, tensors: list[torch.Tensor], 
         for tensor, before in zip(tensors, state.state_before.get(index, ())):
             tensor.copy_(before)
     return restore
+
+
+def parameter_slots(module: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
+    """``(submodule, name, tensor)`` of every trainable parameter ``module`` and its submodules hold now."""
+    return [(m, name, p) for m in module.modules() for name, p in m._parameters.items()
+            if p is not None and p.requires_grad]
+
+
+@contextlib.contextmanager
+def forward_parameters_held(slots: list[tuple[nn.Module, str, torch.Tensor]]) -> Iterator[None]:
+    """For the block, each slot of :func:`parameter_slots` holds its tensor again where it holds another
+    now; the other is put back after. An executor runs its forward on the parameters it was built with
+    (it plans again when they change), and its recomputations in backward must read the same ones:
+    ``torch.func.functional_call`` swaps its parameters in for the forward and back out before the
+    backward, which then recomputed with the module's own (their gradients were lost, the rest off)."""
+    swapped = [(m, name, p, m._parameters[name]) for m, name, p in slots if m._parameters.get(name) is not p]
+    for m, name, p, _ in swapped:
+        m._parameters[name] = p
+    try:
+        yield
+    finally:
+        for m, name, _, now in swapped:
+            m._parameters[name] = now

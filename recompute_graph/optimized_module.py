@@ -161,18 +161,21 @@ class SharedModelModule(nn.Module):
         object.__setattr__(self, "_signature", inspect.signature(model.forward))
         object.__setattr__(self, "_original", model)
         object.__setattr__(self, "_named_modules", list(model.named_modules()))  # whose hooks calls check
-        object.__setattr__(self, "_planning_seconds", [])  # the time each call signature's planning took
+        object.__setattr__(self, "_planning_seconds", {})  # call signature -> the seconds its planning took
         self._bind_forward()
 
-    def _signature_planned(self, seconds: float, args: tuple, kwargs: dict) -> None:
-        """Record that a new call signature was planned in ``seconds``; the :data:`MANY_SIGNATURES`-th
-        gets a :class:`ManyCallSignaturesWarning` (once per module)."""
-        self._planning_seconds.append(seconds)
+    def _signature_planned(self, key: tuple, seconds: float, args: tuple, kwargs: dict) -> None:
+        """Record that call signature ``key`` was planned in ``seconds`` (again, when the parameters were
+        swapped); the :data:`MANY_SIGNATURES`-th signature gets a :class:`ManyCallSignaturesWarning`
+        (once per module)."""
+        known = key in self._planning_seconds
+        self._planning_seconds[key] = self._planning_seconds.get(key, 0.0) + seconds
         count = len(self._planning_seconds)
-        if count != MANY_SIGNATURES:
+        if known or count != MANY_SIGNATURES:
             return
+        spent_seconds = sum(self._planning_seconds.values())
         warnings.warn(
-            f"{self._original_class}: {count} call signatures planned so far, {sum(self._planning_seconds):.0f} s "
+            f"{self._original_class}: {count} call signatures planned so far, {spent_seconds:.0f} s "
             f"of planning (the last with inputs of shapes {_input_shapes(args, kwargs)}). Each new input shape is "
             "captured and planned on its first training call, so batches padded to their own longest sequence pay "
             "for a plan per length: pad them to a few fixed lengths (transformers' DataCollatorWithPadding("
@@ -215,9 +218,9 @@ class SharedModelModule(nn.Module):
     @property  # type: ignore[misc]
     def __class__(self) -> type:
         """The model's class for a ``transformers`` model (``isinstance(optimized, PreTrainedModel)``,
-        ``optimized._get_name()``) or a ``peft`` one, this module's own otherwise; ``type(optimized)`` is always its own.
-        The Trainer saves a model that is not a ``PreTrainedModel`` as a bare state dict, which
-        safetensors refuses for tied weights: GPT-2 training stopped at its first checkpoint. And its
+        ``optimized._get_name()``) or a ``peft`` one, this module's own otherwise; ``type(optimized)`` is
+        always its own. The Trainer saves a model that is not a ``PreTrainedModel`` as a bare state dict,
+        which safetensors refuses for tied weights: GPT-2 training stopped at its first checkpoint. Its
         label smoothing shifts the labels only for a causal language model it recognizes by class name. A
         ``PeftModel`` it saves as adapters, and reads the dataset columns off its base model's forward."""
         original = self.__dict__.get("_original")
@@ -326,7 +329,7 @@ class RecomputedModule(SharedModelModule):
         if key not in self._plans:
             started = time.perf_counter()
             self._plans[key] = self._prepare(args, kwargs)
-            self._signature_planned(time.perf_counter() - started, args, kwargs)
+            self._signature_planned(key, time.perf_counter() - started, args, kwargs)
         step = self._plans[key]
         object.__setattr__(self, "recompute_plan", step.plan)
         return step

@@ -16,28 +16,23 @@ its ``backward`` the backward ops, node by node (the Rotor/Rockmate model, docs/
   tape (``_taped_item``): its ``Backward`` hands the gradient on to the producer without autograd.
 
 Fused backward runs (``fuse=True``, the default without an observer): a maximal run of consecutive
-``Backward``/``FreeValue`` ops with several ``Backward`` ops is executed as one ``autograd.grad`` call.
-For that, a node taped for such a run reads the inputs taped for the *same* run through an alias that
-keeps the autograd edge instead of a detached leaf, so the run's local graphs form one graph. The
-``FreeValue`` ops of the run are executed first (no op of a backward run reads a value), then one call
-back-propagates the whole run. A run is fused only when every edge between its nodes can be connected
-this way, its ``Backward`` ops come in the reverse order of their tapes (the order autograd's engine
-runs ready nodes in), no value from outside it is read by three or more of its tapes (the call would
-return all their gradients of it at once) and none of its parameters got a gradient earlier in the step
-(decided once per schedule, before execution); otherwise it runs node by node, so fused or not, memory
-is what the simulator says, or less. Fusion removes
-the per-node cost of an autograd call (about 0.1 ms on CPU), which dominates on graphs of small nodes.
-
-The per-step state (tapes, gradient buffers, RNG snapshots) and the small autograd tools are in
-``executor_state.py``.
+``Backward``/``FreeValue`` ops with several ``Backward`` ops is one ``autograd.grad`` call. A node taped
+for such a run reads the inputs taped for the *same* run through an alias that keeps the autograd edge,
+so the run's local graphs form one graph; the run's ``FreeValue`` ops go first (no op of a backward run
+reads a value). A run is fused only when every edge between its nodes can be connected this way, its
+``Backward`` ops come in the reverse order of their tapes (autograd's engine order), no value from
+outside it is read by three or more of its tapes and none of its parameters got a gradient earlier in
+the step (decided once per schedule); otherwise it runs node by node, so memory is what the simulator
+says, or less. Fusion removes the per-node cost of an autograd call (0.1 ms on CPU). The per-step state
+and the small autograd tools are in ``executor_state.py``.
 
 Correctness of recomputation: the first computation in a step of a random node that the schedule
-computes again records the CPU and CUDA RNG states and every recomputation replays them (dropout masks are identical); a recomputation of a node that
-mutates module buffers (BatchNorm running statistics) restores them afterwards, so they are updated
-exactly once per step. Non-tensor intermediates (shape arithmetic) are evaluated once per step. The
-autocast settings of the forward (``torch.autocast`` on CPU or CUDA) are recorded and re-entered for the
-recomputations in backward, which usually runs outside the caller's ``autocast`` block, so recomputed
-values have the dtypes of the originals.
+computes again records the CPU and CUDA RNG states, and every recomputation replays them (dropout masks
+are identical); a recomputation of a node that mutates module buffers (BatchNorm running statistics)
+restores them afterwards, so they are updated once per step. Non-tensor intermediates (shape
+arithmetic) are evaluated once per step. The forward's autocast settings are re-entered for the
+recomputations in backward, which usually runs outside the caller's ``autocast`` block, and so are its
+parameters, where something swapped them out after the forward (``torch.func.functional_call``).
 """
 from __future__ import annotations
 
@@ -51,9 +46,9 @@ from torch import fx, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .errors import RewriteError
-from .executor_state import (InjectGradient, StepState, Tape, autocast_as, autocast_state, fresh_results,
-                             parameter_hooks_held, pytree_leaves, recomputed_state, replayed_rng, unique_parameters,
-                             unpack_saved)
+from .executor_state import (InjectGradient, StepState, Tape, autocast_as, autocast_state, forward_parameters_held,
+                             fresh_results, parameter_hooks_held, parameter_slots, pytree_leaves, recomputed_state,
+                             replayed_rng, unique_parameters, unpack_saved)
 from .graph import CostGraph
 from .measure import storage_key
 from .schedule import Backward, Forward, FreeValue, Op, Schedule
@@ -85,6 +80,7 @@ class ScheduleExecutor:
         self.placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
         self.output_node = next(n for n in graph_module.graph.nodes if n.op == "output")
         self.parameters = unique_parameters([p for p in graph_module.parameters() if p.requires_grad])
+        self._parameter_slots = parameter_slots(graph_module)
         self._parameter_ids = {id(p): i for i, p in enumerate(self.parameters)}
         self._node_parameters = [self._parameters_of(n) for n in self.fx_of]
         self._state_tensors = [self._mutable_state(n) if graph.nodes[i].stateful else []
@@ -206,6 +202,11 @@ class ScheduleExecutor:
                      ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
         """Run the backward ops given the gradients of the flattened tensor outputs; returns the
         gradients of the placeholders and of ``self.parameters``."""
+        with forward_parameters_held(self._parameter_slots):  # the recomputations read the forward's
+            return self._run_backward(state, output_grads)
+
+    def _run_backward(self, state: StepState, output_grads: Sequence[torch.Tensor | None]
+                      ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
         state.external_keys = {storage_key(g) for g in output_grads if g is not None}
         for (source, position), grad in zip(state.output_sources, output_grads):
             if source is not None and grad is not None:

@@ -61,3 +61,24 @@ def test_a_dtype_conversion_plans_again_for_the_new_dtype(unet):
     assert_same(step_gradients(reference, doubled), step_gradients(optimized, doubled), atol=1e-9)
     assert optimized.recompute_plan is not before
     assert optimized.recompute_plan.store_all_peak_bytes > 1.5 * before.store_all_peak_bytes
+
+
+def test_functional_call_trains_the_parameters_it_is_given(unet):
+    """``torch.func.functional_call(optimized, params, inputs)`` (meta-learning, per-sample gradients):
+    the parameters are swapped in for the forward only, and put back before backward. The executor's
+    recomputations in backward read the module's own parameters back then: gradients went to nothing
+    for the recomputed nodes' parameters, and the others were off. The recomputations now run on the
+    forward's parameters."""
+    model, reference, optimized, inputs = unet
+    assert optimized.recompute_plan.recomputed_nodes
+
+    def gradients(module, source):
+        given = {name: (p.detach() * 1.1).requires_grad_() for name, p in source.named_parameters()}
+        torch.manual_seed(0)
+        default_loss(torch.func.functional_call(module, given, inputs)).backward()
+        return [p.grad for p in given.values()]
+    for _ in range(2):
+        assert_same(gradients(reference, reference), gradients(optimized, model))
+    assert all(p.grad is None for p in model.parameters())
+    assert_same(step_gradients(reference, inputs), step_gradients(optimized, inputs))  # its own again
+    assert len(optimized._planning_seconds) == 1  # planned again for new tensors: no new call signature
