@@ -49,6 +49,12 @@ _TORCH_DIR = os.path.dirname(torch.__file__)
 SHAPE_DEPENDENT_CONSTRUCTORS = ("zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange",
                                 "eye", "linspace", "tensor", "as_tensor")
 _THIS_FILE = os.path.abspath(__file__)
+#: Modules of ``torch.nn`` made of other modules: traced into like the model's own, not kept as one leaf
+#: node (an ``nn.TransformerEncoder`` was one node holding every layer's activations, so the executor
+#: could recompute nothing inside it). Their fast-path checks branch on tensors, so tracing them fails,
+#: they become opaque, and ``tracer="auto"`` takes ``torch.export``'s aten graph of the model instead.
+COMPOSITE_TORCH_MODULES = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer,
+                           nn.TransformerEncoder, nn.TransformerDecoder, nn.Transformer)
 
 
 @dataclass(frozen=True)
@@ -158,7 +164,9 @@ class _ModuleLevelTracer(fx.Tracer):
         return constructor
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return module_qualified_name in self.opaque or super().is_leaf_module(m, module_qualified_name)
+        if module_qualified_name in self.opaque:
+            return True
+        return not isinstance(m, COMPOSITE_TORCH_MODULES) and super().is_leaf_module(m, module_qualified_name)
 
     def call_module(self, m: nn.Module, forward: Any, args: tuple, kwargs: dict) -> Any:
         qualname = self.path_of_module(m)
