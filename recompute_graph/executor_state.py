@@ -205,9 +205,10 @@ def recomputed_state(state: StepState, index: int, tensors: list[torch.Tensor], 
 
 
 def parameter_slots(module: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
-    """``(submodule, name, tensor)`` of every trainable parameter ``module`` and its submodules hold now."""
-    return [(m, name, p) for m in module.modules() for name, p in m._parameters.items()
-            if p is not None and p.requires_grad]
+    """``(submodule, name, tensor)`` of every trainable parameter ``module`` and its submodules hold now
+    (a scripted submodule's are left out: ``torch.jit`` holds them, and nothing swaps them)."""
+    return [(m, name, p) for m in module.modules() if isinstance(m._parameters, dict)
+            for name, p in m._parameters.items() if p is not None and p.requires_grad]
 
 
 @contextlib.contextmanager

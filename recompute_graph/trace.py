@@ -164,8 +164,8 @@ class _ModuleLevelTracer(fx.Tracer):
         return constructor
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        if module_qualified_name in self.opaque:
-            return True
+        if module_qualified_name in self.opaque or isinstance(m, torch.jit.ScriptModule):
+            return True  # a scripted module traced into is a call of its C++ module: its parameters unseen
         return not isinstance(m, COMPOSITE_TORCH_MODULES) and super().is_leaf_module(m, module_qualified_name)
 
     def call_module(self, m: nn.Module, forward: Any, args: tuple, kwargs: dict) -> Any:
