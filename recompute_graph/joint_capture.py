@@ -49,7 +49,7 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .custom_functions import functions_refused
+from .autograd_in_forward import functions_refused
 from .errors import DynamicShapesError, GraphBreakWarning, TraceError
 from .losses import default_training_loss
 from .model_state import preserved_state

@@ -37,7 +37,7 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_flatten
 
-from .custom_functions import functions_kept_whole
+from .autograd_in_forward import HookRefused, functions_kept_whole, proxy_hooks_refused
 from .errors import TraceError
 from .model_state import preserved_state
 
@@ -174,7 +174,7 @@ class _ModuleLevelTracer(fx.Tracer):
             return super().call_module(m, forward, args, kwargs)
         try:
             return super().call_module(m, forward, args, kwargs)
-        except _SubmoduleTraceFailure:
+        except (_SubmoduleTraceFailure, HookRefused):
             raise
         except Exception as error:  # noqa: BLE001 - any failure while tracing this module's code
             raise _SubmoduleTraceFailure(qualname, error) from error
@@ -189,7 +189,8 @@ def trace(model: nn.Module) -> TraceResult:
     if not isinstance(model, nn.Module):
         raise TraceError(f"expected an nn.Module, got {type(model).__name__}")
     with preserved_state(model):  # tracing runs the model's Python code: what it writes into buffers is undone
-        with grad_mode_switches_refused(model, "torch.fx"), functions_kept_whole(type(model).__name__):
+        name = type(model).__name__
+        with grad_mode_switches_refused(model, "torch.fx"), functions_kept_whole(name), proxy_hooks_refused(name):
             return _trace(model)
 
 
@@ -265,6 +266,8 @@ def _trace(model: nn.Module) -> TraceResult:
                 raise _trace_error(model, "", failure.error) from failure.error
             opaque[failure.qualname] = _describe(failure.error)
             continue
+        except HookRefused:
+            raise
         except Exception as error:  # noqa: BLE001
             raise _trace_error(model, "", error) from error
         graph_module = fx.GraphModule(tracer.root, graph, class_name=f"Traced{type(model).__name__}")

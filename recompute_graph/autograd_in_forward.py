@@ -1,12 +1,13 @@
-"""Custom ``torch.autograd.Function``s in the model's code, while the schedule executor's tracers run.
+"""What a model's forward asks of autograd, which the schedule executor's graphs must keep or refuse.
 
-A model's own ``autograd.Function`` (a gradient reversal layer, a straight-through estimator, a
-clipped derivative: RecurrentGemma's ``SqrtBoundDerivative``, PhiMoE's sparse mixer) pairs a forward
-with a backward of its own. Neither of the executor's tracers keeps that pairing by itself:
+**Custom ``torch.autograd.Function``s.** A model's own Function (a gradient reversal layer, a
+straight-through estimator, a clipped derivative: RecurrentGemma's ``SqrtBoundDerivative``, Bloom's
+``GeLUFunction``) pairs a forward with a backward of its own. Neither of the executor's tracers keeps
+that pairing by itself:
 
 * ``torch.fx`` calls ``Function.apply`` with proxies, which runs the forward's Python code and records
   its ops; the graph's backward is then autograd's derivative of those ops, not the Function's. A
-  domain-adversarial model trained with wrong gradients, silently (``tests/test_custom_functions.py``).
+  domain-adversarial model trained with wrong gradients, silently (``tests/test_autograd_in_forward.py``).
   :func:`functions_kept_whole` makes each application one ``call_function`` node that calls the
   Function itself, so the executor runs it whole, forward and backward, and recomputes it whole.
 * Non-strict ``torch.export`` records the aten ops the forward reaches, below autograd: the Function's
@@ -16,22 +17,33 @@ with a backward of its own. Neither of the executor's tracers keeps that pairing
 
 Functions of ``torch`` itself are left to the tracers as before (their forward switches grad mode, which
 the tracers refuse, or their backward is autograd's own derivative).
+
+**Gradient hooks on activations** (``h.register_hook(lambda g: g * 0.5)`` in ``forward``): the
+executor runs each node on detached inputs and its own ``autograd.grad`` calls, so a hook on an
+activation never saw its gradient, which then reached the layers below unchanged (gradients off by the
+whole of their value). Both tracers refuse them (:func:`hooks_refused` for export, :func:`proxy_hooks_refused` for fx,
+which would otherwise make the submodule opaque and run the hook outside the executor's tapes); the
+compiler path keeps them.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import sys
 from typing import Any, Callable, Iterator
 
 import torch
-from torch import fx
+from torch import fx, nn
 from torch.utils._pytree import tree_flatten
 
 from .errors import TraceError
 
-__all__ = ["functions_kept_whole", "functions_refused"]
+__all__ = ["functions_kept_whole", "functions_refused", "hooks_refused", "proxy_hooks_refused", "HookRefused"]
 
 _FUNCTION = torch.autograd.function.Function
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_LIBRARY_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def _is_the_models_own(function_class: type) -> bool:
@@ -104,3 +116,64 @@ def functions_refused(model_name: str, tracer: str) -> Iterator[None]:
             f"{tracer} graph the schedule executor runs does not keep (it records the forward's ops and "
             "differentiates those): gradients would differ from the model's. The compiler path keeps it: "
             "optimize(..., compiler='auto') (the default) or compiler=True.", module_path="")
+
+
+_HOOK_ADVICE = ("The compiler path keeps it: optimize(..., compiler='auto') (the default) or compiler=True. Or "
+                "write the change to the gradient as a torch.autograd.Function, which both paths keep.")
+
+
+def _hook_error(model_name: str, tracer: str, where: str) -> TraceError:
+    return TraceError(
+        f"{model_name}.forward registers a gradient hook on an activation (Tensor.register_hook){where}: the "
+        f"{tracer} graph the schedule executor runs does not keep it, and gradients would reach the layers "
+        f"below without it. {_HOOK_ADVICE}", module_path="", source_location=where.removeprefix(" at "))
+
+
+@contextlib.contextmanager
+def hooks_refused(model_name: str, tracer: str) -> Iterator[None]:
+    """Raise :class:`TraceError` after the block when the model registered a hook on a tensor other than
+    a parameter while ``tracer`` recorded it."""
+    original = torch.Tensor.register_hook
+    registered: list[str] = []
+
+    def register_hook(tensor: torch.Tensor, hook: Callable[..., Any]) -> Any:
+        if not isinstance(tensor, nn.Parameter) and not registered:
+            registered.append(_caller_outside_torch())
+        return original(tensor, hook)
+    torch.Tensor.register_hook = register_hook  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.register_hook = original  # type: ignore[method-assign]
+    if registered:
+        raise _hook_error(model_name, tracer, f" at {registered[0]}" if registered[0] else "")
+
+
+class HookRefused(TraceError):
+    """A gradient hook registered on an activation while ``torch.fx`` traced: refused for the whole
+    model, not made an opaque submodule (which would run the hook outside the executor's tapes)."""
+
+
+@contextlib.contextmanager
+def proxy_hooks_refused(model_name: str) -> Iterator[None]:
+    """While ``torch.fx`` traces, ``register_hook`` on a traced value raises :class:`HookRefused`."""
+    def register_hook(proxy: fx.Proxy, *args: Any, **kwargs: Any) -> Any:
+        where = _caller_outside_torch()
+        error = _hook_error(model_name, "torch.fx", f" at {where}" if where else "")
+        raise HookRefused(str(error), module_path="", source_location=where)
+    fx.Proxy.register_hook = register_hook  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        del fx.Proxy.register_hook  # type: ignore[attr-defined]
+
+
+def _caller_outside_torch() -> str:
+    """``file:line`` of the innermost frame outside torch and this library, or ""."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = os.path.abspath(frame.f_code.co_filename)
+        if not path.startswith((_TORCH_DIR, _LIBRARY_DIR)):
+            return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+        frame = frame.f_back
+    return ""

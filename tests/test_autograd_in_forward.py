@@ -1,4 +1,4 @@
-"""A model's own ``torch.autograd.Function``s (``custom_functions.py``): a gradient reversal layer, a
+"""A model's own ``torch.autograd.Function``s (``autograd_in_forward.py``): a gradient reversal layer, a
 straight-through estimator, a clamp with a derivative of its own and a dropout that keeps its mask
 for its backward. torch.fx traced through their forwards and dropped their backwards: the schedule
 executor trained this model with gradients off by 1.33 times the largest, silently."""
@@ -146,3 +146,44 @@ def test_a_function_given_an_argument_fx_cannot_hold_makes_its_submodule_opaque(
     _step(reference, x, 0)
     _step(optimized, x, 0)
     assert parameter_gradient_error(model, reference) == 0.0
+
+
+class _HalvedGradient(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(64, 64)
+
+    def forward(self, x):
+        h = torch.nn.functional.gelu(self.linear(x))
+        h.register_hook(lambda grad: grad * 0.5)
+        return h
+
+
+class _HookedStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Linear(32, 64), nn.GELU())
+        self.hooked = _HalvedGradient()
+        self.head = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4))
+
+    def forward(self, x):
+        return self.head(self.hooked(self.stem(x)))
+
+
+def test_a_gradient_hook_on_an_activation_is_kept_by_the_compiler_and_refused_by_the_executor():
+    """``h.register_hook(fn)`` in ``forward``: the executor's tapes never ran it, so the layers below got
+    the unscaled gradient (off by the whole of it, silently, on fx and export graphs alike). The
+    compiler path keeps it; the executor refuses it on either tracer."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _HookedStack()
+    reference = copy.deepcopy(model)
+    x = torch.randn(1024, 32)
+    optimized = rg.optimize(model, 0.6, example_inputs=(x,), compiler=True)
+    assert optimized.recompute_plan.recomputed_nodes
+    reference(x).square().mean().backward()
+    optimized(x).square().mean().backward()
+    assert parameter_gradient_error(model, reference) == 0.0
+    for tracer in ("fx", "export", "auto"):
+        with pytest.raises(rg.TraceError, match=r"registers a gradient hook .*register_hook.* compiler path keeps"):
+            rg.optimize(_HookedStack(), 0.6, example_inputs=(x,), compiler=False, tracer=tracer)
