@@ -24,6 +24,12 @@ activation never saw its gradient, which then reached the layers below unchanged
 whole of their value). Both tracers refuse them (:func:`hooks_refused` for export, :func:`proxy_hooks_refused` for fx,
 which would otherwise make the submodule opaque and run the hook outside the executor's tapes); the
 compiler path keeps them.
+
+**Differentiation inside ``forward``** (``torch.autograd.grad(u.sum(), x, create_graph=True)``: a
+physics-informed network's derivatives, an input-gradient penalty): no plan can run it. The
+executor's nodes run on detached inputs, so the traced ``autograd.grad`` failed while it was priced,
+with autograd's own words; export failed on a fake tensor in its constants; Dynamo breaks the graph
+there. Both tracers now say so (:func:`differentiation_refused`, :func:`refuse_differentiation_nodes`).
 """
 from __future__ import annotations
 
@@ -39,7 +45,8 @@ from torch.utils._pytree import tree_flatten
 
 from .errors import TraceError
 
-__all__ = ["functions_kept_whole", "functions_refused", "hooks_refused", "proxy_hooks_refused", "HookRefused"]
+__all__ = ["functions_kept_whole", "functions_refused", "hooks_refused", "proxy_hooks_refused", "HookRefused",
+           "differentiation_refused", "refuse_differentiation_nodes", "export_refusals"]
 
 _FUNCTION = torch.autograd.function.Function
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -177,3 +184,55 @@ def _caller_outside_torch() -> str:
             return f"{frame.f_code.co_filename}:{frame.f_lineno}"
         frame = frame.f_back
     return ""
+
+
+_DIFFERENTIATING = {torch.autograd.grad: "torch.autograd.grad", torch.autograd.backward: "torch.autograd.backward"}
+
+
+def _differentiation_error(model_name: str, what: str, where: str) -> TraceError:
+    return TraceError(
+        f"{model_name}.forward differentiates ({what}{where}): a plan runs the forward as a graph whose "
+        "backward autograd runs once, after it, and neither of optimize()'s paths can plan a forward that "
+        "runs a backward of its own (torch.compile breaks the graph there, and the schedule executor runs "
+        "each node on detached inputs). Train this model without optimize().", module_path="",
+        source_location=where.removeprefix(" at "))
+
+
+def refuse_differentiation_nodes(model_name: str, graph: fx.Graph, locate: Callable[[str], str]) -> None:
+    """:class:`TraceError` for the first call of ``torch.autograd.grad``/``backward`` (or a tensor's
+    ``backward``) in a ``torch.fx`` graph; ``locate`` finds the user's line in a node's stack trace."""
+    for node in graph.nodes:
+        what = _DIFFERENTIATING.get(node.target) if node.op == "call_function" else (
+            "Tensor.backward" if node.op == "call_method" and node.target == "backward" else None)
+        if what is not None:
+            where = locate(node.stack_trace or "")
+            raise _differentiation_error(model_name, what, f" at {where}" if where else "")
+
+
+@contextlib.contextmanager
+def differentiation_refused(model_name: str, tracer: str) -> Iterator[None]:
+    """While ``tracer`` (non-strict ``torch.export``) records the model, ``torch.autograd.grad``,
+    ``torch.autograd.backward`` and ``Tensor.backward`` raise :class:`TraceError`."""
+    originals = (torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward)
+
+    def refused(what: str) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            where = _caller_outside_torch()
+            raise _differentiation_error(model_name, what, f" at {where}" if where else "")
+        return call
+    torch.autograd.grad = refused("torch.autograd.grad")  # type: ignore[assignment]
+    torch.autograd.backward = refused("torch.autograd.backward")  # type: ignore[assignment]
+    torch.Tensor.backward = refused("Tensor.backward")  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward = originals  # type: ignore[misc]
+
+
+@contextlib.contextmanager
+def export_refusals(model_name: str) -> Iterator[None]:
+    """What non-strict ``torch.export`` would drop or cannot trace in the model's forward, refused while
+    it records: the model's own Functions, gradient hooks on activations, differentiation."""
+    with functions_refused(model_name, "torch.export"), hooks_refused(model_name, "torch.export"), \
+            differentiation_refused(model_name, "torch.export"):
+        yield

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
-from .autograd_in_forward import functions_refused, hooks_refused
+from .autograd_in_forward import export_refusals
 from .errors import TraceError
 from .library_classes import is_transformers_model
 from .trace import TraceResult, functionalize, grad_mode_switches_refused, user_source_location
@@ -277,9 +277,7 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict) -> ExportedTrace:
     model cannot be exported either. The model is not modified.
     """
     try:
-        name = type(model).__name__
-        with grad_mode_switches_refused(model, "torch.export"), functions_refused(name, "torch.export"), \
-                hooks_refused(name, "torch.export"):
+        with grad_mode_switches_refused(model, "torch.export"), export_refusals(type(model).__name__):
             program = torch.export.export(model, tuple(args), dict(kwargs), strict=False)
     except TraceError:
         raise

@@ -49,7 +49,7 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .autograd_in_forward import functions_refused
+from .autograd_in_forward import export_refusals
 from .errors import DynamicShapesError, GraphBreakWarning, TraceError
 from .losses import default_training_loss
 from .model_state import preserved_state
@@ -195,7 +195,7 @@ def capture_joint(model: nn.Module, example_inputs: Sequence[Any], example_kwarg
             try:
                 # through torch.export: model code that asks "am I being exported?" (transformers'
                 # masks) takes its traceable path, and one graph without Python control flow comes back
-                with functions_refused(type(model).__name__, "torch.export"):  # it would lose their backward
+                with export_refusals(type(model).__name__):  # what the exported graph would lose
                     exported = torch.export.export(step, tuple(tensors), strict=False).module()
                 _drop_unread_parameters(exported)
                 gm, signature = aot_export_module(exported, tuple(tensors), trace_joint=True,

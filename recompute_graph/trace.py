@@ -37,7 +37,8 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_flatten
 
-from .autograd_in_forward import HookRefused, functions_kept_whole, proxy_hooks_refused
+from .autograd_in_forward import (HookRefused, functions_kept_whole, proxy_hooks_refused,
+                                  refuse_differentiation_nodes)
 from .errors import TraceError
 from .model_state import preserved_state
 
@@ -270,6 +271,7 @@ def _trace(model: nn.Module) -> TraceResult:
             raise
         except Exception as error:  # noqa: BLE001
             raise _trace_error(model, "", error) from error
+        refuse_differentiation_nodes(type(model).__name__, graph, _user_frame)
         graph_module = fx.GraphModule(tracer.root, graph, class_name=f"Traced{type(model).__name__}")
         functionalized, unsafe = functionalize(graph_module)
         return TraceResult(graph_module, tuple(opaque), tuple(opaque.values()), functionalized, unsafe)

@@ -5,6 +5,7 @@ executor trained this model with gradients off by 1.33 times the largest, silent
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -187,3 +188,30 @@ def test_a_gradient_hook_on_an_activation_is_kept_by_the_compiler_and_refused_by
     for tracer in ("fx", "export", "auto"):
         with pytest.raises(rg.TraceError, match=r"registers a gradient hook .*register_hook.* compiler path keeps"):
             rg.optimize(_HookedStack(), 0.6, example_inputs=(x,), compiler=False, tracer=tracer)
+
+
+class _PhysicsInformed(nn.Module):
+    """A physics-informed network: its forward returns the solution and its derivative in the inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(2, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1))
+
+    def forward(self, xt):
+        u = self.net(xt)
+        return u, torch.autograd.grad(u.sum(), xt, create_graph=True)[0]
+
+
+@pytest.mark.parametrize("options", [{"compiler": "auto"}, {"compiler": False, "tracer": "export"}])
+def test_a_forward_that_differentiates_is_refused_with_the_line_that_does(options):
+    """The fx graph recorded the ``autograd.grad`` call, which failed while it was priced ("element 0 of
+    tensors does not require grad"); export failed on "a fake tensor in the exported program constant's
+    list". Neither said what to do. Compiled, Dynamo breaks the graph there and falls back."""
+    torch._dynamo.reset()
+    x = torch.randn(256, 2, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", rg.CompilerFallbackWarning)
+        with pytest.raises(rg.TraceError, match=r"differentiates \(torch\.autograd\.grad at .*test_autograd_in_forward"
+                                                r"\.py:\d+.*Train this model without optimize"):
+            rg.optimize(_PhysicsInformed(), 0.6, example_inputs=(x,),
+                        loss_fn=lambda out: out[0].square().mean() + out[1].square().mean(), **options)
