@@ -126,7 +126,8 @@ def functions_refused(model_name: str, tracer: str) -> Iterator[None]:
 
 
 _HOOK_ADVICE = ("The compiler path keeps it: optimize(..., compiler='auto') (the default) or compiler=True. Or "
-                "write the change to the gradient as a torch.autograd.Function, which both paths keep.")
+                "write the change to the gradient as a torch.autograd.Function, which the compiler path and "
+                "the executor's torch.fx graph keep.")
 
 
 def _hook_error(model_name: str, tracer: str, where: str) -> TraceError:
