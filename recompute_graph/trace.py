@@ -50,12 +50,13 @@ _TORCH_DIR = os.path.dirname(torch.__file__)
 SHAPE_DEPENDENT_CONSTRUCTORS = ("zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange",
                                 "eye", "linspace", "tensor", "as_tensor")
 _THIS_FILE = os.path.abspath(__file__)
-#: Modules of ``torch.nn`` made of other modules: traced into like the model's own, not kept as one leaf
-#: node (an ``nn.TransformerEncoder`` was one node holding every layer's activations, so the executor
-#: could recompute nothing inside it). Their fast-path checks branch on tensors, so tracing them fails,
-#: they become opaque, and ``tracer="auto"`` takes ``torch.export``'s aten graph of the model instead.
-COMPOSITE_TORCH_MODULES = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer,
-                           nn.TransformerEncoder, nn.TransformerDecoder, nn.Transformer)
+#: Stacks of layers in ``torch.nn``: traced into like the model's own modules, not kept as one leaf node
+#: (an ``nn.TransformerEncoder`` was one node holding every layer's activations, so the executor could
+#: recompute nothing inside it). Their fast-path checks branch on tensors, so tracing them fails, they
+#: become opaque, and ``tracer="auto"`` takes ``torch.export``'s aten graph of the model instead. A single
+#: layer (``nn.TransformerEncoderLayer``, ``nn.MultiheadAttention``) stays a leaf: a unit to keep or
+#: recompute whole, as a user's own block is (torchvision's ViT plans better on that fx graph).
+COMPOSITE_TORCH_MODULES = (nn.TransformerEncoder, nn.TransformerDecoder, nn.Transformer)
 
 
 @dataclass(frozen=True)
