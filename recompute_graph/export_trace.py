@@ -43,7 +43,8 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 from .autograd_in_forward import export_refusals
 from .errors import TraceError
 from .library_classes import is_transformers_model
-from .trace import TraceResult, functionalize, grad_mode_switches_refused, user_source_location
+from .trace import (TraceResult, functionalize, grad_mode_switches_refused, host_random_draws_refused,
+                    user_source_location)
 
 __all__ = ["ExportedTrace", "export_trace", "training_kwargs"]
 
@@ -277,7 +278,8 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict) -> ExportedTrace:
     model cannot be exported either. The model is not modified.
     """
     try:
-        with grad_mode_switches_refused(model, "torch.export"), export_refusals(type(model).__name__):
+        with grad_mode_switches_refused(model, "torch.export"), export_refusals(type(model).__name__), \
+                host_random_draws_refused(model, "torch.export"):
             program = torch.export.export(model, tuple(args), dict(kwargs), strict=False)
     except TraceError:
         raise
@@ -287,9 +289,12 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict) -> ExportedTrace:
         location = user_source_location(error)
         raise TraceError(
             f"cannot export {type(model).__name__} with torch.export either: {type(error).__name__}: "
-            f"{first_line}" + (f"\n  at {location}" if location else "")
-            + "\n  Pass example inputs exactly as training calls the model (keyword arguments included); "
-            "if the model returns a custom object, register it with torch.utils._pytree.",
+            f"{first_line}" + (f"\n  at {location}" if location else "") + (
+                "\n  The forward branches on a tensor's value there (a layer skipped at random, LayerDrop: "
+                "transformers' layerdrop=0 turns it off), so no one graph holds its ops; make the branch depend "
+                "on shapes or configuration only." if type(error).__name__ == "GuardOnDataDependentSymNode" else
+                "\n  Pass example inputs exactly as training calls the model (keyword arguments included); "
+                "if the model returns a custom object, register it with torch.utils._pytree."),
             module_path="", source_location=location) from error
     in_spec, out_spec = program.call_spec.in_spec, program.call_spec.out_spec
     _refuse_unused_random_draws(program.graph, type(model).__name__)

@@ -192,11 +192,48 @@ def trace(model: nn.Module) -> TraceResult:
         raise TraceError(f"expected an nn.Module, got {type(model).__name__}")
     with preserved_state(model):  # tracing runs the model's Python code: what it writes into buffers is undone
         name = type(model).__name__
-        with grad_mode_switches_refused(model, "torch.fx"), functions_kept_whole(name), proxy_hooks_refused(name):
+        with grad_mode_switches_refused(model, "torch.fx"), functions_kept_whole(name), proxy_hooks_refused(name), \
+                host_random_draws_refused(model, "torch.fx", torch_generator=True):
             return _trace(model)
 
 
 _LIBRARY_DIR = os.path.dirname(_THIS_FILE)
+
+
+@contextlib.contextmanager
+def host_random_draws_refused(model: nn.Module, tracer: str, torch_generator: bool = False) -> Any:
+    """Raise :class:`TraceError` after the block when the model drew from Python's ``random`` or numpy's
+    global generator while it was traced, or (``torch_generator``: torch.fx, whose proxies record random
+    ops instead of running them) from torch's CPU generator. The graph holds what was drawn then as
+    constants, so every step would reuse them: wav2vec2's SpecAugment masks (numpy), a layer skipped when
+    ``torch.rand([])`` is below a rate (the branch taken at trace time, every step), noise of a fixed
+    shape. The generators' states are put back."""
+    import random
+
+    import numpy
+    python_state, numpy_state, torch_state = random.getstate(), numpy.random.get_state(), torch.get_rng_state()
+    try:
+        yield
+    finally:
+        host = random.getstate() != python_state or not _same_numpy_state(numpy.random.get_state(), numpy_state)
+        drew_torch = torch_generator and not torch.equal(torch.get_rng_state(), torch_state)
+        random.setstate(python_state)
+        numpy.random.set_state(numpy_state)
+        torch.set_rng_state(torch_state)
+    if host or drew_torch:
+        source = ("Python's random module or numpy's global generator" if host else
+                  "torch outside the traced values (torch.rand([]) deciding a branch, noise of a fixed shape)")
+        raise TraceError(
+            f"{type(model).__name__}.forward draws random numbers from {source}: the {tracer} graph the schedule "
+            "executor runs would hold those drawn while it traced, and reuse them at every step (a mask drawn "
+            "with numpy, as wav2vec2's SpecAugment does; a layer skipped at random). Draw them with torch from a "
+            "traced tensor (torch.rand_like(x), x.new_empty(...).bernoulli_(p)), or turn them off (wav2vec2: "
+            "mask_time_prob=0, layerdrop=0); the compiler path may capture them: optimize(..., compiler='auto').",
+            module_path="")
+
+
+def _same_numpy_state(a: tuple, b: tuple) -> bool:
+    return a[0] == b[0] and bool((a[1] == b[1]).all()) and a[2:] == b[2:]
 
 
 @contextlib.contextmanager

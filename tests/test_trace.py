@@ -323,3 +323,63 @@ def test_torch_nn_transformer_layers_are_traced_into_and_recomputed_inside():
     assert report.ok and report.gradient_error == 0.0 and report.solver != "store_all", report
     optimized = rg.optimize(_EncoderClassifier(), 0.6, example_inputs=(ids, padding), compiler=False)
     assert optimized.recompute_plan.recomputed_nodes and len(optimized.recompute_plan.graph.nodes) > 50
+
+
+class _HostRandomMask(nn.Module):
+    """Masks features with a mask drawn from numpy or Python's ``random`` (as wav2vec2's SpecAugment)."""
+
+    def __init__(self, source: str) -> None:
+        super().__init__()
+        self.source = source
+        self.a, self.b = nn.Linear(16, 64), nn.Linear(64, 4)
+
+    def forward(self, x):
+        import random
+
+        import numpy as np
+        keep = np.random.rand(64) > 0.2 if self.source == "numpy" else [random.random() > 0.2 for _ in range(64)]
+        return self.b(torch.relu(self.a(x)) * torch.tensor(keep, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("source", ["numpy", "python"])
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_random_numbers_drawn_outside_torch_are_refused_not_frozen(source, tracer):
+    """Both tracers ran the draw once and held the mask as a constant: every step masked the same
+    features, silently (the export check compares outputs only when the graph has torch random ops).
+    The generators' states are put back."""
+    import random
+
+    import numpy as np
+    import recompute_graph as rg
+    states = random.getstate(), np.random.get_state()[1].copy()
+    with pytest.raises(rg.TraceError, match=r"draws random numbers from Python's random module or numpy's"):
+        rg.optimize(_HostRandomMask(source), 0.9, example_inputs=(torch.randn(32, 16),), compiler=False,
+                    tracer=tracer)
+    assert random.getstate() == states[0] and (np.random.get_state()[1] == states[1]).all()
+
+
+def test_a_layer_skipped_at_random_is_refused_with_what_to_change():
+    """LayerDrop (wav2vec2's default ``layerdrop=0.1``) branches on a drawn tensor: no one graph holds
+    the forward's ops. Export's error said to pass the inputs as training does, which does not help;
+    torch.fx drew the branch once and kept it."""
+    import recompute_graph as rg
+
+    class LayerDrop(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+
+        def forward(self, x):
+            for layer in self.layers:
+                if not (self.training and torch.rand([]) < 0.1):
+                    x = torch.relu(layer(x))
+            return x
+    with pytest.raises(rg.TraceError, match=r"branches on a tensor's value there \(a layer skipped at random"):
+        rg.optimize(LayerDrop(), 0.9, example_inputs=(torch.randn(8, 16),), compiler=False, tracer="export")
+    # torch.fx ran torch.rand([]) (no traced input) while it traced, took the branch it drew, and kept
+    # that one graph for every step: a layer dropped for good, silently
+    model, x = LayerDrop(), torch.randn(8, 16)
+    generator = torch.get_rng_state()
+    with pytest.raises(rg.TraceError, match=r"from torch outside the traced values"):
+        rg.optimize(model, 0.9, example_inputs=(x,), compiler=False, tracer="fx")
+    assert torch.equal(torch.get_rng_state(), generator)
