@@ -204,22 +204,24 @@ _LIBRARY_DIR = os.path.dirname(_THIS_FILE)
 def host_random_draws_refused(model: nn.Module, tracer: str, torch_generator: bool = False) -> Any:
     """Raise :class:`TraceError` after the block when the model drew from Python's ``random`` or numpy's
     global generator while it was traced, or (``torch_generator``: torch.fx, whose proxies record random
-    ops instead of running them) from torch's CPU generator. The graph holds what was drawn then as
+    ops instead of running them) from torch's CPU or CUDA generators. The graph holds what was drawn then as
     constants, so every step would reuse them: wav2vec2's SpecAugment masks (numpy), a layer skipped when
     ``torch.rand([])`` is below a rate (the branch taken at trace time, every step), noise of a fixed
     shape. The generators' states are put back."""
     import random
 
     import numpy
-    python_state, numpy_state, torch_state = random.getstate(), numpy.random.get_state(), torch.get_rng_state()
+    python_state, numpy_state, torch_states = random.getstate(), numpy.random.get_state(), _torch_generator_states()
     try:
         yield
     finally:
         host = random.getstate() != python_state or not _same_numpy_state(numpy.random.get_state(), numpy_state)
-        drew_torch = torch_generator and not torch.equal(torch.get_rng_state(), torch_state)
+        drew_torch = torch_generator and not all(map(torch.equal, _torch_generator_states(), torch_states))
         random.setstate(python_state)
         numpy.random.set_state(numpy_state)
-        torch.set_rng_state(torch_state)
+        torch.set_rng_state(torch_states[0])
+        for device, state in enumerate(torch_states[1:]):
+            torch.cuda.set_rng_state(state, device)
     if host or drew_torch:
         source = ("Python's random module or numpy's global generator" if host else
                   "torch outside the traced values (torch.rand([]) deciding a branch, noise of a fixed shape)")
@@ -230,6 +232,12 @@ def host_random_draws_refused(model: nn.Module, tracer: str, torch_generator: bo
             "traced tensor (torch.rand_like(x), x.new_empty(...).bernoulli_(p)), or turn them off (wav2vec2: "
             "mask_time_prob=0, layerdrop=0); the compiler path may capture them: optimize(..., compiler='auto').",
             module_path="")
+
+
+def _torch_generator_states() -> list[torch.Tensor]:
+    """The CPU generator's state, then each initialized CUDA device's."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    return [torch.get_rng_state(), *cuda]
 
 
 def _same_numpy_state(a: tuple, b: tuple) -> bool:
