@@ -130,31 +130,43 @@ _HOOK_ADVICE = ("The compiler path keeps it: optimize(..., compiler='auto') (the
                 "the executor's torch.fx graph keep.")
 
 
-def _hook_error(model_name: str, tracer: str, where: str) -> TraceError:
+def _hook_error(model_name: str, tracer: str, method: str, where: str) -> TraceError:
+    effect, advice = ("gradients would reach the layers below without it", _HOOK_ADVICE) if method == "register_hook" \
+        else ("the activation's .grad would stay empty (its pricing failed on it)", "torch.compile refuses it too "
+              "(AOTAutograd): call retain_grad() outside the optimized module, on what it returns.")
     return TraceError(
-        f"{model_name}.forward registers a gradient hook on an activation (Tensor.register_hook){where}: the "
-        f"{tracer} graph the schedule executor runs does not keep it, and gradients would reach the layers "
-        f"below without it. {_HOOK_ADVICE}", module_path="", source_location=where.removeprefix(" at "))
+        f"{model_name}.forward registers a gradient hook on an activation (Tensor.{method}){where}: the "
+        f"{tracer} graph the schedule executor runs does not keep it, and {effect}. {advice}",
+        module_path="", source_location=where.removeprefix(" at "))
+
+
+#: The tensor methods that hook an activation's gradient
+_HOOK_METHODS = ("register_hook", "retain_grad")
 
 
 @contextlib.contextmanager
 def hooks_refused(model_name: str, tracer: str) -> Iterator[None]:
-    """Raise :class:`TraceError` after the block when the model registered a hook on a tensor other than
-    a parameter while ``tracer`` recorded it."""
-    original = torch.Tensor.register_hook
-    registered: list[str] = []
+    """Raise :class:`TraceError` after the block when the model hooked the gradient of a tensor other
+    than a parameter (:data:`_HOOK_METHODS`) while ``tracer`` recorded it."""
+    originals = {method: getattr(torch.Tensor, method) for method in _HOOK_METHODS}
+    registered: list[tuple[str, str]] = []
 
-    def register_hook(tensor: torch.Tensor, hook: Callable[..., Any]) -> Any:
-        if not isinstance(tensor, nn.Parameter) and not registered:
-            registered.append(_caller_outside_torch())
-        return original(tensor, hook)
-    torch.Tensor.register_hook = register_hook  # type: ignore[method-assign]
+    def watched(method: str) -> Callable[..., Any]:
+        def call(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if not isinstance(tensor, nn.Parameter) and not registered:
+                registered.append((method, _caller_outside_torch()))
+            return originals[method](tensor, *args, **kwargs)
+        return call
+    for method in _HOOK_METHODS:
+        setattr(torch.Tensor, method, watched(method))
     try:
         yield
     finally:
-        torch.Tensor.register_hook = original  # type: ignore[method-assign]
+        for method, original in originals.items():
+            setattr(torch.Tensor, method, original)
     if registered:
-        raise _hook_error(model_name, tracer, f" at {registered[0]}" if registered[0] else "")
+        method, where = registered[0]
+        raise _hook_error(model_name, tracer, method, f" at {where}" if where else "")
 
 
 class HookRefused(TraceError):
@@ -164,16 +176,21 @@ class HookRefused(TraceError):
 
 @contextlib.contextmanager
 def proxy_hooks_refused(model_name: str) -> Iterator[None]:
-    """While ``torch.fx`` traces, ``register_hook`` on a traced value raises :class:`HookRefused`."""
-    def register_hook(proxy: fx.Proxy, *args: Any, **kwargs: Any) -> Any:
-        where = _caller_outside_torch()
-        error = _hook_error(model_name, "torch.fx", f" at {where}" if where else "")
-        raise HookRefused(str(error), module_path="", source_location=where)
-    fx.Proxy.register_hook = register_hook  # type: ignore[attr-defined]
+    """While ``torch.fx`` traces, hooking a traced value's gradient (:data:`_HOOK_METHODS`) raises
+    :class:`HookRefused`."""
+    def refused(method: str) -> Callable[..., Any]:
+        def call(proxy: fx.Proxy, *args: Any, **kwargs: Any) -> Any:
+            where = _caller_outside_torch()
+            error = _hook_error(model_name, "torch.fx", method, f" at {where}" if where else "")
+            raise HookRefused(str(error), module_path="", source_location=where)
+        return call
+    for method in _HOOK_METHODS:
+        setattr(fx.Proxy, method, refused(method))
     try:
         yield
     finally:
-        del fx.Proxy.register_hook  # type: ignore[attr-defined]
+        for method in _HOOK_METHODS:
+            delattr(fx.Proxy, method)
 
 
 def _caller_outside_torch() -> str:

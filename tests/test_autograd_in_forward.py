@@ -215,3 +215,18 @@ def test_a_forward_that_differentiates_is_refused_with_the_line_that_does(option
                                                 r"\.py:\d+.*Train this model without optimize"):
             rg.optimize(_PhysicsInformed(), 0.6, example_inputs=(x,),
                         loss_fn=lambda out: out[0].square().mean() + out[1].square().mean(), **options)
+
+
+class _RetainedActivation(_HookedStack):
+    def forward(self, x):
+        h = self.stem(x)
+        h.retain_grad()  # an activation's gradient read after backward (saliency, Grad-CAM)
+        return self.head(self.hooked.linear(h))
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_retain_grad_on_an_activation_is_refused_with_what_to_do(tracer):
+    """``retain_grad()`` in ``forward``: the fx graph's node failed while it was priced ("can't
+    retain_grad on Tensor that has requires_grad=False"); Dynamo refuses it as well."""
+    with pytest.raises(rg.TraceError, match=r"Tensor\.retain_grad.*call retain_grad\(\) outside the optimized"):
+        rg.optimize(_RetainedActivation(), 0.9, example_inputs=(torch.randn(64, 32),), compiler=False, tracer=tracer)
