@@ -21,9 +21,10 @@ the tracers refuse, or their backward is autograd's own derivative).
 **Gradient hooks on activations** (``h.register_hook(lambda g: g * 0.5)`` in ``forward``): the
 executor runs each node on detached inputs and its own ``autograd.grad`` calls, so a hook on an
 activation never saw its gradient, which then reached the layers below unchanged (gradients off by the
-whole of their value). Both tracers refuse them (:func:`hooks_refused` for export, :func:`proxy_hooks_refused` for fx,
-which would otherwise make the submodule opaque and run the hook outside the executor's tapes); the
-compiler path keeps them.
+whole of their value). Both tracers refuse them (:func:`hooks_refused` for export,
+:func:`proxy_hooks_refused` for fx, which would otherwise make the submodule opaque and run the hook
+outside the executor's tapes); the compiler path keeps them. ``retain_grad()`` on an activation is
+refused the same way (AOTAutograd refuses it too; the fx node failed while it was priced).
 
 **Differentiation inside ``forward``** (``torch.autograd.grad(u.sum(), x, create_graph=True)``: a
 physics-informed network's derivatives, an input-gradient penalty): no plan can run it. The
