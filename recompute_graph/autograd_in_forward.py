@@ -73,6 +73,24 @@ def _application_of(function_class: type) -> Callable[..., Any]:
 
 
 @contextlib.contextmanager
+def _attributes_replaced(owner: Any, replacements: dict[str, Any]) -> Iterator[None]:
+    """``owner``'s (a class's or a module's) attributes set to ``replacements`` for the block; after it,
+    what ``owner`` itself held before is put back, or the attribute is removed (an inherited one shows)."""
+    missing = object()
+    before = {name: vars(owner).get(name, missing) for name in replacements}
+    for name, value in replacements.items():
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is missing:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, value)
+
+
+@contextlib.contextmanager
 def _apply_replaced(replacement: Callable[..., Any]) -> Iterator[None]:
     """``Function.apply`` is ``replacement(cls, original_apply, *args, **kwargs)`` for the block."""
     original = _FUNCTION.__dict__["apply"]
@@ -158,13 +176,8 @@ def hooks_refused(model_name: str, tracer: str) -> Iterator[None]:
                 registered.append((method, _caller_outside_torch()))
             return originals[method](tensor, *args, **kwargs)
         return call
-    for method in _HOOK_METHODS:
-        setattr(torch.Tensor, method, watched(method))
-    try:
+    with _attributes_replaced(torch.Tensor, {method: watched(method) for method in _HOOK_METHODS}):
         yield
-    finally:
-        for method, original in originals.items():
-            setattr(torch.Tensor, method, original)
     if registered:
         method, where = registered[0]
         raise _hook_error(model_name, tracer, method, f" at {where}" if where else "")
@@ -185,13 +198,8 @@ def proxy_hooks_refused(model_name: str) -> Iterator[None]:
             error = _hook_error(model_name, "torch.fx", method, f" at {where}" if where else "")
             raise HookRefused(str(error), module_path="", source_location=where)
         return call
-    for method in _HOOK_METHODS:
-        setattr(fx.Proxy, method, refused(method))
-    try:
+    with _attributes_replaced(fx.Proxy, {method: refused(method) for method in _HOOK_METHODS}):
         yield
-    finally:
-        for method in _HOOK_METHODS:
-            delattr(fx.Proxy, method)
 
 
 def _caller_outside_torch() -> str:
@@ -232,20 +240,15 @@ def refuse_differentiation_nodes(model_name: str, graph: fx.Graph, locate: Calla
 def differentiation_refused(model_name: str, tracer: str) -> Iterator[None]:
     """While ``tracer`` (non-strict ``torch.export``) records the model, ``torch.autograd.grad``,
     ``torch.autograd.backward`` and ``Tensor.backward`` raise :class:`TraceError`."""
-    originals = (torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward)
-
     def refused(what: str) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
             where = _caller_outside_torch()
             raise _differentiation_error(model_name, what, f" at {where}" if where else "")
         return call
-    torch.autograd.grad = refused("torch.autograd.grad")  # type: ignore[assignment]
-    torch.autograd.backward = refused("torch.autograd.backward")  # type: ignore[assignment]
-    torch.Tensor.backward = refused("Tensor.backward")  # type: ignore[method-assign]
-    try:
+    with _attributes_replaced(torch.autograd, {"grad": refused("torch.autograd.grad"),
+                                               "backward": refused("torch.autograd.backward")}), \
+            _attributes_replaced(torch.Tensor, {"backward": refused("Tensor.backward")}):
         yield
-    finally:
-        torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward = originals  # type: ignore[misc]
 
 
 @contextlib.contextmanager
