@@ -44,7 +44,7 @@ from .errors import CompilerFallbackWarning, InfeasibleBudgetError, RecomputeErr
 from .joint_capture import CaptureError
 from .compile_backend import budget_backend
 from .joint_lowering import Lowered
-from .model_state import preserved_state
+from .model_state import generator_states, preserved_state
 from .joint_allocations import own_output_known
 from .output_structure import OutputStructure
 from .losses import own_loss
@@ -169,10 +169,10 @@ class CompiledRecomputedModule(SharedModelModule):
             own = self._own_forward(args, kwargs)
             self._own_outputs[key] = own[2] if own is not None else None
             with preserved_state(self._original, rng=True), torch.enable_grad(), full_collections_deferred():
-                drawn_from = _generator_states()
+                drawn_from = generator_states()
                 with own_output_known(self._own_outputs[key]):
                     output = _floating_values(self._step_for(key)(*args, **kwargs))
-                compiled_draws = _generator_states()
+                compiled_draws = generator_states()
             if own is not None:
                 self._check_random_draws(output, drawn_from, compiled_draws, *own[:2])
         except TorchDynamoException as error:
@@ -194,7 +194,7 @@ class CompiledRecomputedModule(SharedModelModule):
             structure = OutputStructure.of(output, held, own_loss(output) is not None)
             expected = _floating_values(output)
             del output, held
-            return expected, _generator_states(), structure
+            return expected, generator_states(), structure
 
     def _check_random_draws(self, output: list[torch.Tensor], drawn_from: list[torch.Tensor],
                             compiled_draws: list[torch.Tensor], expected: list[torch.Tensor],
@@ -309,12 +309,6 @@ def _floating_values(output: Any) -> list[torch.Tensor]:
 
 def _same_states(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(map(torch.equal, a, b))
-
-
-def _generator_states() -> list[torch.Tensor]:
-    """The CPU and (initialized) CUDA random generators' states."""
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-    return [torch.get_rng_state(), *cuda]
 
 
 def _own_code_call(model: nn.Module) -> Callable[..., Any]:

@@ -25,8 +25,7 @@ from torch.utils._pytree import tree_flatten
 from .measure import storage_key
 
 __all__ = ["Tape", "StepState", "recomputed_state", "autocast_state", "autocast_as", "pytree_leaves",
-           "unique_parameters",
-           "fresh_results", "InjectGradient", "unpack_saved", "replayed_rng", "parameter_slots",
+           "unique_parameters", "fresh_results", "InjectGradient", "unpack_saved", "replayed_rng", "parameter_slots",
            "forward_parameters_held"]
 
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["preserved_state", "training_step"]
+__all__ = ["preserved_state", "training_step", "generator_states"]
 
 
 #: Parameters some forward was seen writing into in place, by id (a tensor's ``==`` compares values, so a
@@ -110,6 +110,13 @@ def preserved_state(module: nn.Module, *, rng: bool = False, grads: bool = False
             torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
+
+
+def generator_states() -> list[torch.Tensor]:
+    """The CPU random generator's state, then each initialized CUDA device's (compared to tell whether
+    some code drew random numbers)."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    return [torch.get_rng_state(), *cuda]
 
 
 def training_step(module: nn.Module, args: tuple, kwargs: dict | None = None,

@@ -40,7 +40,7 @@ from torch.utils._pytree import tree_flatten
 from .autograd_in_forward import (HookRefused, functions_kept_whole, proxy_hooks_refused,
                                   refuse_differentiation_nodes)
 from .errors import TraceError
-from .model_state import preserved_state
+from .model_state import generator_states, preserved_state
 
 __all__ = ["TraceResult", "BoundInterpreter", "functionalize", "trace", "user_source_location"]
 
@@ -211,12 +211,12 @@ def host_random_draws_refused(model: nn.Module, tracer: str, torch_generator: bo
     import random
 
     import numpy
-    python_state, numpy_state, torch_states = random.getstate(), numpy.random.get_state(), _torch_generator_states()
+    python_state, numpy_state, torch_states = random.getstate(), numpy.random.get_state(), generator_states()
     try:
         yield
     finally:
         host = random.getstate() != python_state or not _same_numpy_state(numpy.random.get_state(), numpy_state)
-        drew_torch = torch_generator and not all(map(torch.equal, _torch_generator_states(), torch_states))
+        drew_torch = torch_generator and not all(map(torch.equal, generator_states(), torch_states))
         random.setstate(python_state)
         numpy.random.set_state(numpy_state)
         torch.set_rng_state(torch_states[0])
@@ -232,12 +232,6 @@ def host_random_draws_refused(model: nn.Module, tracer: str, torch_generator: bo
             "traced tensor (torch.rand_like(x), x.new_empty(...).bernoulli_(p)), or turn them off (wav2vec2: "
             "mask_time_prob=0, layerdrop=0); the compiler path may capture them: optimize(..., compiler='auto').",
             module_path="")
-
-
-def _torch_generator_states() -> list[torch.Tensor]:
-    """The CPU generator's state, then each initialized CUDA device's."""
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-    return [torch.get_rng_state(), *cuda]
 
 
 def _same_numpy_state(a: tuple, b: tuple) -> bool:
