@@ -238,7 +238,9 @@ class _MemoryPass(BoundInterpreter):
         record.grad_bytes = sum(t.numel() * t.element_size() for t in grad_outputs)
         needs: set[str] = set()
         for key, nbytes in self._saved_now.items():
-            owner = owner_of[key]
+            owner = owner_of.get(key)
+            if owner is None:  # freed inside the node with the backward that saved it: holds nothing
+                continue
             if key in output_keys and owner == n.name and key not in used_keys:
                 # an item of the node's tuple no consumer reads (BatchNorm's saved mean and inverse
                 # std in an exported graph): held by the backward alone, like an internal buffer

@@ -344,7 +344,8 @@ def saved_tensor_bytes(run: Callable[[], Any]) -> int:
 
     Measured with ``torch.autograd.graph.saved_tensors_hooks``; storages that existed before ``run``
     (parameters, buffers, inputs) are not counted, matching the budget semantics. The saved tensors are
-    released when ``run``'s results are dropped.
+    released when ``run``'s results are dropped. A storage saved by a backward that died before ``run``
+    returned (``max``'s indices when its values go unused) holds nothing and is not counted.
     """
     saved: dict[int, int] = {}
 
@@ -355,8 +356,10 @@ def saved_tensor_bytes(run: Callable[[], Any]) -> int:
         return tensor
 
     with StorageTracker() as tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        run()
-    return sum(saved.values())
+        result = run()
+        held = sum(nbytes for key, nbytes in saved.items() if key in tracker._live)
+        del result
+    return held
 
 
 @dataclass(frozen=True)

@@ -229,3 +229,23 @@ def test_an_isolated_backward_is_priced_net_of_the_saved_tensors_it_frees_as_it_
     measured = peak_memory(make_training_step(optimized, (x,), default_training_loss))
     predicted = plan.predicted_step_peak_bytes
     assert measured * 0.95 <= predicted <= measured * 1.05
+
+
+def test_a_tensor_saved_and_released_inside_one_node_is_not_priced():
+    """Hard ``F.gumbel_softmax`` is one fx node: ``max`` saves its indices for a backward that dies with
+    its unused values inside the node. Pricing crashed on the storage's key (gone with the storage)."""
+    class HardGumbel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 4)
+
+        def forward(self, x):
+            return self.b(nn.functional.gumbel_softmax(self.a(x), tau=0.5, hard=True))
+
+    model, x = HardGumbel(), torch.randn(64, 16)
+    _, graph = profile_model(model, (x,))
+    gumbel = graph["gumbel_softmax"]
+    assert gumbel.random
+    # it keeps its soft sample (64 x 32 float32) for the backward, and the indices no longer
+    assert gumbel.saved_output_bytes + gumbel.saved_buffer_bytes == 64 * 32 * 4
+    assert graph.store_all_saved_bytes() == pytest.approx(saved_tensor_bytes(lambda: model(x)), rel=0.02)
