@@ -12,8 +12,8 @@ from torch.utils._pytree import tree_map
 
 from .collector import full_collections_deferred
 from .costs import profile_graph
-from .call_graphs import CallGraphs, profile_call, training_mode
-from .errors import InfeasibleBudgetError, TraceError
+from .call_graphs import CallGraph, CallGraphs, profile_call, training_mode
+from .errors import InfeasibleBudgetError, ProfileError, TraceError
 from .optimized_module import PreparedStep, RecomputedModule, infeasible_for_new_call
 
 if TYPE_CHECKING:
@@ -66,7 +66,8 @@ def optimize(model: nn.Module, budget: Budget, *, example_inputs: Sequence[Any] 
     input shape); ``"export"`` uses ``torch.export`` (aten-level nodes, one graph per call structure; see
     ``export_trace.py``), which handles Hugging Face ``transformers`` models and other code symbolic
     tracing cannot; ``"auto"`` (default) uses fx, and export when fx cannot trace the root module or had
-    to keep a submodule opaque (falling back to the fx graph if export fails too).
+    to keep a submodule opaque (falling back to the fx graph if export fails too, or its graph cannot
+    be priced: an aten op with no autograd formula for its dtype).
 
     ``compiler``: ``"auto"`` (default) takes the compiler path (``compiled_module.py``): ``torch.compile``
     with our budgeted partitioner, which plans the functional joint forward+backward graph and generates
@@ -130,13 +131,23 @@ def optimize(model: nn.Module, budget: Budget, *, example_inputs: Sequence[Any] 
         with full_collections_deferred():
             return _prepare(args, kwargs)
 
+    def _priced(call: CallGraph, args: tuple, kwargs: dict) -> CostGraph:
+        with contextlib.nullcontext() if call.exported else training_mode(call.trace.graph_module):
+            return profile_graph(call.trace, call.inputs_of(args, kwargs), name=type(model).__name__,
+                                 loss_fn=loss_fn, output_of=call.output_of, **options)
+
     def _prepare(args: tuple, kwargs: dict) -> PreparedStep:
         call = graphs.graph_for(args, kwargs)
         graph = cost_graph
         if graph is None:
-            with contextlib.nullcontext() if call.exported else training_mode(call.trace.graph_module):
-                graph = profile_graph(call.trace, call.inputs_of(args, kwargs), name=type(model).__name__,
-                                      loss_fn=loss_fn, output_of=call.output_of, **options)
+            try:
+                graph = _priced(call, args, kwargs)
+            except ProfileError:
+                fallback = graphs.fx_fallback(call)
+                if fallback is None:
+                    raise
+                call = fallback
+                graph = _priced(call, args, kwargs)
         chosen = reuse_plan(saved, graph, budget, stacklevel=4) if saved is not None else None
         if chosen is None:
             try:

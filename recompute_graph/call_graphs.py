@@ -48,7 +48,7 @@ class CallGraphs:
     def __init__(self, model: nn.Module, tracer: str = "auto") -> None:
         if tracer not in TRACERS:
             raise ValueError(f"unknown tracer {tracer!r}; use one of {', '.join(TRACERS)}")
-        self.model = model
+        self.model, self.tracer = model, tracer
         self.fx_trace: TraceResult | None = None
         self.fx_error: TraceError | None = None
         if tracer != "export":
@@ -95,6 +95,14 @@ class CallGraphs:
         def inputs_of(call_args: tuple, call_kwargs: dict) -> list[Any]:
             return exported.inputs_of(call_args, training_kwargs(model, call_kwargs))
         return CallGraph(exported.trace, inputs_of, exported.output_of, exported=True)
+
+    def fx_fallback(self, call: CallGraph) -> CallGraph | None:
+        """The fx graph to plan instead when ``call``'s export graph cannot be priced (an aten op of the
+        functionalized graph with no autograd formula for its dtype: complex ``slice_scatter``), or None
+        where there is no such graph or only export plans the model exactly."""
+        if not call.exported or self.fx_trace is None or self.fx_trace.unsafe_mutations or self.tracer != "auto":
+            return None
+        return self._fx_graph()
 
     def eval_forward(self, args: tuple, kwargs: dict) -> Any:
         """The plain forward: the model itself (its hooks as they are now, its ``self.training``

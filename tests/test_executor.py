@@ -263,3 +263,37 @@ def test_a_scripted_submodule_trains_exactly():
     optimized(x).square().mean().backward()
     assert all(p.grad is not None for p in model.parameters())
     assert parameter_gradient_error(model, reference) == 0.0
+
+
+class _SpectralConvolution(nn.Module):
+    """A Fourier neural operator's layer: complex weights on the lowest modes, written into a zero
+    spectrum through a slice (``out[..., :modes] = ...``), which fx cannot trace."""
+
+    def __init__(self, channels: int = 8, modes: int = 6):
+        super().__init__()
+        self.modes = modes
+        self.weight = nn.Parameter(torch.randn(channels, channels, modes, dtype=torch.cfloat) * 0.1)
+        self.skip = nn.Conv1d(channels, channels, 1)
+
+    def forward(self, x):
+        spectrum = torch.fft.rfft(x, dim=-1)
+        out = torch.zeros(*x.shape[:2], spectrum.shape[-1], dtype=torch.cfloat)
+        out[..., :self.modes] = torch.einsum("bix,iox->box", spectrum[..., :self.modes], self.weight)
+        return nn.functional.gelu(torch.fft.irfft(out, n=x.shape[-1]) + self.skip(x))
+
+
+def test_a_model_whose_export_graph_cannot_be_priced_plans_on_its_fx_graph():
+    """The export graph of a complex slice write holds ``slice_scatter``, which has no complex autograd
+    formula, so pricing it failed; ``tracer='auto'`` now plans the fx graph (the layers whole) instead."""
+    from recompute_graph.verification import parameter_gradient_error
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_SpectralConvolution() for _ in range(4)])
+    reference = __import__("copy").deepcopy(model)
+    x = torch.randn(16, 8, 32)
+    with pytest.raises(rg.ProfileError, match="slice_scatter"):
+        rg.optimize(model, 0.6, example_inputs=(x,), compiler=False, tracer="export")
+    optimized = rg.optimize(model, 0.6, example_inputs=(x,), compiler=False)
+    assert optimized.recompute_plan.recomputed_nodes
+    reference(x).square().mean().backward()
+    optimized(x).square().mean().backward()
+    assert parameter_gradient_error(model, reference) == 0.0
