@@ -193,8 +193,9 @@ class _MemoryPass(BoundInterpreter):
         module = self.module.get_submodule(n.target) if n.op == "call_module" else None
         buffers = list(module.buffers()) if module is not None else _buffer_arguments(n, self.env)
         buffer_versions = [b._version for b in buffers]
-        # aten.batch_norm writes running statistics without bumping their version: compare values
-        buffer_values = [b.clone() for b in buffers] if module is None else []
+        # aten.batch_norm and a QAT observer's fused kernel (in a module too) write statistics without
+        # bumping versions: compare values (not a module's on meta: all would count as written)
+        buffer_values = [b.clone() for b in buffers] if module is None or not any(b.is_meta for b in buffers) else []
         self._saved_now = {}
         self.tracker.ops_seen = set()
         self.tracker.owner = n.name

@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from .measure import storage_key
+from .model_state import values_put_back
 
 __all__ = ["Tape", "StepState", "recomputed_state", "autocast_state", "autocast_as", "pytree_leaves",
            "unique_parameters", "fresh_results", "InjectGradient", "unpack_saved", "replayed_rng", "parameter_slots",
@@ -197,9 +198,7 @@ def recomputed_state(state: StepState, index: int, tensors: list[torch.Tensor], 
             state.state_before[index] = [t.detach().clone() for t in tensors]
         return []
     restore = [(t, t.detach().clone()) for t in tensors]
-    with torch.no_grad():
-        for tensor, before in zip(tensors, state.state_before.get(index, ())):
-            tensor.copy_(before)
+    values_put_back(zip(tensors, state.state_before.get(index, ())))
     return restore
 
 

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["preserved_state", "training_step", "generator_states"]
+__all__ = ["preserved_state", "training_step", "generator_states", "values_put_back"]
 
 
 #: Parameters some forward was seen writing into in place, by id (a tensor's ``==`` compares values, so a
@@ -58,6 +58,18 @@ class _CopyBeforeWrite(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+def values_put_back(pairs: "Iterable[tuple[torch.Tensor, torch.Tensor]]") -> None:
+    """Copy each ``(tensor, value)``'s value back into its tensor, in place (the model keeps holding the
+    same buffer), resizing it first where its shape changed: a quantization observer sizes its empty
+    per-channel ``min_val``/``max_val`` on its first call."""
+    with torch.no_grad():
+        for tensor, value in pairs:
+            if tensor.shape != value.shape:
+                tensor.resize_(value.shape)
+            if not torch.equal(tensor, value):
+                tensor.copy_(value)
+
+
 @contextlib.contextmanager
 def preserved_state(module: nn.Module, *, rng: bool = False, grads: bool = False,
                     watch_parameters: bool = False) -> Iterator[None]:
@@ -88,9 +100,7 @@ def preserved_state(module: nn.Module, *, rng: bool = False, grads: bool = False
             yield
     finally:
         with torch.no_grad():
-            for buffer, saved in buffers:
-                if not torch.equal(buffer, saved):
-                    buffer.copy_(saved)
+            values_put_back(buffers)
             for p, before in data:
                 if p.data.untyped_storage().data_ptr() != before.untyped_storage().data_ptr():
                     p.data = before

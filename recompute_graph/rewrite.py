@@ -51,6 +51,7 @@ from .executor_state import (InjectGradient, StepState, Tape, autocast_as, autoc
                              replayed_rng, unique_parameters, unpack_saved)
 from .graph import CostGraph
 from .measure import storage_key
+from .model_state import values_put_back
 from .schedule import Backward, Forward, FreeValue, Op, Schedule
 
 __all__ = ["RewriteError", "ScheduleExecutor"]
@@ -278,10 +279,7 @@ class ScheduleExecutor:
         except Exception as error:  # noqa: BLE001
             raise RewriteError(f"node {node.format_node()} failed: {type(error).__name__}: {error}") from error
         finally:
-            if restore:
-                with torch.no_grad():
-                    for tensor, saved_value in restore:
-                        tensor.copy_(saved_value)
+            values_put_back(restore)
         state.computed.add(index)
         state.values[index] = out
         if isinstance(out, torch.Tensor) and any(out is v for v in inputs.values()):

@@ -314,3 +314,38 @@ def test_a_recomputed_node_whose_output_reads_its_buffers_runs_from_their_values
             assert torch.equal(a.grad, b.grad)
         for a, b in zip(model.buffers(), reference.buffers()):
             assert torch.equal(a, b)
+
+
+def _quantization_aware() -> nn.Module:
+    """``torch.ao.quantization.prepare_qat``: each module's fake quantizer observes (moving averages of
+    the weights' and outputs' ranges, per channel sized on the first call) with a fused kernel that
+    writes its buffers without bumping their versions."""
+    import torch.ao.quantization as quantization
+    model = nn.Sequential(quantization.QuantStub(), nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                          nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(16 * 16 * 16, 10),
+                          quantization.DeQuantStub())
+    model.qconfig = quantization.get_default_qat_qconfig("x86")
+    return quantization.prepare_qat(model.train())
+
+
+def test_quantization_aware_training_observes_once_per_step():
+    """A recomputed QAT convolution observed its weights twice per step (its node was not marked
+    stateful), and planning failed at once: putting back a per-channel observer's empty ``min_val``
+    after the first call sized it ("size of tensor a (16) must match ... b (0)"). Dynamo skips the
+    observers' code, so ``optimize()`` takes the executor either way."""
+    torch.manual_seed(0)
+    model = _quantization_aware()
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 3, 16, 16)
+    optimized = rg.optimize(model, 0.9, example_inputs=(x,), compiler=False)
+    assert "_1" in [optimized.recompute_plan.graph[i].name for i in optimized.recompute_plan.recomputed_nodes]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.01) for m in (model, reference)]
+    for _ in range(3):
+        for module, optimizer in zip((optimized, reference), optimizers):
+            optimizer.zero_grad()
+            default_training_loss(module(x)).backward()
+            optimizer.step()
+        for a, b in zip(model.parameters(), reference.parameters()):
+            assert torch.equal(a.grad, b.grad)
+        for (name, a), b in zip(model.named_buffers(), reference.buffers()):
+            assert torch.equal(a, b), name
