@@ -1,4 +1,5 @@
-"""Model code nobody here wrote: torchvision, timm and Hugging Face ``transformers`` builders at small sizes.
+"""Model code nobody here wrote: torchvision, timm, Hugging Face ``transformers`` and ``diffusers`` builders at
+small sizes.
 
 The conformance suite (``tests/conformance/``, ``scripts/conformance.py``) judges the library on these.
 Every entry of :data:`CONFORMANCE_MODELS` is ``name -> (family, factory)``; ``factory()`` returns
@@ -116,6 +117,37 @@ def _hf(config_name: str, model_name: str, call: Callable[[Any], dict], **config
         model = getattr(transformers, model_name)(cfg)
         return model, call(cfg)
     return factory
+
+
+def _import_diffusers() -> Any:
+    try:  # diffusers imports transformers, which imports torchvision when it is installed (module docstring)
+        import_torchvision()
+    except ImportError:
+        pass
+    return importlib.import_module("diffusers")
+
+
+def _diffusers(model_name: str, call: Callable[[], dict], **config: Any) -> Callable[[], tuple[nn.Module, Call]]:
+    """A ``diffusers`` model class at a small size, called as a denoising (or autoencoding) step calls it."""
+    def factory() -> tuple[nn.Module, Call]:
+        diffusers = _import_diffusers()
+        torch.manual_seed(0)
+        return getattr(diffusers, model_name)(**config), call()
+    return factory
+
+
+def _noisy_latents(batch: int = 2, channels: int = 4, size: int = 16, context: int = 0, classes: bool = False,
+                   latents: str = "sample") -> Callable[[], dict]:
+    def call() -> dict:
+        generator = torch.Generator().manual_seed(5)
+        inputs = {latents: torch.randn(batch, channels, size, size, generator=generator),
+                  "timestep": torch.randint(0, 1000, (batch,), generator=generator)}
+        if context:
+            inputs["encoder_hidden_states"] = torch.randn(batch, 7, context, generator=generator)
+        if classes:
+            inputs["class_labels"] = torch.randint(0, 1000, (batch,), generator=generator)
+        return inputs
+    return call
 
 
 def _text(cfg: Any) -> dict:
@@ -363,6 +395,20 @@ CONFORMANCE_MODELS: dict[str, tuple[str, Callable[[], tuple[nn.Module, Call]]]] 
         ("edgenext", "edgenext_xx_small"), ("mobileone", "mobileone_s0"), ("rexnet", "rexnet_100"))},
     "timm_gmlp": ("timm", _timm("gmlp_ti16_224", size=64, img_size=64)),
     "tv_swin_v2_t": ("torchvision", _torchvision("swin_v2_t", size=64)),
+    # diffusers (session 42): Stable Diffusion's UNet and VAE, and DiT, at small sizes
+    "diffusers_unet2d_cond": ("diffusers", _diffusers(
+        "UNet2DConditionModel", _noisy_latents(context=32), sample_size=16, in_channels=4, out_channels=4,
+        layers_per_block=1, block_out_channels=(32, 64), down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=32, attention_head_dim=8,
+        norm_num_groups=8)),
+    "diffusers_vae": ("diffusers", _diffusers(
+        "AutoencoderKL", lambda: {"sample": _images(2, 32)[0], "sample_posterior": True}, in_channels=3,
+        out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+        block_out_channels=(16, 32), latent_channels=4, norm_num_groups=8, sample_size=32)),
+    "diffusers_dit": ("diffusers", _diffusers(
+        "DiTTransformer2DModel", _noisy_latents(batch=8, classes=True, latents="hidden_states"), num_attention_heads=2, attention_head_dim=16,
+        in_channels=4, out_channels=4, num_layers=3, sample_size=16, patch_size=2, num_embeds_ada_norm=1000,
+        dropout=0.1)),
 }
 
 #: The models added after the first 45 (session 19); the sweep reports them apart (``--second-set``).
@@ -379,7 +425,8 @@ def available(name: str) -> bool:
     family = CONFORMANCE_MODELS[name][0]
     try:
         {"torchvision": import_torchvision, "timm": import_timm,
-         "transformers": lambda: importlib.import_module("transformers")}[family]()
+         "transformers": lambda: importlib.import_module("transformers"),
+         "diffusers": _import_diffusers}[family]()
     except Exception:  # noqa: BLE001 - any import failure means "not available"
         return False
     return True

@@ -1,4 +1,5 @@
-"""Conformance on model code nobody here wrote: torchvision, timm and transformers models at small sizes.
+"""Conformance on model code nobody here wrote: torchvision, timm, transformers and diffusers models at small
+sizes.
 
 The CI subset (``third_party.FAST_SUBSET``, chosen for the patterns that broke before: ViT shape reads,
 EfficientNet's in-place dropout on a view, T5's writes through views) runs under ``auto`` at 0.8 and 0.5
@@ -79,8 +80,9 @@ def test_layerdrop_is_refused_with_the_users_source_line():
 #: ``StopIteration``, and the step fell back to the executor); BEiT's relative-position bias on the
 #: attention scores (predicted 17 % over the allocator). DeepLabV3 (BatchNorm statistics 1 ulp off
 #: under AOTAutograd's decompositions, tests/test_verify.py) runs in the sweep only, at 50 s the
-#: slowest row here (``python scripts/compiler_conformance.py --optimize --second-set``)
-SECOND_SET_CASES = (("hf_swin", 0.5), ("timm_beit", 0.5))
+#: slowest row here (``python scripts/compiler_conformance.py --optimize --second-set``); Stable Diffusion's
+#: conditional UNet from ``diffusers`` (cross-attention, GroupNorm, timestep embeddings)
+SECOND_SET_CASES = (("hf_swin", 0.5), ("timm_beit", 0.5), ("diffusers_unet2d_cond", 0.5))
 
 
 @pytest.mark.parametrize("name,fraction", SECOND_SET_CASES, ids=[name for name, _ in SECOND_SET_CASES])
