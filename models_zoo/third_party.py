@@ -406,7 +406,8 @@ CONFORMANCE_MODELS: dict[str, tuple[str, Callable[[], tuple[nn.Module, Call]]]] 
         out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
         block_out_channels=(16, 32), latent_channels=4, norm_num_groups=8, sample_size=32)),
     "diffusers_dit": ("diffusers", _diffusers(
-        "DiTTransformer2DModel", _noisy_latents(batch=8, classes=True, latents="hidden_states"), num_attention_heads=2, attention_head_dim=16,
+        "DiTTransformer2DModel", _noisy_latents(batch=8, classes=True, latents="hidden_states"),
+        num_attention_heads=2, attention_head_dim=16,
         in_channels=4, out_channels=4, num_layers=3, sample_size=16, patch_size=2, num_embeds_ada_norm=1000,
         dropout=0.1)),
 }
