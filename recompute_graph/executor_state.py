@@ -50,7 +50,8 @@ class StepState:
     tapes: dict[int, Tape] = field(default_factory=dict)
     grads: dict[Any, dict[int, torch.Tensor]] = field(default_factory=dict)
     owned_grads: set[tuple[Any, int]] = field(default_factory=set)
-    rng_states: dict[int, tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]] = field(default_factory=dict)
+    rng_states: dict[int, tuple] = field(default_factory=dict)  # see ``replayed_rng``
+    generators: tuple = ()  # the torch.Generators the model holds, replayed with the default ones
     random_computations: Counter = field(default_factory=Counter)  # of each replayed random node so far
     computed: set[int] = field(default_factory=set)
     output_sources: list[tuple[int | None, int]] = field(default_factory=list)
@@ -152,33 +153,44 @@ def unpack_saved(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class replayed_rng:  # noqa: N801 - used like a function: ``with replayed_rng(...)``
-    """First computation of a random node: record the RNG states. Recomputation: replay them and put the
-    generators back afterwards, so the rest of the step draws the same numbers as without recomputation.
-    ``last``: the schedule's last computation of the node, after which its recorded states are let go."""
+    """First computation of a random node: record the RNG states (the CPU generator's, the CUDA ones of
+    the devices its tensor arguments are on, and those of the ``torch.Generator``s the model holds or the
+    node takes as an argument). Recomputation: replay them and put the generators back afterwards, so
+    the rest of the step draws the same numbers as without recomputation. ``last``: the schedule's last
+    computation of the node, after which its recorded states are let go."""
 
     def __init__(self, state: StepState, index: int, recompute: bool, args: Any, last: bool = False) -> None:
         self.state, self.index, self.recompute, self.last = state, index, recompute, last
-        self.devices = sorted({t.device.index or 0 for t in tree_flatten(args)[0]
+        leaves = tree_flatten(args)[0]
+        self.devices = sorted({t.device.index or 0 for t in leaves
                                if isinstance(t, torch.Tensor) and t.device.type == "cuda"})
-        self.saved: tuple[torch.Tensor, list[tuple[int, torch.Tensor]]] | None = None
+        given = [g for g in leaves if isinstance(g, torch.Generator)]
+        self.generators = [*state.generators, *(g for g in given if all(g is not h for h in state.generators))]
+        self.saved: tuple | None = None
+
+    def _states(self) -> tuple:
+        return (torch.get_rng_state(), [(d, torch.cuda.get_rng_state(d)) for d in self.devices],
+                [g.get_state() for g in self.generators])
+
+    def _set(self, states: tuple) -> None:
+        cpu, cuda, own = states
+        torch.set_rng_state(cpu)
+        for device, rng in cuda:
+            torch.cuda.set_rng_state(rng, device)
+        for generator, rng in zip(self.generators, own):
+            generator.set_state(rng)
 
     def __enter__(self) -> None:
-        current = (torch.get_rng_state(), [(d, torch.cuda.get_rng_state(d)) for d in self.devices])
+        current = self._states()
         if not self.recompute or self.index not in self.state.rng_states:
             self.state.rng_states[self.index] = current
             return
         self.saved = current
-        cpu, cuda = self.state.rng_states[self.index]
-        torch.set_rng_state(cpu)
-        for device, rng in cuda:
-            torch.cuda.set_rng_state(rng, device)
+        self._set(self.state.rng_states[self.index])
 
     def __exit__(self, *exc: Any) -> None:
         if self.saved is not None:
-            cpu, cuda = self.saved
-            torch.set_rng_state(cpu)
-            for device, rng in cuda:
-                torch.cuda.set_rng_state(rng, device)
+            self._set(self.saved)
         if self.last:
             self.state.rng_states.pop(self.index, None)
 

@@ -240,7 +240,7 @@ def _refuse_other_random_draws(model: nn.Module, graph_module: torch.fx.GraphMod
     channels-last activation, flattened), so the masks differ even with no recomputation. Checked by
     running both once (no grad, on copies of the inputs, buffers and random state put back); skipped
     on meta tensors and for graphs without random ops."""
-    from .model_state import preserved_state
+    from .model_state import held_generators, preserved_state
     if not any(_draws_random(n) for n in graph_module.graph.nodes):
         return
     leaves = tree_flatten((tuple(args), dict(kwargs)))[0]
@@ -261,13 +261,15 @@ def _refuse_other_random_draws(model: nn.Module, graph_module: torch.fx.GraphMod
             continue
         scale = float(a.abs().max()) if a.numel() else 0.0
         if a.numel() and float((a - b).abs().max()) > 1e-3 * max(scale, 1.0):
+            own = [where for where, g in held_generators(model) if isinstance(g, torch.Generator)]
+            cause = (f"it draws from a torch.Generator the model holds, {own[0]}, which the exported graph does "
+                     "not" if own else "PyTorch's decomposition of an in-place dropout on a non-contiguous view "
+                     "fills the mask in another order")
             raise TraceError(
                 f"the functionalized graph of {type(model).__name__} draws different random numbers than "
-                "the model: under the same seed its output differs from the model's (a known cause: PyTorch's "
-                "decomposition of an in-place dropout on a non-contiguous view fills the mask in another "
-                "order). It would "
-                "train with other dropout masks, so it is refused. Apply the dropout out of place, or on a "
-                "contiguous tensor (x.contiguous()), or make the model traceable by torch.fx "
+                f"the model: under the same seed its output differs from the model's (a known cause: {cause}). "
+                "It would train with other random numbers, so it is refused. Apply the dropout out of place, or "
+                "on a contiguous tensor (x.contiguous()), or make the model traceable by torch.fx "
                 "(optimize(..., tracer='fx')).", module_path="")
 
 

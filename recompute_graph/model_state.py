@@ -3,20 +3,26 @@
 Profiling, tracing, verifying and the conformance suite all run a model's code on the side. None of
 that may leave a trace in the model: :func:`preserved_state` restores every buffer (BatchNorm running
 statistics, ``num_batches_tracked``) by value, the parameters a forward writes into (a momentum update
-in ``forward``), optionally the parameters' ``.grad`` and the CPU/CUDA random generators.
+in ``forward``), optionally the parameters' ``.grad`` and the random generators: the CPU/CUDA ones and
+those the model holds (:func:`held_generators`).
 :func:`training_step` is the README loop's step as a callable, for measuring and comparing.
 """
 from __future__ import annotations
 
 import contextlib
+import copy
+import random
+import sys
 import weakref
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
-from torch import nn
+from torch import fx, nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
-__all__ = ["preserved_state", "training_step", "generator_states", "values_put_back"]
+__all__ = ["preserved_state", "training_step", "generator_states", "values_put_back", "held_generators",
+           "generator_state", "set_generator_state", "same_generator_state"]
 
 
 #: Parameters some forward was seen writing into in place, by id (a tensor's ``==`` compares values, so a
@@ -76,7 +82,8 @@ def preserved_state(module: nn.Module, *, rng: bool = False, grads: bool = False
     """On exit, put back every buffer of ``module`` (by value; buffers on ``meta`` hold none) and the
     plain Python values its modules hold as attributes (``self.calls += 1`` in a forward: planning runs
     the forward twice, which counted as two calls; the training flag aside), and with ``rng`` the CPU
-    and (initialized) CUDA random states, with ``grads`` each parameter's ``.grad``.
+    and (initialized) CUDA random states and the generators the model holds, with ``grads`` each
+    parameter's ``.grad``.
 
     Parameters: a ``.data`` assigned anew (``p.data = p.data * m + ...``, MoCo's momentum update) is put
     back (nothing copied). One written in place is copied before the block when an earlier block saw it
@@ -93,6 +100,7 @@ def preserved_state(module: nn.Module, *, rng: bool = False, grads: bool = False
                if name != "training" and isinstance(value, (int, float, str, bool, type(None)))]
     saved_grads = [(p, p.grad) for p in module.parameters()] if grads else []
     cpu_rng = torch.get_rng_state() if rng else None
+    held = [(g, generator_state(g)) for _, g in held_generators(module)] if rng else []
     cuda_rng = (torch.cuda.get_rng_state_all()
                 if rng and torch.cuda.is_available() and torch.cuda.is_initialized() else None)
     try:
@@ -116,10 +124,67 @@ def preserved_state(module: nn.Module, *, rng: bool = False, grads: bool = False
                 m.__dict__[name] = value
         for p, grad in saved_grads:
             p.grad = grad
+        for generator, state in held:
+            set_generator_state(generator, state)
         if cpu_rng is not None:
             torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
+
+
+def held_generators(module: nn.Module) -> list[tuple[str, Any]]:
+    """``(where, generator)`` for each random generator a module of ``module`` holds as an attribute
+    (``self.rng = np.random.default_rng(0)``): a ``torch.Generator``, a numpy ``Generator`` or
+    ``RandomState``, a ``random.Random``; in an fx ``GraphModule``, also those its nodes take as arguments
+    (``torch.rand(..., generator=self.generator)``). ``where`` reads ``"ClassName (path.attribute)"``."""
+    numpy = sys.modules.get("numpy")  # not imported: no numpy generator exists
+    kinds = (torch.Generator, random.Random,
+             *((numpy.random.Generator, numpy.random.RandomState) if numpy is not None else ()))
+    found, seen = [], set()
+    for path, m in module.named_modules():
+        for name, value in vars(m).items():
+            if isinstance(value, kinds) and id(value) not in seen:
+                seen.add(id(value))
+                found.append((f"{type(module).__name__} ({path + '.' if path else ''}{name})", value))
+    for node in module.graph.nodes if isinstance(module, fx.GraphModule) else ():
+        for value in tree_leaves((node.args, node.kwargs)):
+            if isinstance(value, kinds) and id(value) not in seen:
+                seen.add(id(value))
+                found.append((f"{type(module).__name__} (argument of {node.name})", value))
+    return found
+
+
+def generator_state(generator: Any) -> Any:
+    """A copy of ``generator``'s state (a kind :func:`held_generators` finds)."""
+    if isinstance(generator, torch.Generator):
+        return generator.get_state()
+    if isinstance(generator, random.Random):
+        return generator.getstate()
+    if hasattr(generator, "bit_generator"):  # numpy.random.Generator
+        return copy.deepcopy(generator.bit_generator.state)
+    return generator.get_state(legacy=False)  # numpy.random.RandomState
+
+
+def set_generator_state(generator: Any, state: Any) -> None:
+    if isinstance(generator, torch.Generator):
+        generator.set_state(state)
+    elif isinstance(generator, random.Random):
+        generator.setstate(state)
+    elif hasattr(generator, "bit_generator"):
+        generator.bit_generator.state = state
+    else:
+        generator.set_state(state)
+
+
+def same_generator_state(a: Any, b: Any) -> bool:
+    """Whether two states of :func:`generator_state` are equal (numpy's hold arrays)."""
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same_generator_state(a[k], b[k]) for k in a)
+    if hasattr(a, "shape"):  # a numpy array
+        return a.shape == b.shape and bool((a == b).all())
+    return bool(a == b)
 
 
 def generator_states() -> list[torch.Tensor]:

@@ -51,7 +51,7 @@ from .executor_state import (InjectGradient, StepState, Tape, autocast_as, autoc
                              replayed_rng, unique_parameters, unpack_saved)
 from .graph import CostGraph
 from .measure import storage_key
-from .model_state import values_put_back
+from .model_state import held_generators, values_put_back
 from .schedule import Backward, Forward, FreeValue, Op, Schedule
 
 __all__ = ["RewriteError", "ScheduleExecutor"]
@@ -93,6 +93,7 @@ class ScheduleExecutor:
         self._random = [node.random and computations[node.index] > 1 for node in graph]
         self._computations = computations
         self._modules: dict[str, nn.Module] = {}
+        self._generators = tuple(g for _, g in held_generators(graph_module) if isinstance(g, torch.Generator))
         # getitem nodes with a constant integer index into another node's value: (producer, index)
         self._tuple_items = [(self.cost_index[n.args[0].name], n.args[1])
                              if n.op == "call_function" and n.target is operator.getitem and not n.kwargs
@@ -184,7 +185,7 @@ class ScheduleExecutor:
     # ------------------------------------------------------------------ public entry points
     def run_forward(self, inputs: Sequence[Any]) -> tuple[StepState, Any]:
         """Run the forward ops on ``inputs`` (one per placeholder); returns the state and the output."""
-        state = StepState(autocast=autocast_state())
+        state = StepState(autocast=autocast_state(), generators=self._generators)
         for placeholder, value in zip(self.placeholders, inputs):
             state.static[placeholder.name] = value
         for position, op in enumerate(self.schedule.forward_ops):
@@ -273,7 +274,7 @@ class ScheduleExecutor:
         restore = recomputed_state(state, index, self._state_tensors[index], recompute, self._computations[index])
         saved: list[int | None] | None = [] if tape else None
         try:
-            with (replayed_rng(state, index, recompute, args, last=self._last_computation(state, index))
+            with (replayed_rng(state, index, recompute, (args, kwargs), last=self._last_computation(state, index))
                   if self._random[index] else contextlib.nullcontext()):
                 out = self._call_in_grad_mode(node, args, kwargs, saved)
         except Exception as error:  # noqa: BLE001

@@ -40,7 +40,8 @@ from torch.utils._pytree import tree_flatten
 from .autograd_in_forward import (HookRefused, functions_kept_whole, proxy_hooks_refused,
                                   refuse_differentiation_nodes)
 from .errors import TraceError
-from .model_state import generator_states, preserved_state
+from .model_state import (generator_state, generator_states, held_generators, preserved_state, same_generator_state,
+                          set_generator_state)
 
 __all__ = ["TraceResult", "BoundInterpreter", "functionalize", "trace", "user_source_location"]
 
@@ -212,18 +213,24 @@ def host_random_draws_refused(model: nn.Module, tracer: str, torch_generator: bo
 
     import numpy
     python_state, numpy_state, torch_states = random.getstate(), numpy.random.get_state(), generator_states()
+    held = [(where, g, generator_state(g)) for where, g in held_generators(model)
+            if torch_generator or not isinstance(g, torch.Generator)]
     try:
         yield
     finally:
         host = random.getstate() != python_state or not _same_numpy_state(numpy.random.get_state(), numpy_state)
         drew_torch = torch_generator and not all(map(torch.equal, generator_states(), torch_states))
+        drew_held = [where for where, g, state in held if not same_generator_state(generator_state(g), state)]
         random.setstate(python_state)
         numpy.random.set_state(numpy_state)
         torch.set_rng_state(torch_states[0])
         for device, state in enumerate(torch_states[1:]):
             torch.cuda.set_rng_state(state, device)
-    if host or drew_torch:
+        for _, generator, state in held:
+            set_generator_state(generator, state)
+    if host or drew_torch or drew_held:
         source = ("Python's random module or numpy's global generator" if host else
+                  f"a random generator the model holds, {drew_held[0]}," if drew_held else
                   "torch outside the traced values (torch.rand([]) deciding a branch, noise of a fixed shape)")
         raise TraceError(
             f"{type(model).__name__}.forward draws random numbers from {source}: the {tracer} graph the schedule "

@@ -383,3 +383,68 @@ def test_a_layer_skipped_at_random_is_refused_with_what_to_change():
     with pytest.raises(rg.TraceError, match=r"from torch outside the traced values"):
         rg.optimize(model, 0.9, example_inputs=(x,), compiler=False, tracer="fx")
     assert torch.equal(torch.get_rng_state(), generator)
+
+
+class _OwnGeneratorNoise(nn.Module):
+    """Noise drawn from a ``torch.Generator`` the model holds (a reproducible augmentation), between
+    layers a plan recomputes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256))
+        self.b = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 4))
+        self.generator = torch.Generator().manual_seed(1)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(h * (torch.rand(h.shape, generator=self.generator) > 0.3))
+
+
+def test_a_generator_the_model_holds_is_replayed_on_recomputation_and_untouched_by_planning():
+    """fx keeps ``torch.rand(..., generator=self.generator)`` as a node: recomputing it drew other
+    numbers than the forward had (the default generators alone were replayed), and planning's runs
+    of the forward advanced the model's generator, so the first step drew other numbers than eager
+    PyTorch. Gradients were off by 6e-3 of the largest, on ``optimize()``'s default path too (Dynamo
+    cannot take a generator argument and falls back). Export's graph draws from the default generator."""
+    import recompute_graph as rg
+    from recompute_graph.verification import parameter_gradient_error
+    torch.manual_seed(0)
+    model = _OwnGeneratorNoise()
+    torch.manual_seed(0)
+    reference = _OwnGeneratorNoise()
+    x = torch.randn(512, 64)
+    state = model.generator.get_state()
+    # the export graph does not draw from it: refused, saying why
+    with pytest.raises(rg.TraceError, match=r"torch.Generator the model holds, _OwnGeneratorNoise \(generator\)"):
+        rg.optimize(model, 0.7, example_inputs=(x,), compiler=False, tracer="export")
+    optimized = rg.optimize(model, 0.7, example_inputs=(x,), compiler=False, tracer="fx")
+    assert torch.equal(model.generator.get_state(), state)
+    assert optimized.recompute_plan.recomputed_nodes
+    for _ in range(2):
+        for module in (optimized, reference):
+            module.zero_grad()
+            module(x).square().mean().backward()
+        assert parameter_gradient_error(model, reference) == 0.0
+        assert torch.equal(model.generator.get_state(), reference.generator.get_state())
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_random_numbers_from_a_numpy_generator_the_model_holds_are_refused(tracer):
+    """``self.rng = np.random.default_rng(0)`` drawn from in ``forward``: the export graph held the
+    mask it drew while tracing as a constant, silently (gradients 5e-3 off from the second step)."""
+    import numpy as np
+    import recompute_graph as rg
+
+    class NumpyMask(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 4)
+            self.rng = np.random.default_rng(0)
+
+        def forward(self, x):
+            return self.b(self.a(x) * torch.from_numpy(self.rng.random((32, 16)) > 0.3).float())
+    model = NumpyMask()
+    state = model.rng.bit_generator.state
+    with pytest.raises(rg.TraceError, match=r"a random generator the model holds, NumpyMask \(rng\)"):
+        rg.optimize(model, 0.9, example_inputs=(torch.randn(32, 16),), compiler=False, tracer=tracer)
+    assert model.rng.bit_generator.state == state
