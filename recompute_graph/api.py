@@ -23,6 +23,7 @@ from .planner import Budget, RecomputePlan, make_plan, make_plan_for_call, parse
 from .rewrite import ScheduleExecutor
 from .saved_plans import load_plan, reuse_plan
 from .solvers import get_solver
+from .unrolled_rnn import rnns_unrolled
 
 __all__ = ["optimize", "plan_for"]
 
@@ -34,7 +35,7 @@ def optimize(model: nn.Module, budget: Budget, *, example_inputs: Sequence[Any] 
              plan: Union[str, "os.PathLike[str]", RecomputePlan, None] = None,
              autocast: "torch.dtype | None" = None, tracer: str = "auto",
              loss_fn: "Callable[[Any], torch.Tensor] | None" = None, cost_graph: CostGraph | None = None,
-             compiler: "bool | str" = "auto", graph_compiler: str | None = None,
+             compiler: "bool | str" = "auto", graph_compiler: str | None = None, unroll_rnns: bool = False,
              **options: Any) -> "RecomputedModule | CompiledRecomputedModule":
     """Return a module that trains like ``model`` with its step's peak memory within ``budget``.
 
@@ -89,10 +90,40 @@ def optimize(model: nn.Module, budget: Budget, *, example_inputs: Sequence[Any] 
     boxed interpreter of the generated graphs. The schedule executor has none (ValueError with
     ``compiler=False``).
 
+    ``unroll_rnns``: run each ``nn.LSTM`` of the model step by step (``unrolled_rnn.py``), so that a plan
+    can keep or recompute single time steps; a fused ``nn.LSTM`` is one node that keeps every step's
+    gates. Its class becomes ``StepByStepLSTM`` (the same parameters and state dict, outputs equal to
+    float rounding), the one change made to the model itself, undone if planning fails.
+
     Raises ValueError for a bad budget, solver or tracer name, TypeError for an unknown option, TraceError
     when the model cannot be traced and InfeasibleBudgetError (with ``min_budget_bytes``) when nothing
-    fits. The user's model is never modified: the returned module shares its parameters and buffers.
+    fits. The user's model is not modified (but for ``unroll_rnns``): the returned module shares its
+    parameters and buffers.
     """
+    if unroll_rnns:
+        with rnns_unrolled(model):
+            return optimize(model, budget, example_inputs=example_inputs, example_kwargs=example_kwargs,
+                            solver=solver, plan=plan, autocast=autocast, tracer=tracer, loss_fn=loss_fn,
+                            cost_graph=cost_graph, compiler=compiler, graph_compiler=graph_compiler, **options)
+    try:
+        return _optimize(model, budget, example_inputs, example_kwargs, solver, plan, autocast, tracer, loss_fn,
+                         cost_graph, compiler, graph_compiler, options)
+    except InfeasibleBudgetError as error:
+        if not any(type(m) is nn.LSTM for m in model.modules()):
+            raise
+        raise InfeasibleBudgetError(
+            f"{error} {type(model).__name__} holds an nn.LSTM, one node that keeps every time step's gates, "
+            "which no plan can recompute in part: optimize(..., unroll_rnns=True) runs it step by step, so "
+            "that a plan keeps or recomputes single steps.", budget_bytes=error.budget_bytes,
+            min_budget_bytes=error.min_budget_bytes) from None
+
+
+def _optimize(model: nn.Module, budget: Budget, example_inputs: Sequence[Any] | None,
+              example_kwargs: dict[str, Any] | None, solver: str,
+              plan: Union[str, "os.PathLike[str]", RecomputePlan, None], autocast: "torch.dtype | None",
+              tracer: str, loss_fn: "Callable[[Any], torch.Tensor] | None", cost_graph: CostGraph | None,
+              compiler: "bool | str", graph_compiler: str | None,
+              options: dict[str, Any]) -> "RecomputedModule | CompiledRecomputedModule":
     parse_budget(budget)
     _refuse_uninitialized_lazy_modules(model)
     saved = load_plan(os.fspath(plan)) if isinstance(plan, (str, os.PathLike)) else plan
