@@ -39,6 +39,7 @@ class StepByStepLSTM(nn.Module):
         """Nothing to flatten: the steps read the parameters one by one (older code calls this in forward)."""
 
     def forward(self, input, hx=None):  # noqa: A002 - nn.LSTM's own argument name
+        """``nn.LSTM``'s call: ``(output, (h_n, c_n))``; below, ``nn.LSTM``'s other methods are copied in."""
         if isinstance(input, PackedSequence) or self.proj_size > 0:
             return nn.LSTM.forward(self, input, hx)
         batched = input.dim() == 3
@@ -85,6 +86,25 @@ class StepByStepLSTM(nn.Module):
             h = torch.sigmoid(o) * torch.tanh(c)
             outputs[t] = h
         return torch.stack(outputs), h, c
+
+
+    __getstate__ = nn.RNNBase.__getstate__  # the fused op's weight list holds weak references: not pickled
+
+    def __setstate__(self, state: dict) -> None:
+        nn.Module.__setstate__(self, state)
+        self._init_flat_weights()
+
+    def _apply(self, fn, recurse=True):  # noqa: ANN001 - nn.Module's signature
+        """``.to()``, ``.half()`` ...: then point the fused op's weight list at the new parameters."""
+        result = nn.Module._apply(self, fn, recurse)
+        self._init_flat_weights()
+        return result
+
+
+for _name, _method in {**vars(nn.RNNBase), **vars(nn.LSTM)}.items():  # the fused op's helpers
+    if (callable(_method) and _name not in vars(StepByStepLSTM) and not _name.startswith("__")
+            and "__class__" not in getattr(getattr(_method, "__code__", None), "co_freevars", ())):  # no super()
+        setattr(StepByStepLSTM, _name, _method)
 
 
 def unroll_lstms(model: nn.Module) -> list[nn.Module]:
