@@ -23,7 +23,7 @@ from .planner import Budget, RecomputePlan, make_plan, make_plan_for_call, parse
 from .rewrite import ScheduleExecutor
 from .saved_plans import load_plan, reuse_plan
 from .solvers import get_solver
-from .unrolled_rnn import rnns_unrolled
+from .unrolled_rnn import STEP_BY_STEP, rnns_unrolled
 
 __all__ = ["optimize", "plan_for"]
 
@@ -90,10 +90,11 @@ def optimize(model: nn.Module, budget: Budget, *, example_inputs: Sequence[Any] 
     boxed interpreter of the generated graphs. The schedule executor has none (ValueError with
     ``compiler=False``).
 
-    ``unroll_rnns``: run each ``nn.LSTM`` of the model step by step (``unrolled_rnn.py``), so that a plan
-    can keep or recompute single time steps; a fused ``nn.LSTM`` is one node that keeps every step's
-    gates. Its class becomes ``StepByStepLSTM`` (the same parameters and state dict, outputs equal to
-    float rounding), the one change made to the model itself, undone if planning fails.
+    ``unroll_rnns``: run each ``nn.LSTM``, ``nn.GRU`` and ``nn.RNN`` of the model step by step
+    (``unrolled_rnn.py``), so that a plan can keep or recompute single time steps; a fused one is one node
+    that keeps every step's gates. Its class becomes ``StepByStepLSTM`` ... (the same parameters and state
+    dict, outputs equal to float rounding), the one change made to the model itself, undone if planning
+    fails.
 
     Raises ValueError for a bad budget, solver or tracer name, TypeError for an unknown option, TraceError
     when the model cannot be traced and InfeasibleBudgetError (with ``min_budget_bytes``) when nothing
@@ -109,10 +110,11 @@ def optimize(model: nn.Module, budget: Budget, *, example_inputs: Sequence[Any] 
         return _optimize(model, budget, example_inputs, example_kwargs, solver, plan, autocast, tracer, loss_fn,
                          cost_graph, compiler, graph_compiler, options)
     except InfeasibleBudgetError as error:
-        if not any(type(m) is nn.LSTM for m in model.modules()):
+        fused = [type(m).__name__ for m in model.modules() if type(m) in STEP_BY_STEP]
+        if not fused:
             raise
         raise InfeasibleBudgetError(
-            f"{error} {type(model).__name__} holds an nn.LSTM, one node that keeps every time step's gates, "
+            f"{error} {type(model).__name__} holds an nn.{fused[0]}, one node that keeps every time step's gates, "
             "which no plan can recompute in part: optimize(..., unroll_rnns=True) runs it step by step, so "
             "that a plan keeps or recomputes single steps.", budget_bytes=error.budget_bytes,
             min_budget_bytes=error.min_budget_bytes) from None

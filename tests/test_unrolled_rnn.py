@@ -1,4 +1,5 @@
-"""``optimize(..., unroll_rnns=True)``: an ``nn.LSTM`` run step by step, so that plans split its time steps."""
+"""``optimize(..., unroll_rnns=True)``: an ``nn.LSTM`` (``nn.GRU``, ``nn.RNN``) run step by step, so that plans
+split its time steps."""
 import copy
 import pickle
 
@@ -7,31 +8,34 @@ import torch
 from torch import nn
 
 import recompute_graph as rg
-from recompute_graph.unrolled_rnn import StepByStepLSTM, rnns_unrolled, unroll_lstms
+from recompute_graph.unrolled_rnn import STEP_BY_STEP, StepByStepLSTM, rnns_unrolled, unroll_rnns
 from recompute_graph.verification import parameter_gradient_error, verify
 
 CONFIGURATIONS = [dict(), dict(batch_first=True), dict(num_layers=3, dropout=0.3), dict(bias=False),
                   dict(bidirectional=True, num_layers=2, batch_first=True)]
 
 
+@pytest.mark.parametrize("kind", [nn.LSTM, nn.GRU, nn.RNN], ids=lambda k: k.__name__)
 @pytest.mark.parametrize("config", CONFIGURATIONS, ids=lambda c: ",".join(c) or "default")
 @pytest.mark.parametrize("initial_state", [False, True])
-def test_the_step_loop_computes_what_the_fused_lstm_does(config, initial_state):
+def test_the_step_loop_computes_what_the_fused_module_does(kind, config, initial_state):
     """Outputs, final states and gradients equal the fused op's to float32 rounding; dropout between
     layers draws the same masks (the relative error would be of order 1 otherwise)."""
     torch.manual_seed(0)
-    fused = nn.LSTM(16, 32, **config)
+    fused = kind(16, 32, **config)
     stepped = copy.deepcopy(fused)
-    assert unroll_lstms(stepped) == [stepped] and type(stepped) is StepByStepLSTM
+    assert unroll_rnns(stepped) == [stepped] and type(stepped) is STEP_BY_STEP[kind]
     x = torch.randn(4, 20, 16) if config.get("batch_first") else torch.randn(20, 4, 16)
     states = 2 * fused.num_layers if fused.bidirectional else fused.num_layers
-    hx = (torch.randn(states, 4, 32), torch.randn(states, 4, 32)) if initial_state else None
+    hx = torch.randn(states, 4, 32) if initial_state else None
+    hx = (hx, torch.randn(states, 4, 32)) if initial_state and kind is nn.LSTM else hx
     results = []
     for module in (fused, stepped):
         torch.manual_seed(1)
-        out, (h, c) = module(x, hx)
-        (out.square().sum() + h.sum() + c.sum()).backward()
-        results.append((out, h, c))
+        out, finals = module(x, hx)
+        finals = finals if kind is nn.LSTM else (finals,)
+        (out.square().sum() + sum(f.sum() for f in finals)).backward()
+        results.append((out, *finals))
     for a, b in zip(*results):
         assert a.shape == b.shape and torch.allclose(a, b, atol=1e-6, rtol=0)
     assert parameter_gradient_error(stepped, fused) < 1e-5
@@ -42,7 +46,7 @@ def test_unbatched_and_packed_inputs():
     torch.manual_seed(0)
     fused = nn.LSTM(8, 16)
     stepped = copy.deepcopy(fused)
-    unroll_lstms(stepped)
+    unroll_rnns(stepped)
     x = torch.randn(12, 8)
     assert torch.allclose(fused(x)[0], stepped(x)[0], atol=1e-6)
     packed = nn.utils.rnn.pack_padded_sequence(torch.randn(12, 3, 8), [12, 9, 4])
@@ -54,9 +58,9 @@ def test_unbatched_and_packed_inputs():
 
 
 class Classifier(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, kind: type = nn.LSTM) -> None:
         super().__init__()
-        self.rnn = nn.LSTM(16, 64, num_layers=2, batch_first=True)
+        self.rnn = kind(16, 64, num_layers=2, batch_first=True)
         self.head = nn.Linear(64, 4)
 
     def forward(self, x):
@@ -64,22 +68,23 @@ class Classifier(nn.Module):
         return self.head(h[:, -1])
 
 
-@pytest.mark.parametrize("compiler", ["auto", False])
-def test_an_lstm_model_plans_below_what_the_fused_op_allows_and_trains_like_it(compiler):
+@pytest.mark.parametrize("kind,compiler", [(nn.LSTM, "auto"), (nn.LSTM, False), (nn.GRU, "auto")],
+                         ids=["lstm-compiler", "lstm-executor", "gru-compiler"])
+def test_a_recurrent_model_plans_below_what_the_fused_op_allows_and_trains_like_it(kind, compiler):
     """The fused ``nn.LSTM`` is one node that keeps all its steps' gates: the smallest plan was 0.98 of
     store-all, and the error now says to unroll. Unrolled, a plan at 0.5 recomputes steps, the
     allocator's peak stays within the budget with the prediction within 10 %, and the gradients are
     the fused model's to float rounding. The compiler path captures the step loop (Dynamo refuses
     ``nn.LSTM`` itself)."""
     torch.manual_seed(0)
-    model = Classifier()
+    model = Classifier(kind)
     reference = copy.deepcopy(model)
     x = torch.randn(16, 24, 16)
-    with pytest.raises(rg.InfeasibleBudgetError, match=r"unroll_rnns=True"):
+    with pytest.raises(rg.InfeasibleBudgetError, match=rf"holds an nn.{kind.__name__}, .* unroll_rnns=True"):
         rg.optimize(model, 0.5, example_inputs=(x,), compiler=compiler, timing="flops")
-    assert type(model.rnn) is nn.LSTM
+    assert type(model.rnn) is kind
     optimized = rg.optimize(model, 0.5, example_inputs=(x,), compiler=compiler, unroll_rnns=True)
-    assert type(model.rnn) is StepByStepLSTM
+    assert type(model.rnn) is STEP_BY_STEP[kind]
     assert isinstance(optimized, rg.RecomputedModule) == (compiler is False)
     assert len(optimized.recompute_plan.recomputed_nodes) > 50
     report = verify(model, 0.5, example_inputs=(x,), optimized=optimized)
