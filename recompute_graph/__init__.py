@@ -41,6 +41,7 @@ _LAZY = {
     "load_graph": ("benchmark_graphs", "load_graph"),
     "backend": ("compile_backend", "budget_backend"),
     "last_lowering": ("joint_lowering", "last_lowering"),
+    "unroll_rnns": ("unrolled_rnn", "unroll_rnns"),
 }
 
 __all__ = ["CostGraph", "CostNode", "RecomputeError", "TraceError", "ProfileError", "GraphError",
