@@ -71,22 +71,22 @@ class Classifier(nn.Module):
 @pytest.mark.parametrize("kind,compiler", [(nn.LSTM, "auto"), (nn.GRU, False)], ids=["lstm-compiler", "gru-executor"])
 def test_a_recurrent_model_plans_below_what_the_fused_op_allows_and_trains_like_it(kind, compiler):
     """The fused ``nn.LSTM`` is one node that keeps all its steps' gates: the smallest plan was 0.98 of
-    store-all, and the error now says to unroll. Unrolled, a plan at 0.5 recomputes steps, the
+    store-all, and the error now says to unroll. Unrolled, a plan at 0.6 recomputes steps, the
     allocator's peak stays within the budget with the prediction within 10 %, and the gradients are
     the fused model's to float rounding. The compiler path captures the step loop (Dynamo refuses
     ``nn.LSTM`` itself)."""
     torch.manual_seed(0)
     model = Classifier(kind)
     reference = copy.deepcopy(model)
-    x = torch.randn(16, 24, 16)
+    x = torch.randn(16, 16, 16)
     with pytest.raises(rg.InfeasibleBudgetError, match=rf"holds an nn.{kind.__name__}, .* unroll_rnns=True"):
-        rg.optimize(model, 0.5, example_inputs=(x,), compiler=compiler, timing="flops")
+        rg.optimize(model, 0.6, example_inputs=(x,), compiler=compiler, timing="flops")
     assert type(model.rnn) is kind
-    optimized = rg.optimize(model, 0.5, example_inputs=(x,), compiler=compiler, unroll_rnns=True)
+    optimized = rg.optimize(model, 0.6, example_inputs=(x,), compiler=compiler, unroll_rnns=True)
     assert type(model.rnn) is STEP_BY_STEP[kind]
     assert isinstance(optimized, rg.RecomputedModule) == (compiler is False)
     assert len(optimized.recompute_plan.recomputed_nodes) > 50
-    report = verify(model, 0.5, example_inputs=(x,), optimized=optimized)
+    report = verify(model, 0.6, example_inputs=(x,), optimized=optimized)
     assert report.ok and abs(report.prediction_error) <= 0.10, report
     reference(x).square().mean().backward()
     optimized(x).square().mean().backward()
