@@ -43,8 +43,8 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 from .autograd_in_forward import export_refusals
 from .errors import TraceError
 from .library_classes import is_transformers_model
-from .trace import (TraceResult, functionalize, grad_mode_switches_refused, host_random_draws_refused,
-                    user_source_location)
+from .random_sources import host_random_draws_refused
+from .trace import TraceResult, functionalize, grad_mode_switches_refused, user_source_location
 
 __all__ = ["ExportedTrace", "export_trace", "training_kwargs"]
 

@@ -40,8 +40,8 @@ from torch.utils._pytree import tree_flatten
 from .autograd_in_forward import (HookRefused, functions_kept_whole, proxy_hooks_refused,
                                   refuse_differentiation_nodes)
 from .errors import TraceError
-from .model_state import (generator_state, generator_states, held_generators, preserved_state, same_generator_state,
-                          set_generator_state)
+from .model_state import preserved_state
+from .random_sources import host_random_draws_refused, refuse_generators_made_in_forward
 
 __all__ = ["TraceResult", "BoundInterpreter", "functionalize", "trace", "user_source_location"]
 
@@ -195,54 +195,12 @@ def trace(model: nn.Module) -> TraceResult:
         name = type(model).__name__
         with grad_mode_switches_refused(model, "torch.fx"), functions_kept_whole(name), proxy_hooks_refused(name), \
                 host_random_draws_refused(model, "torch.fx", torch_generator=True):
-            return _trace(model)
+            result = _trace(model)
+        refuse_generators_made_in_forward(model, result.graph_module, "torch.fx")
+        return result
 
 
 _LIBRARY_DIR = os.path.dirname(_THIS_FILE)
-
-
-@contextlib.contextmanager
-def host_random_draws_refused(model: nn.Module, tracer: str, torch_generator: bool = False) -> Any:
-    """Raise :class:`TraceError` after the block when the model drew from Python's ``random`` or numpy's
-    global generator while it was traced, or (``torch_generator``: torch.fx, whose proxies record random
-    ops instead of running them) from torch's CPU or CUDA generators. The graph holds what was drawn then as
-    constants, so every step would reuse them: wav2vec2's SpecAugment masks (numpy), a layer skipped when
-    ``torch.rand([])`` is below a rate (the branch taken at trace time, every step), noise of a fixed
-    shape. The generators' states are put back."""
-    import random
-
-    import numpy
-    python_state, numpy_state, torch_states = random.getstate(), numpy.random.get_state(), generator_states()
-    held = [(where, g, generator_state(g)) for where, g in held_generators(model)
-            if torch_generator or not isinstance(g, torch.Generator)]
-    try:
-        yield
-    finally:
-        host = random.getstate() != python_state or not _same_numpy_state(numpy.random.get_state(), numpy_state)
-        drew_torch = torch_generator and not all(map(torch.equal, generator_states(), torch_states))
-        drew_held = [where for where, g, state in held if not same_generator_state(generator_state(g), state)]
-        random.setstate(python_state)
-        numpy.random.set_state(numpy_state)
-        torch.set_rng_state(torch_states[0])
-        for device, state in enumerate(torch_states[1:]):
-            torch.cuda.set_rng_state(state, device)
-        for _, generator, state in held:
-            set_generator_state(generator, state)
-    if host or drew_torch or drew_held:
-        source = ("Python's random module or numpy's global generator" if host else
-                  f"a random generator the model holds, {drew_held[0]}," if drew_held else
-                  "torch outside the traced values (torch.rand([]) deciding a branch, noise of a fixed shape)")
-        raise TraceError(
-            f"{type(model).__name__}.forward draws random numbers from {source}: the {tracer} graph the schedule "
-            "executor runs would hold those drawn while it traced, and reuse them at every step (a mask drawn "
-            "with numpy, as wav2vec2's SpecAugment does; a layer skipped at random). Draw them with torch from a "
-            "traced tensor (torch.rand_like(x), x.new_empty(...).bernoulli_(p)), or turn them off (wav2vec2: "
-            "mask_time_prob=0, layerdrop=0); the compiler path may capture them: optimize(..., compiler='auto').",
-            module_path="")
-
-
-def _same_numpy_state(a: tuple, b: tuple) -> bool:
-    return a[0] == b[0] and bool((a[1] == b[1]).all()) and a[2:] == b[2:]
 
 
 @contextlib.contextmanager
@@ -320,6 +278,8 @@ def _trace(model: nn.Module) -> TraceResult:
             raise _trace_error(model, "", error) from error
         refuse_differentiation_nodes(type(model).__name__, graph, _user_frame)
         graph_module = fx.GraphModule(tracer.root, graph, class_name=f"Traced{type(model).__name__}")
+        for name in set(model.__dict__) - set(before[0][1]):  # fx's constants (``_opaque_obj0``): the copy's now
+            del model.__dict__[name]
         functionalized, unsafe = functionalize(graph_module)
         return TraceResult(graph_module, tuple(opaque), tuple(opaque.values()), functionalized, unsafe)
     raise TraceError(f"tracing {type(model).__name__} did not converge")  # pragma: no cover
