@@ -194,14 +194,15 @@ def _hidden_state_writer_decompositions() -> dict:
 
 
 def _user_frame(stack_trace: str) -> str:
-    """``file:line (code)`` of the innermost frame of ``stack_trace`` outside torch, or ''."""
+    """``file:line (code)`` of the innermost frame of ``stack_trace`` outside torch and this library (whose
+    torch function mode, ``random_sources``, is on the stack of every op), or ''."""
     import os
     import re
-    from .trace import _TORCH_DIR as torch_dir
+    from .trace import _LIBRARY_DIR as library_dir, _TORCH_DIR as torch_dir
     lines = stack_trace.strip().splitlines()
     for k in range(len(lines) - 1, -1, -1):
         match = re.match(r'\s*File "([^"]+)", line (\d+)', lines[k])
-        if match and not os.path.abspath(match.group(1)).startswith(torch_dir):
+        if match and not os.path.abspath(match.group(1)).startswith((torch_dir, library_dir)):
             code = lines[k + 1].strip() if k + 1 < len(lines) else ""
             return f"{match.group(1)}:{match.group(2)}" + (f" ({code})" if code else "")
     return ""

@@ -497,7 +497,7 @@ def _user_frame(stack_trace: str) -> str:
         line = line.strip()
         if line.startswith('File "'):
             path = line.split('"')[1]
-            if os.path.abspath(path).startswith(_TORCH_DIR) or os.path.abspath(path) == _THIS_FILE:
+            if os.path.abspath(path).startswith((_TORCH_DIR, _LIBRARY_DIR)):
                 continue
             number = line.split("line ")[1].split(",")[0] if "line " in line else "?"
             code = lines[i + 1].strip() if i + 1 < len(lines) else ""
@@ -516,7 +516,7 @@ def user_source_location(error: BaseException) -> str:
     location = ""
     for frame in traceback.extract_tb(error.__traceback__):
         path = os.path.abspath(frame.filename)
-        if path.startswith(_TORCH_DIR) or path == _THIS_FILE:
+        if path.startswith((_TORCH_DIR, _LIBRARY_DIR)):  # this library's wrappers (random_sources' mode) too
             continue
         location = f"{frame.filename}:{frame.lineno}"
         if frame.line:
