@@ -8,6 +8,7 @@
 #     run(command="bash scripts/device_check.sh inductor", timeout_s=400)  # or this: 6.2 min at most
 #     run(command="bash scripts/device_check.sh inductor-peers", timeout_s=520)  # or this: 8.3 min at most
 #     run(command="bash scripts/device_check.sh graph-breaks", timeout_s=300)  # or this: 4.5 min at most
+#     run(command="bash scripts/device_check.sh rnn", timeout_s=300)  # or this: 4.5 min at most
 # short: exact gradients (float64, then float32), the allocator's peak against the prediction and
 # step-time ratios on the zoo (cuda_check.py), beside the issue's Gruslys target on the compiler path;
 # first, what a BatchNorm's recomputation costs on the GPU (scripts/batch_norm_recompute.py, 30 s at most).
@@ -17,8 +18,9 @@
 # (ResNet-50, GPT-2 small); inductor-peers: ResNet-50's peer table with inductor compiling our graphs
 # and torch.compile's peer alike. compiler: the Gruslys check on the compiler path with a longer
 # capture limit. graph-breaks: a user's torch.compile of models split by graph breaks (the halves, HF
-# GPT-2, wav2vec2), whose graphs share the budget, by the caching allocator. No argument: cuda_check,
-# executor, peers, inductor, inductor-peers, compiler and graph-breaks, one after the other, for a
+# GPT-2, wav2vec2), whose graphs share the budget, by the caching allocator. rnn: an nn.LSTM planned step by
+# step (unroll_rnns) against cuDNN's fused kernel (scripts/unrolled_lstm.py). No argument: cuda_check,
+# executor, peers, inductor, inductor-peers, compiler, graph-breaks and rnn, one after the other, for a
 # machine without those limits. Uses the device machine's own python3 (PyTorch with CUDA) and imports
 # this working tree. Each check has its own time limit so that one slow check
 # leaves the others their turn; outputs also go to $OUT.
@@ -91,4 +93,8 @@ if [[ $part == all || $part == graph-breaks ]]; then
     # the step's graphs planned together (compile_backend): measured against the step plan and the budget
     timeout 260 python3 scripts/graph_break_budget.py --device cuda --models halves hf_gpt2 hf_wav2vec2 \
         --fraction 0.6 --on-infeasible floor 2>&1 | quiet | tee "$out/graph_breaks_cuda.md"
+fi
+if [[ $part == all || $part == rnn ]]; then
+    timeout 260 python3 scripts/unrolled_lstm.py --device cuda --steps 100 200 --batch 256 2>&1 \
+        | tee "$out/unrolled_lstm_cuda.md"
 fi

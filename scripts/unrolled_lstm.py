@@ -4,7 +4,8 @@ For each sequence length: the smallest feasible budget as a fraction of the stor
 node: nothing to recompute) and unrolled; then, unrolled, a plan at ``--fraction``: planning seconds,
 the allocator-measured peak against the prediction and the store-all step, the gradient error against
 the fused model (float rounding), and the step time against the fused model's eager step (fastest of
-3 each, in turn, same run). Usage: ``python scripts/unrolled_lstm.py [--steps 50 100] [--fraction 0.4]``.
+3 each, in turn, same run). Usage: ``python scripts/unrolled_lstm.py [--steps 50 100] [--fraction 0.4]
+[--device cuda]`` (on CUDA the fused model runs cuDNN's kernel, and the meter is the caching allocator).
 """
 from __future__ import annotations
 
@@ -44,9 +45,13 @@ def floor_fraction(model: nn.Module, x: torch.Tensor, compiler: object, **option
 
 def step_seconds(module: nn.Module, x: torch.Tensor) -> float:
     def step() -> float:
+        if x.is_cuda:
+            torch.cuda.synchronize(x.device)
         start = time.perf_counter()
         module.zero_grad(set_to_none=True)
         module(x).square().mean().backward()
+        if x.is_cuda:
+            torch.cuda.synchronize(x.device)
         return time.perf_counter() - start
     return min(step() for _ in range(3))
 
@@ -58,23 +63,26 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=1)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--compiler", choices=["auto", "executor"], default="auto")
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     compiler = False if args.compiler == "executor" else "auto"
     print(f"nn.LSTM(64, 128, num_layers={args.layers}) + Linear, batch {args.batch}, path {args.compiler}, "
-          f"plan at {args.fraction} of store-all")
+          f"plan at {args.fraction} of store-all, {args.device}")
     print("| T | floor fused | floor unrolled | planning | measured / predicted / store-all | grad error vs fused"
           " | step vs fused eager |")
     print("|---|---|---|---|---|---|---|")
     for steps in args.steps:
         torch.manual_seed(0)
-        model, x = Classifier(args.layers), torch.randn(args.batch, steps, 64)
+        model = Classifier(args.layers).to(args.device)
+        x = torch.randn(args.batch, steps, 64, device=args.device)
         fused = copy.deepcopy(model)
         fused_floor = floor_fraction(model, x, False)
         unrolled_floor = floor_fraction(model, x, compiler, unroll_rnns=True)
         start = time.perf_counter()
         optimized = rg.optimize(model, args.fraction, example_inputs=(x,), compiler=compiler, unroll_rnns=True)
         planning = time.perf_counter() - start
-        report = verify(model, args.fraction, example_inputs=(x,), optimized=optimized)
+        report = verify(model, args.fraction, example_inputs=(x,), optimized=optimized,
+                        device=x.device if x.is_cuda else None)
         fused.zero_grad()
         fused(x).square().mean().backward()
         model.zero_grad()
