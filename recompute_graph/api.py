@@ -23,7 +23,7 @@ from .planner import Budget, RecomputePlan, make_plan, make_plan_for_call, parse
 from .rewrite import ScheduleExecutor
 from .saved_plans import load_plan, reuse_plan
 from .solvers import get_solver
-from .unrolled_rnn import STEP_BY_STEP, rnns_unrolled
+from .unrolled_rnn import STEP_BY_STEP, rnns_unrolled, unroll_rnns as unroll_rnns_of
 
 __all__ = ["optimize", "plan_for"]
 
@@ -267,7 +267,8 @@ def _autocast_for(dtype: "torch.dtype | None", inputs: Sequence[Any]) -> Any:
 
 def plan_for(build: "Callable[[], tuple[nn.Module, Any]]", budget: Budget, *, solver: str = "auto",
              device_profile: str = "cpu", progress: bool = False, tracer: str = "auto",
-             loss_fn: "Callable[[Any], torch.Tensor] | None" = None, compiler: bool = False) -> RecomputePlan:
+             loss_fn: "Callable[[Any], torch.Tensor] | None" = None, compiler: bool = False,
+             unroll_rnns: bool = False) -> RecomputePlan:
     """Plan a model without the device and without its weights: ``build()`` runs under
     ``torch.device("meta")`` and returns ``(model, example_inputs)``, where ``example_inputs`` is a
     sequence of positional inputs or a dict of keyword arguments (``{"input_ids": ..., "labels": ...}``
@@ -278,10 +279,13 @@ def plan_for(build: "Callable[[], tuple[nn.Module, Any]]", budget: Budget, *, so
     structure fingerprint, so the plan is reused as is. ``tracer`` and ``loss_fn`` as in ``optimize()``.
     ``compiler=True`` plans the compiler path's joint graph instead (captured by ``torch.compile`` on the
     meta tensors, without kernel workspace, which is priced when the plan is applied): reuse it with
-    ``optimize(model, budget, example_inputs=..., compiler=True, plan=path)``.
+    ``optimize(model, budget, example_inputs=..., compiler=True, plan=path)``. ``unroll_rnns`` as in
+    ``optimize()`` (pass it there too when applying the plan).
     """
     with torch.device("meta"):
         model, inputs = build()
+    if unroll_rnns:
+        unroll_rnns_of(model)
     moved: dict[int, torch.Tensor] = {}  # the same tensor passed twice (input_ids as labels) stays one
 
     def meta_tensor(value: Any) -> Any:

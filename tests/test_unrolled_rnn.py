@@ -119,3 +119,22 @@ def test_unroll_rnns_before_torch_compile_with_the_budget_backend():
     reference(x).square().mean().backward()
     assert parameter_gradient_error(model, reference) < 1e-5
     assert rg.last_lowering().plan.recomputed_nodes
+
+
+def test_a_plan_made_on_meta_with_unrolled_rnns_is_reused_by_optimize(tmp_path):
+    """``plan_for(..., unroll_rnns=True)`` plans the step loop without weights; ``optimize`` with the
+    same flag finds the same structure and reuses the plan as is."""
+    import warnings
+
+    def build():
+        torch.manual_seed(0)
+        return Classifier(nn.GRU), (torch.randn(16, 16, 16),)
+    plan = rg.plan_for(build, 0.6, unroll_rnns=True)
+    assert plan.recomputed_nodes
+    plan.save(tmp_path / "plan.json")
+    model, inputs = build()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", rg.PlanMismatchWarning)
+        optimized = rg.optimize(model, 0.6, example_inputs=inputs, compiler=False, unroll_rnns=True,
+                                plan=tmp_path / "plan.json")
+    assert optimized.recompute_plan.recomputed_nodes == plan.recomputed_nodes
