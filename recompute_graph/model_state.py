@@ -17,9 +17,8 @@ import weakref
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
-from torch import fx, nn
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 __all__ = ["preserved_state", "training_step", "generator_states", "values_put_back", "held_generators",
            "generator_state", "set_generator_state", "same_generator_state"]
@@ -135,8 +134,9 @@ def preserved_state(module: nn.Module, *, rng: bool = False, grads: bool = False
 def held_generators(module: nn.Module) -> list[tuple[str, Any]]:
     """``(where, generator)`` for each random generator a module of ``module`` holds as an attribute
     (``self.rng = np.random.default_rng(0)``): a ``torch.Generator``, a numpy ``Generator`` or
-    ``RandomState``, a ``random.Random``; in an fx ``GraphModule``, also those its nodes take as arguments
-    (``torch.rand(..., generator=self.generator)``). ``where`` reads ``"ClassName (path.attribute)"``."""
+    ``RandomState``, a ``random.Random`` (in an fx ``GraphModule``, the constants its graph reads, such as
+    the generator of ``torch.rand(..., generator=g)``: attributes ``_opaque_obj0`` ...). ``where`` reads
+    ``"ClassName (path.attribute)"``."""
     numpy = sys.modules.get("numpy")  # not imported: no numpy generator exists
     kinds = (torch.Generator, random.Random,
              *((numpy.random.Generator, numpy.random.RandomState) if numpy is not None else ()))
@@ -146,11 +146,6 @@ def held_generators(module: nn.Module) -> list[tuple[str, Any]]:
             if isinstance(value, kinds) and id(value) not in seen:
                 seen.add(id(value))
                 found.append((f"{type(module).__name__} ({path + '.' if path else ''}{name})", value))
-    for node in module.graph.nodes if isinstance(module, fx.GraphModule) else ():
-        for value in tree_leaves((node.args, node.kwargs)):
-            if isinstance(value, kinds) and id(value) not in seen:
-                seen.add(id(value))
-                found.append((f"{type(module).__name__} (argument of {node.name})", value))
     return found
 
 

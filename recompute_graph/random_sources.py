@@ -25,7 +25,6 @@ from typing import Any, Iterator
 import torch
 from torch import fx, nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves
 
 from .errors import TraceError
 from .model_state import generator_state, generator_states, held_generators, same_generator_state, set_generator_state
@@ -98,22 +97,17 @@ def host_random_draws_refused(model: nn.Module, tracer: str, torch_generator: bo
 
 
 def refuse_generators_made_in_forward(model: nn.Module, graph_module: fx.GraphModule, tracer: str) -> None:
-    """:class:`TraceError` when a node of ``graph_module`` takes a ``torch.Generator`` ``model`` does not hold:
-    one made in ``forward`` (torch.fx records ``torch.rand(proxy_shape, generator=g)`` without a torch
-    function call, and keeps ``g`` as a constant of the graph, an attribute of the graph module)."""
+    """:class:`TraceError` when ``graph_module`` reads a ``torch.Generator`` ``model`` does not hold: one
+    made in ``forward``. torch.fx records ``torch.rand(proxy_shape, generator=g)`` without a torch function
+    call and keeps ``g`` as a constant of the graph, an attribute of the graph module's root
+    (``_opaque_obj0``) that a ``get_attr`` node reads."""
     held = {id(g) for _, g in held_generators(model)}
     for node in graph_module.graph.nodes:
-        values = [_attribute(graph_module, node.target)] if node.op == "get_attr" else tree_leaves((node.args, node.kwargs))
-        if any(isinstance(g, torch.Generator) and id(g) not in held for g in values):
-            users = [user.target for user in node.users] if node.op == "get_attr" else [node.target]
-            raise _refusal(model, tracer, f"a generator it makes itself, a torch.Generator passed to "
-                           f"{getattr(users[0], '__name__', users[0]) if users else node.target}")
-
-
-def _attribute(module: nn.Module, target: str) -> object:
-    for name in target.split("."):
-        module = getattr(module, name, None)
-    return module
+        value = getattr(graph_module, node.target, None) if node.op == "get_attr" else None
+        if isinstance(value, torch.Generator) and id(value) not in held:
+            users = [getattr(user.target, "__name__", user.target) for user in node.users]
+            raise _refusal(model, tracer, "a generator it makes itself, a torch.Generator passed to "
+                           f"{users[0] if users else node.target}")
 
 
 def _refusal(model: nn.Module, tracer: str, source: str) -> TraceError:
