@@ -13,7 +13,9 @@ from torch.utils._pytree import tree_map
 from .collector import full_collections_deferred
 from .costs import profile_graph
 from .call_graphs import CallGraph, CallGraphs, profile_call, training_mode
-from .errors import InfeasibleBudgetError, ProfileError, TraceError
+from .errors import InfeasibleBudgetError, ProfileError, RewriteError, TraceError
+from .kept_tensors import carried_by_a_run, kept_tensors_refused
+from .module_hooks import kept_hook_tensors_refused
 from .optimized_module import PreparedStep, RecomputedModule, infeasible_for_new_call
 
 if TYPE_CHECKING:
@@ -157,11 +159,14 @@ def _optimize(model: nn.Module, budget: Budget, example_inputs: Sequence[Any] | 
         return _optimized_with(again, _optimize_compiled(
             model, budget, example_inputs, example_kwargs, solver, autocast, loss_fn, fallback=compiler == "auto",
             saved_plan=saved, graph_compiler=graph_compiler))
-    graphs = CallGraphs(model, tracer)
+    named_modules = list(model.named_modules())
+    with kept_hook_tensors_refused(named_modules, type(model).__name__):
+        graphs = CallGraphs(model, tracer)
     planned_bytes: list[int] = []  # the budget of each call signature planned so far
 
     def prepare(args: tuple, kwargs: dict) -> PreparedStep:
-        with full_collections_deferred():
+        with full_collections_deferred(), kept_hook_tensors_refused(named_modules, type(model).__name__), \
+                kept_tensors_refused(model, carried_by_a_run, RewriteError, _KEPT_IN_A_RUN):
             return _prepare(args, kwargs)
 
     def _priced(call: CallGraph, args: tuple, kwargs: dict) -> CostGraph:
@@ -201,10 +206,29 @@ def _optimize(model: nn.Module, budget: Budget, example_inputs: Sequence[Any] | 
 
     optimized = RecomputedModule(model, prepare, graphs.eval_forward)
     if example_inputs is not None or example_kwargs is not None:
-        example_args, example_kw = tuple(example_inputs or ()), dict(example_kwargs or {})
+        example_args, example_kw = _planning_copies(tuple(example_inputs or ()), dict(example_kwargs or {}))
         with _autocast_for(autocast, [*example_args, *example_kw.values()]):
             optimized.plan(*example_args, **example_kw)
     return _optimized_with(again, optimized)
+
+
+_KEPT_IN_A_RUN = ("a module the executor runs whole stores it at each run of its node, recomputations included, "
+                  "on tensors outside the model's autograd graph")
+
+
+def _planning_copies(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Copies of the example call's tensors for planning, which runs the forward several times: a model
+    writing into its input (``x /= 255``) changed the user's example batch once per run (8x on the
+    executor, 4x on the compiler path, before session 43). A tensor passed twice stays one tensor."""
+    copies: dict[int, torch.Tensor] = {}
+
+    def copied(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor) or isinstance(value, nn.Parameter):
+            return value
+        if id(value) not in copies:
+            copies[id(value)] = value.detach().clone().requires_grad_(value.requires_grad)
+        return copies[id(value)]
+    return tree_map(copied, (args, kwargs))
 
 
 def _refuse_uninitialized_lazy_modules(model: nn.Module) -> None:
@@ -243,7 +267,7 @@ def _optimize_compiled(model: nn.Module, budget: Budget, example_inputs: Sequenc
                                         fallback=executor if fallback else None, saved_plan=saved_plan,
                                         graph_compiler=graph_compiler)
     if example_inputs is not None or example_kwargs is not None:
-        args, kwargs = tuple(example_inputs or ()), dict(example_kwargs or {})
+        args, kwargs = _planning_copies(tuple(example_inputs or ()), dict(example_kwargs or {}))
         with _autocast_for(autocast, [*args, *kwargs.values()]):
             compiled.plan(*args, **kwargs)
         if compiled.delegate is not None:

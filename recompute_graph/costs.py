@@ -397,9 +397,9 @@ class _ComputePass(BoundInterpreter):
         """Backward of one isolated node from ``seeds`` (default: ones laid out as in training) as output
         gradients; returns the gradients of its inputs (None: the node has no backward)."""
         outputs = [t for t in _tensors(out) if t.requires_grad]
-        if not outputs:
-            return None
         params = [p for p in self._node_parameters(n) if p.requires_grad]
+        if not outputs or not leaves + params:  # (an output made to require grad: output.requires_grad_())
+            return None
         seeds = seeds if seeds is not None else gradient_seeds(_tensors(out), self.layouts.get(n.name, {}))
         grads = torch.autograd.grad(outputs, leaves + params, seeds, allow_unused=True)
         return list(grads[: len(leaves)])

@@ -42,6 +42,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from .autograd_in_forward import export_refusals
 from .errors import TraceError
+from .kept_tensors import carried_by_export, kept_tensors_refused
 from .library_classes import is_transformers_model
 from .random_sources import host_random_draws_refused
 from .trace import TraceResult, functionalize, grad_mode_switches_refused, user_source_location
@@ -274,6 +275,10 @@ def _refuse_other_random_draws(model: nn.Module, graph_module: torch.fx.GraphMod
                 "(optimize(..., tracer='fx')).", module_path="")
 
 
+_KEPT_FAKE = ("torch.export stored a fake tensor of its trace there and put the old value back after it, "
+              "and the executor's graph runs no Python to store the tensor")
+
+
 def export_trace(model: nn.Module, args: tuple, kwargs: dict) -> ExportedTrace:
     """Export ``model`` for the call ``model(*args, **kwargs)`` (non-strict ``torch.export``).
 
@@ -282,7 +287,9 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict) -> ExportedTrace:
     """
     try:
         with grad_mode_switches_refused(model, "torch.export"), export_refusals(type(model).__name__), \
-                host_random_draws_refused(model, "torch.export"):
+                host_random_draws_refused(model, "torch.export"), kept_tensors_refused(
+                    model, carried_by_export, lambda message: TraceError(message, module_path=""), _KEPT_FAKE,
+                    in_forward=True):
             program = torch.export.export(model, tuple(args), dict(kwargs), strict=False)
     except TraceError:
         raise

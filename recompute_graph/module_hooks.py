@@ -13,17 +13,34 @@ when the forward hooks change (its next training call), the executor, whose trac
 raises :class:`~recompute_graph.errors.RewriteError` then (optimize the model again); a module backward
 hook is refused on both paths. Tensor hooks on parameters (``p.register_hook``,
 ``register_post_accumulate_grad_hook``) run as in eager autograd, once per step, on both paths.
+
+**A forward hook that keeps a tensor of the model** (``feats[name] = output``, the usual way to read a
+layer's features for a perceptual or distillation loss) is exact on the compiler path, where dynamo makes
+the kept tensor a graph output. The executor cannot give it that tensor: a hook inlined in its graph ran
+once, at trace time, on proxies or fake tensors, and a leaf module's hook runs at each run of its node,
+recomputations included, on tensors outside the model's autograd graph. The gradient of a loss on the
+kept feature was lost silently, or the step failed in autograd. :func:`kept_hook_tensors_refused` watches
+the hooks while the executor traces and prices the model and raises :class:`RewriteError` when one of
+them left such a tensor alive. Detached copies (``output.detach()``, logging) are allowed; torch's own
+hooks (pruning, weight and spectral norm, quantization observers, FSDP) are not watched.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+import contextlib
+import functools
+import gc
+import weakref
+from typing import Any, Callable, Iterator, Sequence
 
-from torch import nn
+import torch
+from torch import fx, nn
 from torch.nn.modules import module as module_globals
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
 from .errors import RewriteError
 
-__all__ = ["planned_hooks_key", "hooks_changed_error"]
+__all__ = ["planned_hooks_key", "hooks_changed_error", "kept_hook_tensors_refused"]
 
 
 def planned_hooks_key(named_modules: Sequence[tuple[str, nn.Module]], owner: str) -> tuple[Any, ...]:
@@ -57,3 +74,111 @@ def hooks_changed_error(owner: str) -> RewriteError:
                         "model; the schedule executor's graph runs the hooks it was traced with. Register hooks "
                         "before optimize(), or optimize the model again (the compiler path, compiler=True, plans "
                         "again by itself).")
+
+
+class _TensorsMade(TorchFunctionMode):
+    """Weak references to the tensors a hook makes with torch functions (``output.mean(1)`` kept)."""
+
+    def __init__(self, made: list[weakref.ref]) -> None:
+        super().__init__()
+        self.made = made
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        result = func(*args, **(kwargs or {}))
+        self.made.extend(weakref.ref(t) for t in tree_leaves(result) if _carries_the_graph(t))
+        return result
+
+
+def _carries_the_graph(value: Any) -> bool:
+    """A value that, kept past the step, should have carried the model's autograd graph: a proxy or fake
+    tensor of a trace, or a real activation that requires grad (not a leaf: the user's input, a weight)."""
+    if _of_a_trace(value):
+        return True
+    return isinstance(value, torch.Tensor) and value.requires_grad and value.grad_fn is not None
+
+
+def _library_hook(hook: Callable[..., Any]) -> bool:
+    target = hook.func if isinstance(hook, functools.partial) else hook
+    module = getattr(target, "__module__", None) or type(target).__module__ or ""
+    return module.split(".")[0] == "torch"
+
+
+def _watched(hook: Callable[..., Any], where: str, kept: list[tuple[str, weakref.ref, bool]],
+             output_is_last: bool) -> Callable[..., Any]:
+    """``hook`` recording weak references to the output it receives (a forward hook's last argument) and
+    to the tensors it makes: proxies through the fx tracer, other tensors through a torch-function mode."""
+    def watched(*args: Any) -> Any:
+        made: list[weakref.ref] = []
+        tracers = {v.tracer for v in tree_leaves(args[1:]) if isinstance(v, fx.Proxy)}
+        with _proxies_made(tracers, made) if tracers else _TensorsMade(made):
+            result = hook(*args)
+        received = tree_leaves(args[-1]) if output_is_last else []
+        traced = bool(tracers) or any(_of_a_trace(v) for v in tree_leaves(args[1:]))
+        kept.extend((where, weakref.ref(t), traced) for t in received if _carries_the_graph(t))
+        kept.extend((where, ref, traced) for ref in made)
+        return result
+    return watched
+
+
+@contextlib.contextmanager
+def _proxies_made(tracers: set[fx.Tracer], made: list[weakref.ref]) -> Iterator[None]:
+    """Records the proxies ``tracers`` make (an fx trace, where tensor methods on a proxy reach no mode)."""
+    def recording(create_proxy: Callable[..., fx.Proxy]) -> Callable[..., fx.Proxy]:
+        def create(*args: Any, **kwargs: Any) -> fx.Proxy:
+            proxy = create_proxy(*args, **kwargs)
+            made.append(weakref.ref(proxy))
+            return proxy
+        return create
+    for tracer in tracers:
+        tracer.create_proxy = recording(tracer.create_proxy)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        for tracer in tracers:
+            del tracer.create_proxy
+
+
+def _of_a_trace(value: Any) -> bool:
+    return isinstance(value, fx.Proxy) or (isinstance(value, torch.Tensor) and (
+        isinstance(value, torch._subclasses.fake_tensor.FakeTensor) or torch._is_functional_tensor(value)))
+
+
+@contextlib.contextmanager
+def kept_hook_tensors_refused(named_modules: Sequence[tuple[str, nn.Module]], owner: str) -> Iterator[None]:
+    """For the executor's trace and pricing of a model (module docstring): its forward hooks and pre-hooks
+    (the global ones too) run watched, and :class:`RewriteError` is raised at the end when a tensor one of
+    them received or made is still alive, kept by the hook. The hooks are put back either way."""
+    kept: list[tuple[str, weakref.ref, bool]] = []
+    replaced: list[tuple[dict, int, Callable[..., Any]]] = []
+    tables = [("a global forward hook", module_globals._global_forward_hooks, True),
+              ("a global forward pre-hook", module_globals._global_forward_pre_hooks, False)]
+    for name, module in named_modules:
+        label = f"module {name or '(the root)'!r} ({type(module).__name__})"
+        tables += [(f"a forward hook of {label}", module._forward_hooks, True),
+                   (f"a forward pre-hook of {label}", module._forward_pre_hooks, False)]
+    for where, hooks, output_is_last in tables:
+        for key, hook in list(hooks.items()):
+            if not _library_hook(hook):
+                hooks[key] = _watched(hook, where, kept, output_is_last)
+                replaced.append((hooks, key, hook))
+    try:
+        yield
+    finally:
+        for hooks, key, hook in replaced:
+            if key in hooks:
+                hooks[key] = hook
+    if any(ref() is not None for _, ref, _ in kept):
+        gc.collect()  # a reference cycle of the trace's, not the hook's
+    alive = [(where, traced) for where, ref, traced in kept if ref() is not None]
+    if alive:
+        where, traced = alive[0]
+        how = ("ran once, when the executor traced the model, so what it kept is a proxy or fake tensor of that "
+               "trace, and it does not run in the training steps" if traced else
+               "runs at each run of that module's node, recomputations included, on tensors outside the "
+               "model's autograd graph, so a loss on what it kept would miss its gradient (keep "
+               "output.detach() if the hook only logs)")
+        raise RewriteError(
+            f"{owner}: {where} keeps a tensor it received or made (features stored for a loss, say), which the "
+            f"schedule executor cannot give it: the hook {how}. The compiler path (compiler='auto' or True) runs "
+            "such a hook as eager PyTorch does when dynamo captures the model; or return the features from "
+            "forward().")

@@ -11,7 +11,8 @@ its ``backward`` the backward ops, node by node (the Rotor/Rockmate model, docs/
   it; the shape is restored right before the backward.
 * ``Backward(v)`` calls ``torch.autograd.grad`` on the node's local graph with the accumulated gradient
   of its output, adds the gradients of the detached inputs into their producers' buffers, and collects
-  parameter gradients, which ``backward`` returns to autograd (so parameter hooks and DDP work as usual).
+  parameter gradients, which ``backward`` returns to autograd (so parameter hooks and DDP work as usual);
+  a node with neither (its output made to require grad by ``output.requires_grad_()``) ends there.
 * A taped ``value[k]`` on a tuple or list of tensors is the element as a detached leaf with an identity
   tape (``_taped_item``): its ``Backward`` hands the gradient on to the producer without autograd.
 
@@ -325,9 +326,8 @@ class ScheduleExecutor:
 
     @staticmethod
     def _held_elsewhere(state: StepState, tensors: Sequence[torch.Tensor]) -> bool:
-        """Whether one of ``tensors`` is itself the value of a live node: one a node handed on as its
-        output (an ``nn.Identity``; timm's RepVGG then adds into it in place), whose ``.data`` must
-        not be emptied when its producer is freed."""
+        """Whether one of ``tensors`` is the value of a live node (one a node handed on as its output: an
+        ``nn.Identity``, which timm's RepVGG adds into in place), whose ``.data`` must stay when freed."""
         if not any(id(t) in state.passed_on for t in tensors):
             return False
         live = {id(t) for v in state.values.values() for t in pytree_leaves(v) if isinstance(t, torch.Tensor)}
@@ -358,7 +358,7 @@ class ScheduleExecutor:
         if tape is None:
             return
         pairs = [(t, grads[k]) for t, k in zip(tape.outputs, tape.positions) if k in grads]
-        if not pairs:
+        if not pairs or not (tape.leaves or tape.parameters):
             return
         if tape.identity:  # the outputs are input leaves (a getitem on a tuple): hand the gradients on
             for source, position, leaf in tape.leaves:

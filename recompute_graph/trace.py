@@ -40,6 +40,7 @@ from torch.utils._pytree import tree_flatten
 from .autograd_in_forward import (HookRefused, functions_kept_whole, proxy_hooks_refused,
                                   refuse_differentiation_nodes)
 from .errors import TraceError
+from .kept_tensors import AttributeSnapshot, carried_by_a_trace, kept_tensor_message
 from .model_state import preserved_state
 from .random_sources import host_random_draws_refused, refuse_generators_made_in_forward
 
@@ -255,6 +256,10 @@ def _drop_leaked_proxies(before: list[tuple[nn.Module, dict, dict, dict]]) -> No
                     del table[name]
 
 
+_KEPT_PROXY = ("torch.fx kept a proxy of its trace there, and the executor's graph runs no Python to store "
+               "the tensor; torch.export (tracer='export' or 'auto') can keep what needs no gradient")
+
+
 def _trace(model: nn.Module) -> TraceResult:
     opaque: dict[str, str] = {}
     submodule_count = sum(1 for _ in model.modules())
@@ -262,10 +267,13 @@ def _trace(model: nn.Module) -> TraceResult:
         tracer = _ModuleLevelTracer(frozenset(opaque))
         before = [(module, dict(module.__dict__), dict(module._buffers), dict(module._parameters))
                   for module in model.modules()]
+        attributes = AttributeSnapshot(model)
         try:
             try:
                 graph = tracer.trace(model)
             finally:  # before the graph module copies the attributes its graph reads
+                kept = attributes.kept(carried_by_a_trace)
+                attributes.restore(kept)
                 _drop_leaked_proxies(before)
         except _SubmoduleTraceFailure as failure:
             if failure.qualname in opaque:  # cannot happen: an opaque module is a leaf
@@ -276,6 +284,8 @@ def _trace(model: nn.Module) -> TraceResult:
             raise
         except Exception as error:  # noqa: BLE001
             raise _trace_error(model, "", error) from error
+        if kept:
+            raise TraceError(kept_tensor_message(type(model).__name__, kept[0][0], _KEPT_PROXY), module_path="")
         refuse_differentiation_nodes(type(model).__name__, graph, _user_frame)
         graph_module = fx.GraphModule(tracer.root, graph, class_name=f"Traced{type(model).__name__}")
         for name in set(model.__dict__) - set(before[0][1]):  # fx's constants (``_opaque_obj0``): the copy's now

@@ -350,6 +350,154 @@ def test_hooks_run_as_in_eager_or_are_refused(path_options, kind, when):
         assert len(log) == len(expected_log)
 
 
+class _FeatureLoss(nn.Module):
+    """A model whose forward hook keeps a layer's features (``keep(output)``) for a loss beside the
+    output, the way perceptual and distillation losses read intermediate layers: in a dict of the model
+    (``self.features``) or in one the hook closes over (``store``)."""
+
+    def __init__(self, hooked: int, keep, store=None) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Sequential(nn.Linear(64, 64), nn.Tanh()),
+                                    nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4))
+        self.features: dict[str, torch.Tensor] = {}
+        store = self.features if store is None else store
+        self.layers[hooked].register_forward_hook(lambda module, args, out: store.update(mid=keep(out)))
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+@pytest.mark.parametrize("store", ["attribute", "closure"])
+@pytest.mark.parametrize("keep", ["output", "derived"])
+@pytest.mark.parametrize("hooked", [2, 3], ids=["inlined_block", "leaf_linear"])
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_a_forward_hook_keeping_features_is_exact_on_the_compiler_path_and_refused_by_the_executor(
+        tracer, hooked, keep, store):
+    """``features[name] = output`` in a forward hook, read by the loss. The compiler path makes the kept
+    tensor a graph output (exact). The executor ran the hook at trace time (a proxy or fake tensor kept)
+    or at each run of a leaf node on tensors outside the model's graph: the features' gradient was lost
+    silently, or autograd failed. It now refuses the model, and puts the hooks and attributes back."""
+    from recompute_graph.errors import RewriteError, TraceError
+    keeper = (lambda out: out) if keep == "output" else (lambda out: out.mean(1))
+    closure: dict = {}
+    torch.manual_seed(0)
+    model, x = _FeatureLoss(hooked, keeper, closure if store == "closure" else None), torch.randn(2048, 8)
+    hooks = dict(model.layers[hooked]._forward_hooks)
+    where = (rf"forward hook of module 'layers.{hooked}'.*keeps a tensor it received or made" if store == "closure"
+             else r"keeps a tensor of the step in self.features\['mid'\]")
+    with pytest.raises((RewriteError, TraceError), match=where):
+        rg.optimize(model, 0.8, example_inputs=(x,), compiler=False, tracer=tracer, timing="flops")
+    assert dict(model.layers[hooked]._forward_hooks) == hooks and model.features == {}
+    if tracer == "export" or hooked == 3 or store == "closure":
+        return  # the compiler path's capture is one per model: checked once
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    expected = _FeatureLoss(hooked, keeper)  # (a deep copy's hook would fill the original's dict)
+    optimized = rg.optimize(model, 0.9, example_inputs=(x,), compiler=True)  # (the features stay: 0.81)
+    assert optimized.recompute_plan.recomputed_nodes
+    for got, want in zip(_feature_step(model, optimized, x), _feature_step(expected, expected, x)):
+        assert torch.allclose(got, want, atol=1e-6)
+
+
+def _feature_step(model, call, x):
+    loss = default_loss(call(x)) + model.features["mid"].square().mean()
+    loss.backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+class _BayesianLinear(nn.Module):
+    """A Bayesian layer that keeps its KL term on itself (``self.kl``) for the loss to add."""
+
+    def __init__(self, inputs: int, outputs: int) -> None:
+        super().__init__()
+        self.mean = nn.Parameter(torch.randn(outputs, inputs) * 0.1)
+        self.log_sigma = nn.Parameter(torch.full((outputs, inputs), -3.0))
+
+    def forward(self, x):
+        weight = self.mean + self.log_sigma.exp() * torch.randn_like(self.mean)
+        self.kl = 0.5 * (self.log_sigma.exp().square() + self.mean.square() - 2 * self.log_sigma - 1).sum()
+        return torch.tanh(x @ weight.t())
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_a_kl_term_kept_on_a_module_is_refused_by_the_executor_and_exact_on_the_compiler_path(tracer):
+    """``self.kl = ...`` in forward, summed into the loss after the call. Export's graph left the
+    attribute as it was before the trace (a stale tensor: the KL gradient lost, 1e-3 off, silently); fx's
+    proxy was dropped (``AttributeError`` in the loss). The executor now refuses it on both tracers; the
+    compiler path keeps it."""
+    from recompute_graph.errors import TraceError
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(_BayesianLinear(8, 128), _BayesianLinear(128, 128), _BayesianLinear(128, 128),
+                             nn.Linear(128, 4))
+
+    def step(model, call):
+        torch.manual_seed(3)
+        loss = default_loss(call(x)) + 1e-3 * sum(m.kl for m in model if isinstance(m, _BayesianLinear))
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    model, x = build(), torch.randn(1024, 8)
+    with pytest.raises(TraceError, match=r"keeps a tensor of the step in self\.0\.kl"):
+        rg.optimize(model, 0.8, example_inputs=(x,), compiler=False, tracer=tracer, timing="flops")
+    assert not hasattr(model[0], "kl")
+    if tracer == "export":
+        return
+    torch._dynamo.reset()
+    optimized, expected = rg.optimize(model, 0.8, example_inputs=(x,), compiler=True), build()
+    assert optimized.recompute_plan.recomputed_nodes
+    for got, want in zip(step(model, optimized), step(expected, expected)):
+        assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_hooks_that_keep_nothing_of_the_graph_run_on_the_executor(path_options):
+    """No refusal for what a hook may keep: a logged number or detached copy, pruning, old-style weight
+    and spectral norm (torch's own pre-hooks), and ``output.requires_grad_()`` on a frozen embedding
+    (transformers' ``enable_input_require_grads``), whose node has no input or parameter to differentiate:
+    the executor's pricing failed on it (``grad()`` with no inputs) and dynamo refuses it."""
+    import warnings
+    from torch.nn.utils import prune
+
+    class Hooked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embedding = nn.Embedding(50, 16)
+            self.layers = nn.Sequential(nn.Linear(16, 128), nn.Tanh(), nn.Linear(128, 128), nn.Tanh(),
+                                        nn.Linear(128, 128), nn.Tanh(), nn.Linear(128, 4))
+            self.embedding.weight.requires_grad_(False)
+            self.embedding.register_forward_hook(lambda module, args, out: out.requires_grad_(True))
+            self.logged: list = []
+            self.layers[0].register_forward_hook(
+                lambda module, args, out: self.logged.append((out.detach(), out.abs().mean().item())))
+            prune.l1_unstructured(self.layers[2], "weight", amount=0.3)
+            nn.utils.weight_norm(self.layers[4])
+            nn.utils.spectral_norm(self.layers[6])
+
+        def forward(self, tokens):
+            return self.layers(self.embedding(tokens))
+
+    torch.manual_seed(0)
+    model, tokens = Hooked(), torch.randint(0, 50, (1024,))
+    torch.manual_seed(0)
+    expected = Hooked()  # (weight_norm's module cannot be deep-copied)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", rg.CompilerFallbackWarning)
+        optimized = rg.optimize(model, 0.8, example_inputs=(tokens,), **{**path_options, "compiler": (
+            False if not path_options["compiler"] else "auto")})
+    assert optimized.recompute_plan.recomputed_nodes
+    for _ in range(2):
+        torch.manual_seed(1)
+        default_loss(optimized(tokens)).backward()
+        torch.manual_seed(1)
+        default_loss(expected(tokens)).backward()
+    for got, want in zip(model.parameters(), expected.parameters()):
+        assert (got.grad is None) == (want.grad is None)
+        if got.grad is not None:
+            assert torch.allclose(got.grad, want.grad, atol=1e-6)
+    assert torch.allclose(model.layers[0](model.embedding(tokens)).detach(), model.logged[-1][0])
+
+
 def test_a_call_in_eval_mode_with_grad_warns_once_that_it_is_not_planned(path_options):
     """Training in ``eval()`` mode (BatchNorm frozen the blunt way) runs the plain forward: exact, but
     outside the plan and its budget. Silent before; now an ``EvalModeGradientWarning`` says so once and
@@ -472,6 +620,40 @@ def test_a_loss_reading_the_outputs_by_name_is_priced_on_them(path_options, read
     def loss_fn(out):
         return (out["logits"] - out["hidden"] if reads == "both" else out["logits"]).square().mean()
     _verified_exactly_and_priced(model, x, loss_fn, path_options)
+
+
+class _ScalesItsInput(nn.Module):
+    """Normalizes its input in place (``x /= 255``), as image models written for uint8 batches do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(16, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(),
+                                    nn.Linear(256, 4))
+
+    def forward(self, x):
+        x /= 255
+        return self.layers(x)
+
+
+def test_planning_leaves_the_example_inputs_as_they_were(path_options):
+    """Planning runs the forward several times; a model writing into its input divided the user's example
+    batch by 255 on each run (8 runs on the executor, 4 on the compiler path), so a loop that trained on
+    that batch first trained on a batch near 0. Planning now runs on copies; training calls still write
+    into their inputs as the model does, and one input passed twice stays one tensor."""
+    import copy
+    torch.manual_seed(0)
+    model, x = _ScalesItsInput(), torch.rand(2048, 16) * 255
+    expected, original = copy.deepcopy(model), x.clone()
+    optimized = rg.optimize(model, 0.9, example_inputs=(x,), **path_options)
+    assert torch.equal(x, original)
+    mine, theirs = x.clone(), x.clone()
+    default_loss(optimized(mine)).backward()
+    default_loss(expected(theirs)).backward()
+    assert torch.equal(mine, theirs) and not torch.equal(mine, original)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(_gradients(model), _gradients(expected)))
+    from recompute_graph.api import _planning_copies
+    (first, second), _ = _planning_copies((x, x), {})
+    assert first is second and first is not x
 
 
 class _CountsItsCalls(nn.Module):

@@ -1,0 +1,153 @@
+"""Tensors of the step a model keeps on its modules: what the schedule executor refuses.
+
+A forward (or a forward hook) may keep a tensor of the step on a module attribute, for the loss to read
+after the call: a Bayesian layer's KL term (``self.kl``), features for a perceptual or distillation loss
+(``self.features[name] = out``), a mixture-of-experts load-balancing loss. Eager PyTorch leaves the tensor
+there with its autograd graph, and so does the compiler path: dynamo makes it an output of the captured
+graph and stores it after the step. The schedule executor cannot. Its graph is traced once and has no
+Python left to store anything, so the attribute held a value of the trace or of planning:
+- torch.export's stale tensor trained silently wrong (a KL term's gradient lost: 1e-3 off);
+- torch.fx's proxy was dropped after the trace, and the loss met an ``AttributeError``;
+- a module the executor runs whole (an opaque or leaf module) stored a tensor detached from the model's
+  graph at each run of its node.
+
+:class:`AttributeSnapshot` records every module's own attributes (not its parameters, buffers,
+submodules or hooks) before a trace or pricing. :meth:`AttributeSnapshot.kept` then names what now holds
+such a tensor, looking into dicts, lists and tuples, and :meth:`AttributeSnapshot.restore` puts the
+attributes back, so nothing of the trace stays on the user's model. :func:`kept_tensors_refused` does
+both around a block and raises the tracer's error. Buffers are not attributes here: writing a buffer is
+a mutation both tracers plan.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import fx, nn
+
+__all__ = ["AttributeSnapshot", "kept_tensors_refused", "kept_tensor_message", "carried_by_a_trace",
+           "carried_by_export", "carried_by_a_run"]
+
+#: nn.Module's own bookkeeping in ``__dict__`` (hooks, tables of parameters, buffers and submodules).
+_STANDARD = frozenset({
+    "training", "_parameters", "_buffers", "_non_persistent_buffers_set", "_modules", "_backward_hooks",
+    "_backward_pre_hooks", "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+    "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_is_full_backward_hook", "_state_dict_hooks",
+    "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks", "_initialize_hook",
+    "_load_hook"})
+
+
+def carried_by_a_trace(value: Any) -> bool:
+    """A torch.fx proxy: any value of the trace kept outside its graph."""
+    return isinstance(value, fx.Proxy)
+
+
+def carried_by_export(value: Any) -> bool:
+    """A tensor of a torch.export trace that requires grad (a cache of constants does not)."""
+    return isinstance(value, torch.Tensor) and value.requires_grad
+
+
+def carried_by_a_run(value: Any) -> bool:
+    """A real activation that requires grad (not a leaf: an input or a weight the model keeps a handle on)."""
+    return isinstance(value, torch.Tensor) and value.requires_grad and value.grad_fn is not None
+
+
+def _copied(value: Any) -> Any:
+    """``value`` with its dicts, lists and tuples copied (their items are compared later, not copied)."""
+    if type(value) in (dict, list, tuple):
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        copy = {key: _copied(item) for key, item in items}
+        return copy if isinstance(value, dict) else type(value)(copy.values())
+    return value
+
+
+def _kept_in(path: str, before: Any, now: Any, carries: Callable[[Any], bool], found: list[str]) -> None:
+    if now is before:
+        return
+    if carries(now):
+        found.append(path)
+    elif isinstance(now, (dict, list, tuple)):
+        items = now.items() if isinstance(now, dict) else enumerate(now)
+        old = before if isinstance(before, type(now)) else ({} if isinstance(now, dict) else ())
+        for key, item in items:
+            earlier = old.get(key) if isinstance(old, dict) else (old[key] if key < len(old) else None)
+            _kept_in(f"{path}[{key!r}]", earlier, item, carries, found)
+
+
+def _set_by_torch(module: nn.Module) -> set[str]:
+    """The attributes torch's own forward pre-hooks compute for the module to read (``weight`` from
+    ``weight_orig`` under pruning, old-style weight and spectral norm)."""
+    names = set()
+    for hook in module._forward_pre_hooks.values():
+        if type(hook).__module__.startswith("torch."):
+            names.update(n for n in (getattr(hook, "name", None), getattr(hook, "_tensor_name", None))
+                         if isinstance(n, str))
+    return names
+
+
+class AttributeSnapshot:
+    """Every module's own attributes at one moment (module docstring)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.modules = [(name, module, {key: _copied(value) for key, value in module.__dict__.items()
+                                        if key not in _STANDARD}, _set_by_torch(module))
+                        for name, module in model.named_modules()]
+
+    def kept(self, carries: Callable[[Any], bool]) -> list[tuple[str, nn.Module, str]]:
+        """``(path, module, attribute)`` of each value that ``carries`` and was not there before; the path
+        reads as code does (``self.layers.0.kl``, ``self.features['mid']``)."""
+        found: list[tuple[str, nn.Module, str]] = []
+        for name, module, before, computed in self.modules:
+            for key, value in list(module.__dict__.items()):
+                if key in _STANDARD or key in computed:
+                    continue
+                paths: list[str] = []
+                _kept_in(f"self.{name + '.' if name else ''}{key}", before.get(key), value, carries, paths)
+                found.extend((path, module, key) for path in paths)
+        return found
+
+    def restore(self, kept: list[tuple[str, nn.Module, str]]) -> None:
+        """The attributes named in ``kept`` as they were (containers refilled in place), or removed where
+        they were not there before."""
+        saved = {id(module): before for _, module, before, _ in self.modules}
+        for module, key in {(id(m), k): (m, k) for _, m, k in kept}.values():
+            before, now = saved[id(module)], module.__dict__.get(key)
+            if key not in before:
+                module.__dict__.pop(key, None)
+            elif isinstance(now, dict) and isinstance(before[key], dict):
+                now.clear()
+                now.update(before[key])
+            elif isinstance(now, list) and isinstance(before[key], list):
+                now[:] = before[key]
+            else:
+                module.__dict__[key] = before[key]
+
+
+def kept_tensor_message(owner: str, path: str, how: str) -> str:
+    """What the executor's refusal of a kept tensor says: where, why (``how``) and what to do."""
+    return (f"{owner}: the forward (or a forward hook) keeps a tensor of the step in {path} (a KL term, or "
+            f"features for the loss, say), which the schedule executor cannot reproduce: {how}, so a loss "
+            "reading it would miss its gradient. The compiler path (compiler='auto', the default, or True) "
+            "keeps it as eager PyTorch does where dynamo captures the model; or return it from forward(), "
+            "or keep it detached (.detach()) if it is only logged.")
+
+
+@contextlib.contextmanager
+def kept_tensors_refused(model: nn.Module, carries: Callable[[Any], bool], error: Callable[[str], Exception],
+                         how: str, *, in_forward: bool = False) -> Iterator[None]:
+    """Around a trace or a pricing of ``model``: raises ``error(message)`` after the block when a module
+    attribute keeps a value that ``carries`` (compared when the block ends and, with ``in_forward``, as
+    the root's forward returns: torch.export puts attributes back itself), which is put back first."""
+    snapshot = AttributeSnapshot(model)
+    kept: list[tuple[str, nn.Module, str]] = []
+    handle = model.register_forward_hook(lambda *_: kept.extend(snapshot.kept(carries))) if in_forward else None
+    try:
+        yield
+    finally:
+        if handle is not None:
+            handle.remove()
+        kept.extend(snapshot.kept(carries))
+        snapshot.restore(kept)
+    if kept:
+        raise error(kept_tensor_message(type(model).__name__, kept[0][0], how))
