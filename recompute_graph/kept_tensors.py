@@ -98,12 +98,17 @@ class AttributeSnapshot:
         """``(path, module, attribute)`` of each value that ``carries`` and was not there before; the path
         reads as code does (``self.layers.0.kl``, ``self.features['mid']``)."""
         found: list[tuple[str, nn.Module, str]] = []
+        weights = {id(t) for _, module, _, _ in self.modules  # (export's fake ones: nn.LSTM's _flat_weights)
+                   for t in (*module._parameters.values(), *module._buffers.values())}
+
+        def kept_value(value: Any) -> bool:
+            return id(value) not in weights and carries(value)
         for name, module, before, computed in self.modules:
             for key, value in list(module.__dict__.items()):
                 if key in _STANDARD or key in computed:
                     continue
                 paths: list[str] = []
-                _kept_in(f"self.{name + '.' if name else ''}{key}", before.get(key), value, carries, paths)
+                _kept_in(f"self.{name + '.' if name else ''}{key}", before.get(key), value, kept_value, paths)
                 found.extend((path, module, key) for path in paths)
         return found
 

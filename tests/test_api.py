@@ -438,6 +438,9 @@ def test_a_kl_term_kept_on_a_module_is_refused_by_the_executor_and_exact_on_the_
         loss.backward()
         return [p.grad.clone() for p in model.parameters()]
 
+    from recompute_graph.call_graphs import CallGraphs
+    recurrent = nn.Sequential(nn.LSTM(8, 16))  # its _flat_weights list holds export's fake weights: not kept
+    CallGraphs(recurrent, tracer).graph_for((torch.randn(5, 3, 8),), {})
     model, x = build(), torch.randn(1024, 8)
     with pytest.raises(TraceError, match=r"keeps a tensor of the step in self\.0\.kl"):
         rg.optimize(model, 0.8, example_inputs=(x,), compiler=False, tracer=tracer, timing="flops")
