@@ -78,7 +78,8 @@ def values_put_back(pairs: "Iterable[tuple[torch.Tensor, torch.Tensor]]") -> Non
 @contextlib.contextmanager
 def preserved_state(module: nn.Module, *, rng: bool = False, grads: bool = False,
                     watch_parameters: bool = False) -> Iterator[None]:
-    """On exit, put back every buffer of ``module`` (by value; buffers on ``meta`` hold none) and the
+    """On exit, put back every buffer of ``module`` (by value, and the tensor itself where the block
+    assigned the buffer anew; buffers on ``meta`` hold none) and the
     plain Python values its modules hold as attributes (``self.calls += 1`` in a forward: planning runs
     the forward twice, which counted as two calls; the training flag aside), and with ``rng`` the CPU
     and (initialized) CUDA random states and the generators the model holds, with ``grads`` each
@@ -95,6 +96,7 @@ def preserved_state(module: nn.Module, *, rng: bool = False, grads: bool = False
     known = [(p, p.detach().clone()) for p in parameters if _seen_written(p) and not p.is_meta]
     watch = _CopyBeforeWrite(parameters) if watch_parameters else contextlib.nullcontext()
     buffers = [(b, b.detach().clone()) for b in module.buffers() if not b.is_meta]
+    buffer_tables = [(m, dict(m._buffers)) for m in module.modules() if m._buffers]
     scalars = [(m, name, value) for m in module.modules() for name, value in m.__dict__.items()
                if name != "training" and isinstance(value, (int, float, str, bool, type(None)))]
     saved_grads = [(p, p.grad) for p in module.parameters()] if grads else []
@@ -106,6 +108,8 @@ def preserved_state(module: nn.Module, *, rng: bool = False, grads: bool = False
         with watch:
             yield
     finally:
+        for m, table in buffer_tables:  # a buffer assigned anew (``self.center = 0.9 * self.center + ...``)
+            m._buffers.update((name, b) for name, b in table.items() if m._buffers.get(name) is not b)
         with torch.no_grad():
             values_put_back(buffers)
             for p, before in data:

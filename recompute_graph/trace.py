@@ -240,12 +240,41 @@ def grad_mode_switches_refused(model: nn.Module, tracer: str) -> Any:
             "compiler=True.", module_path="", source_location=found[0])
 
 
-def _drop_leaked_proxies(before: list[tuple[nn.Module, dict, dict, dict]]) -> None:
+def assign_buffer(buffer: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """The write a traced ``self.center = 0.9 * self.center + ...`` makes into the buffer (fx recorded the
+    new value but no write, so the executor never updated it): in place, as the same tensor, refused where
+    the value's shape or dtype differs from the buffer's (the model's buffer would change them)."""
+    if value.shape != buffer.shape or value.dtype != buffer.dtype:
+        raise RuntimeError(f"forward assigns a buffer of shape {tuple(buffer.shape)} ({buffer.dtype}) a tensor of "
+                           f"shape {tuple(value.shape)} ({value.dtype}), which the schedule executor's graph "
+                           "cannot make; write it in place (buffer.copy_(...)) or use compiler='auto'")
+    with torch.no_grad():
+        return buffer.copy_(value)
+
+
+def _buffer_assignments(graph: fx.Graph, assigned: list[tuple[str, fx.Proxy]]) -> None:
+    """Adds to ``graph``, before its output, an :func:`assign_buffer` for each buffer the forward assigned
+    a new value (``(qualified name, proxy)``), where that value is not an in-place write into the buffer
+    itself (``self.steps += 1``, which the graph already makes)."""
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    for target, proxy in assigned:
+        node = proxy.node
+        source = node.args[0] if node.args and (node.target in IN_PLACE_OPERATORS.values() or (
+            node.op == "call_method" and node.target.endswith("_"))) else node
+        if isinstance(source, fx.Node) and source.op == "get_attr" and source.target == target:
+            continue
+        with graph.inserting_before(output):
+            graph.call_function(assign_buffer, (graph.get_attr(target), node))
+
+
+def _drop_leaked_proxies(before: list[tuple[nn.Module, dict, dict, dict]]) -> list[tuple[nn.Module, str, fx.Proxy]]:
     """Undo what tracing assigned to the modules: with buffers read as proxies, ``self.steps += 1``
     assigned the proxy to the buffer itself, and ``self.last_attention = attention`` a proxy to an
     attribute; the model then ran on proxies after the trace (``KeyError`` in the executor's pricing,
     the graph growing nodes after its output). Each attribute or buffer holding a proxy gets its value
-    from before the trace back, or is removed when it had none."""
+    from before the trace back, or is removed when it had none. Returns the buffers assigned a proxy."""
+    assigned = [(module, name, value) for module, _, _, _ in before for name, value in module._buffers.items()
+                if isinstance(value, fx.Proxy)]
     for module, attributes, buffers, parameters in before:
         for table, saved in ((module._buffers, buffers), (module._parameters, parameters),
                              (module.__dict__, attributes)):
@@ -254,6 +283,7 @@ def _drop_leaked_proxies(before: list[tuple[nn.Module, dict, dict, dict]]) -> No
                     table[name] = saved[name]
                 else:
                     del table[name]
+    return assigned
 
 
 _KEPT_PROXY = ("torch.fx kept a proxy of its trace there, and the executor's graph runs no Python to store "
@@ -274,7 +304,7 @@ def _trace(model: nn.Module) -> TraceResult:
             finally:  # before the graph module copies the attributes its graph reads
                 kept = attributes.kept(carried_by_a_trace)
                 attributes.restore(kept)
-                _drop_leaked_proxies(before)
+                assigned = _drop_leaked_proxies(before)
         except _SubmoduleTraceFailure as failure:
             if failure.qualname in opaque:  # cannot happen: an opaque module is a leaf
                 raise _trace_error(model, "", failure.error) from failure.error
@@ -286,6 +316,8 @@ def _trace(model: nn.Module) -> TraceResult:
             raise _trace_error(model, "", error) from error
         if kept:
             raise TraceError(kept_tensor_message(type(model).__name__, kept[0][0], _KEPT_PROXY), module_path="")
+        names = {id(module): name for name, module in model.named_modules()}
+        _buffer_assignments(graph, [(f"{names[id(m)]}.{b}".lstrip("."), proxy) for m, b, proxy in assigned])
         refuse_differentiation_nodes(type(model).__name__, graph, _user_frame)
         graph_module = fx.GraphModule(tracer.root, graph, class_name=f"Traced{type(model).__name__}")
         for name in set(model.__dict__) - set(before[0][1]):  # fx's constants (``_opaque_obj0``): the copy's now
