@@ -6,7 +6,8 @@ after the call: a Bayesian layer's KL term (``self.kl``), features for a percept
 there with its autograd graph, and so does the compiler path: dynamo makes it an output of the captured
 graph and stores it after the step. The schedule executor cannot. Its graph is traced once and has no
 Python left to store anything, so the attribute held a value of the trace or of planning:
-- torch.export's stale tensor trained silently wrong (a KL term's gradient lost: 1e-3 off);
+- torch.export's stale tensor trained silently wrong (a KL term's gradient lost: 1e-3 off; state for
+  the next call, ``self.mems = out.detach()``, never updated: outputs 3e-3 off from the second step);
 - torch.fx's proxy was dropped after the trace, and the loss met an ``AttributeError``;
 - a module the executor runs whole (an opaque or leaf module) stored a tensor detached from the model's
   graph at each run of its node.
@@ -44,8 +45,9 @@ def carried_by_a_trace(value: Any) -> bool:
 
 
 def carried_by_export(value: Any) -> bool:
-    """A tensor of a torch.export trace that requires grad (a cache of constants does not)."""
-    return isinstance(value, torch.Tensor) and value.requires_grad
+    """Any tensor of a torch.export trace: one that needs no gradient may be state for the next call
+    (Transformer-XL's ``self.mems = out.detach()``), which export's graph froze at its value of the trace."""
+    return isinstance(value, torch.Tensor)
 
 
 def carried_by_a_run(value: Any) -> bool:
@@ -131,11 +133,12 @@ class AttributeSnapshot:
 
 def kept_tensor_message(owner: str, path: str, how: str) -> str:
     """What the executor's refusal of a kept tensor says: where, why (``how``) and what to do."""
-    return (f"{owner}: the forward (or a forward hook) keeps a tensor of the step in {path} (a KL term, or "
-            f"features for the loss, say), which the schedule executor cannot reproduce: {how}, so a loss "
-            "reading it would miss its gradient. The compiler path (compiler='auto', the default, or True) "
-            "keeps it as eager PyTorch does where dynamo captures the model; or return it from forward(), "
-            "or keep it detached (.detach()) if it is only logged.")
+    return (f"{owner}: the forward (or a forward hook) keeps a tensor of the step in {path} (a KL term or "
+            f"features for the loss, or state for its next call), which the schedule executor cannot "
+            f"reproduce: {how}, so a loss or a later call reading it would get a stale value or miss its "
+            "gradient. The compiler path (compiler='auto', the default, or True) keeps it as eager PyTorch "
+            "does where dynamo captures the model; or return it from forward(), or register state carried "
+            "between calls as a buffer (register_buffer), which the executor's graph writes.")
 
 
 @contextlib.contextmanager

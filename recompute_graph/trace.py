@@ -286,8 +286,7 @@ def _drop_leaked_proxies(before: list[tuple[nn.Module, dict, dict, dict]]) -> li
     return assigned
 
 
-_KEPT_PROXY = ("torch.fx kept a proxy of its trace there, and the executor's graph runs no Python to store "
-               "the tensor; torch.export (tracer='export' or 'auto') can keep what needs no gradient")
+_KEPT_PROXY = "torch.fx kept a proxy of its trace there, and the executor's graph runs no Python to store the tensor"
 
 
 def _trace(model: nn.Module) -> TraceResult:

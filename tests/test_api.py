@@ -625,6 +625,46 @@ def test_a_loss_reading_the_outputs_by_name_is_priced_on_them(path_options, read
     _verified_exactly_and_priced(model, x, loss_fn, path_options)
 
 
+class _CarriesMemory(nn.Module):
+    """Transformer-XL's memory: the last call's output, detached, added to the next call's input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(16, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(),
+                                    nn.Linear(256, 16))
+        self.memory = None
+
+    def forward(self, x):
+        out = self.layers(x if self.memory is None else x + self.memory)
+        self.memory = out.detach()
+        return out
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_state_for_the_next_call_kept_on_a_module_is_refused_by_the_executor(tracer):
+    """``self.memory = out.detach()``: export's graph froze the branch and value of its trace, so the
+    executor's steps never used the memory (outputs 3e-3 off from the second step, silently); fx kept a
+    proxy. The executor refuses it on both tracers; the compiler path carries it as eager does."""
+    from recompute_graph.errors import TraceError
+    torch.manual_seed(0)
+    model, x = _CarriesMemory(), torch.randn(1024, 16)
+    with pytest.raises(TraceError, match=r"keeps a tensor of the step in self\.memory .*register_buffer"):
+        rg.optimize(model, 0.9, example_inputs=(x,), compiler=False, tracer=tracer, timing="flops")
+    assert model.memory is None
+    if tracer == "export":
+        return
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    expected = _CarriesMemory()
+    optimized = rg.optimize(model, 0.9, example_inputs=(x,), compiler=True)
+    for _ in range(3):
+        for m in (optimized, expected):
+            m.zero_grad(set_to_none=True)
+            default_loss(m(x)).backward()
+        assert torch.allclose(model.memory, expected.memory, atol=1e-6)
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(_gradients(model), _gradients(expected)))
+
+
 class _ScalesItsInput(nn.Module):
     """Normalizes its input in place (``x /= 255``), as image models written for uint8 batches do."""
 
