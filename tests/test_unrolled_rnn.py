@@ -138,3 +138,28 @@ def test_a_plan_made_on_meta_with_unrolled_rnns_is_reused_by_optimize(tmp_path):
         optimized = rg.optimize(model, 0.6, example_inputs=inputs, compiler=False, unroll_rnns=True,
                                 plan=tmp_path / "plan.json")
     assert optimized.recompute_plan.recomputed_nodes == plan.recomputed_nodes
+
+
+def classifier(kind: str = "LSTM", steps: int = 16) -> tuple[nn.Module, tuple[torch.Tensor]]:
+    """A factory for the command line (``test_unrolled_rnn:classifier``)."""
+    torch.manual_seed(0)
+    return Classifier(getattr(nn, kind)), (torch.randn(16, int(steps), 16),)
+
+
+def test_the_command_line_plans_and_checks_a_recurrent_model_step_by_step(tmp_path, capsys):
+    """``--unroll-rnns`` on ``plan`` and ``check``: without it the fused LSTM cannot go under 0.98."""
+    import json
+    from recompute_graph.cli import main
+
+    def run(*argv):
+        code = main([*argv, "--json", "-q"])
+        return code, json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    plan = ("plan", "test_unrolled_rnn:classifier", "--budget", "0.6", "--timing", "flops",
+            "-o", str(tmp_path / "p.json"))
+    code, fused = run(*plan)
+    assert code == 1 and fused["status"] == "INFEASIBLE"
+    code, unrolled = run(*plan, "--unroll-rnns")
+    assert code == 0 and unrolled["feasible"] and unrolled["recomputed_nodes"] > 50
+    code, checked = run("check", "test_unrolled_rnn:classifier", "--size", "kind=GRU", "--budget", "0.6",
+                        "--timing", "flops", "--unroll-rnns")
+    assert code == 0 and checked["ok"] and checked["gradient_error"] < 1e-5

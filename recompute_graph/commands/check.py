@@ -35,12 +35,13 @@ def run(args: argparse.Namespace) -> int:
     from ..verification import verify
     if args.solver != "auto":
         get_solver(args.solver)
-    model, inputs, label = load_model(args.model, args.preset, parse_sizes(args.size))
+    model, inputs, label = load_model(args.model, args.preset, parse_sizes(args.size))  # (fused: the reference)
     model.train()
     call_args, call_kwargs = ((), inputs) if isinstance(inputs, dict) else (tuple(inputs), {})
     try:
         report = verify(model, args.budget, example_inputs=call_args, example_kwargs=call_kwargs,
-                        solver=args.solver, seed=args.seed, timing=args.timing, progress=not args.quiet)
+                        solver=args.solver, seed=args.seed, timing=args.timing, progress=not args.quiet,
+                        unroll_rnns=args.unroll_rnns)
     except InfeasibleBudgetError as error:
         if args.json:
             print_json({"model": label, "ok": False, "status": "INFEASIBLE", "budget_bytes": error.budget_bytes,

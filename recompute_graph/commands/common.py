@@ -29,7 +29,7 @@ def budget_argument(text: str) -> Any:
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, default: str | None = None) -> None:
-    """MODEL (a zoo name or package.module:factory), --preset, --size KEY=VALUE, --timing."""
+    """MODEL (a zoo name or package.module:factory), --preset, --size KEY=VALUE, --timing, --unroll-rnns."""
     kwargs: dict[str, Any] = {"nargs": "?", "default": default} if default else {}
     parser.add_argument("model", metavar="MODEL", **kwargs,
                         help="a zoo model (resnet18/34/50/101/152, unet, gpt2, vgg19, mlp, rnn) or "
@@ -40,6 +40,19 @@ def add_model_arguments(parser: argparse.ArgumentParser, default: str | None = N
                         help="override a size of the zoo model or pass a factory argument (repeatable)")
     parser.add_argument("--timing", choices=("measure", "flops"), default="measure",
                         help="node times: measured (default) or estimated from FLOPs")
+    parser.add_argument("--unroll-rnns", action="store_true",
+                        help="plan nn.LSTM/GRU/RNN step by step (optimize(..., unroll_rnns=True))")
+
+
+def loaded_model(args: argparse.Namespace) -> tuple[Any, Any, str]:
+    """``model_specs.load_model`` for MODEL, --preset and --size, with its recurrent layers made step
+    loops under --unroll-rnns; ``(model, example_inputs, label)``."""
+    from ..model_specs import load_model, parse_sizes
+    from ..unrolled_rnn import unroll_rnns
+    model, inputs, label = load_model(args.model, args.preset, parse_sizes(args.size))
+    if getattr(args, "unroll_rnns", False):
+        unroll_rnns(model)
+    return model, inputs, label
 
 
 def add_output_flags(parser: argparse.ArgumentParser) -> None:
@@ -57,12 +70,11 @@ def profile_positional_model(args: argparse.Namespace, command: str, solvers: li
     positional inputs), move it and its tensor inputs to ``device`` when given, put it in training mode
     and profile it there; ``(model, inputs, label, traced, graph)``."""
     from ..costs import profile_model
-    from ..model_specs import load_model, parse_sizes
     from ..solvers import get_solver
     for name in solvers:
         if name != "auto":
             get_solver(name)
-    model, inputs, label = load_model(args.model, args.preset, parse_sizes(args.size))
+    model, inputs, label = loaded_model(args)
     if isinstance(inputs, dict):
         raise ValueError(f"{args.model} returns keyword inputs: `{command}` takes models called with positional "
                          "inputs; `recompute-graph plan` and optimize(..., example_kwargs=) take keyword inputs")

@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 from ..units import format_bytes
-from .common import add_model_arguments, add_output_flags, budget_argument, print_json
+from .common import add_model_arguments, add_output_flags, budget_argument, loaded_model, print_json
 
 __all__ = ["add_parser", "run"]
 
@@ -33,12 +33,11 @@ def add_parser(commands: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..call_graphs import profile_call
     from ..errors import InfeasibleBudgetError
-    from ..model_specs import load_model, parse_sizes
     from ..planner import make_plan
     from ..solvers import get_solver
     if args.solver != "auto":
         get_solver(args.solver)  # an unknown name fails before the model is built
-    model, inputs, label = load_model(args.model, args.preset, parse_sizes(args.size))
+    model, inputs, label = loaded_model(args)
     start = time.perf_counter()
     call_args, call_kwargs = ((), inputs) if isinstance(inputs, dict) else (inputs, {})
     _, graph = profile_call(model, call_args, call_kwargs, timing=args.timing, progress=not args.quiet,
@@ -78,5 +77,6 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {node.name[:32]:<32} {format_bytes(node.output_bytes):>10} {counts[i]:>8}x")
         if len(recomputed) > LISTED_NODES:
             print(f"  ... and {len(recomputed) - LISTED_NODES} more")
-    print(f"\nplan written to {output}  (reuse: optimize(model, budget, plan={output!r}))")
+    unrolled = ", unroll_rnns=True" if args.unroll_rnns else ""
+    print(f"\nplan written to {output}  (reuse: optimize(model, budget, plan={output!r}{unrolled}))")
     return 0
