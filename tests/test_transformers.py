@@ -331,6 +331,39 @@ def test_a_loss_reading_the_logits_of_a_model_output_is_priced_on_them(recwarn):
     assert abs(report.predicted_peak_bytes / report.measured_peak_bytes - 1) < 0.01, report
 
 
+def test_a_peft_model_with_input_embeddings_made_to_require_grad_trains_on_the_default_path():
+    """``model.enable_input_require_grads()``, which ``peft`` calls for gradient checkpointing, hooks the
+    frozen embedding: ``output.requires_grad_(True)``. Dynamo refuses it, so ``optimize()`` falls back
+    to the executor (its export graph), with a warning that names it, and trains the adapters exactly.
+    (On the executor's fx graph the embedding's node failed in pricing: ``tests/test_api.py -k
+    keep_nothing``.) ``disable_input_require_grads()`` keeps such a model on the compiler path."""
+    peft = pytest.importorskip("peft")
+    import warnings
+    torch.manual_seed(0)
+    base = tiny("gpt2")
+    base.enable_input_require_grads()
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"]))
+    with torch.no_grad():  # adapters that change the output, so that their gradients are not all 0
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    reference = copy.deepcopy(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        optimized = rg.optimize(model, 0.7, example_kwargs=batch())
+    assert any(issubclass(w.category, rg.CompilerFallbackWarning) and "requires_grad_" in str(w.message)
+               for w in caught)
+    assert optimized.recompute_plan.recomputed_nodes
+    for module in (optimized, reference):
+        torch.manual_seed(3)
+        module(**batch()).loss.backward()
+    compared = [(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()) if q.grad is not None]
+    assert compared and all(torch.allclose(a, b, atol=1e-6) for a, b in compared)
+    base.disable_input_require_grads()
+    torch._dynamo.reset()
+    assert isinstance(rg.optimize(model, 0.7, example_kwargs=batch()), rg.CompiledRecomputedModule)
+
+
 @pytest.mark.parametrize("compiler", [True, False])
 def test_a_peft_lora_model_trains_its_adapters_like_the_model_and_the_trainer_saves_them(compiler, tmp_path):
     """LoRA fine-tuning with ``peft``, as its users write it: ``get_peft_model`` wraps GPT-2 (adapters
