@@ -160,9 +160,16 @@ def _optimize(model: nn.Module, budget: Budget, example_inputs: Sequence[Any] | 
             model, budget, example_inputs, example_kwargs, solver, autocast, loss_fn, fallback=compiler == "auto",
             saved_plan=saved, graph_compiler=graph_compiler))
     named_modules = list(model.named_modules())
-    with kept_hook_tensors_refused(named_modules, type(model).__name__):
-        graphs = CallGraphs(model, tracer)
+
+    def traced() -> CallGraphs:
+        with kept_hook_tensors_refused(named_modules, type(model).__name__):
+            return CallGraphs(model, tracer)
+    graphs = traced()
     planned_bytes: list[int] = []  # the budget of each call signature planned so far
+
+    def retrace() -> None:  # a plain attribute of the model changed: its graph may hold the old value
+        nonlocal graphs
+        graphs = traced()
 
     def prepare(args: tuple, kwargs: dict) -> PreparedStep:
         with full_collections_deferred(), kept_hook_tensors_refused(named_modules, type(model).__name__), \
@@ -204,7 +211,7 @@ def _optimize(model: nn.Module, budget: Budget, example_inputs: Sequence[Any] | 
         exported = tuple(p for p in model.parameters() if p.requires_grad) if call.exported else ()
         return PreparedStep(executor, chosen, call.inputs_of, call.output_of, exported)
 
-    optimized = RecomputedModule(model, prepare, graphs.eval_forward)
+    optimized = RecomputedModule(model, prepare, lambda args, kwargs: graphs.eval_forward(args, kwargs), retrace)
     if example_inputs is not None or example_kwargs is not None:
         example_args, example_kw = _planning_copies(tuple(example_inputs or ()), dict(example_kwargs or {}))
         with _autocast_for(autocast, [*example_args, *example_kw.values()]):

@@ -12,7 +12,7 @@ import inspect
 import time
 import types
 import warnings
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 from torch import fx, nn
@@ -149,13 +149,9 @@ class SharedModelModule(nn.Module):
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
-        for name, child in model._modules.items():
-            self._modules[name] = child
-        for name, parameter in model._parameters.items():
-            self._parameters[name] = parameter
-        for name, buffer in model._buffers.items():
-            self._buffers[name] = buffer
-        self._non_persistent_buffers_set = set(model._non_persistent_buffers_set)
+        # the model's own tables, not copies: a submodule, parameter or buffer set on either is the other's
+        self._modules, self._parameters, self._buffers = model._modules, model._parameters, model._buffers
+        self._non_persistent_buffers_set = model._non_persistent_buffers_set
         self.training = model.training
         object.__setattr__(self, "_original_class", type(model).__name__)
         object.__setattr__(self, "_signature", inspect.signature(model.forward))
@@ -253,6 +249,24 @@ class SharedModelModule(nn.Module):
             return super().__reduce_ex__(protocol)
         return _optimized_again, (self._original, options, self.training)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        """An attribute set here that is not this module's own is set on the model, whose forward reads it
+        (``optimized.tau = 0.5``, a submodule replaced); the tables of submodules, parameters and buffers
+        stay shared. Before session 43 it was set on this module alone, and the steps ran the model's old
+        value, silently."""
+        original = self.__dict__.get("_original")
+        if original is None or name == "training" or name.startswith("__") or name in self.__dict__:
+            super().__setattr__(name, value)
+            return
+        setattr(original, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        original = self.__dict__.get("_original")
+        if original is None or name in self.__dict__ or name.startswith("__"):
+            super().__delattr__(name)
+        else:
+            delattr(original, name)
+
     def train(self, mode: bool = True) -> "SharedModelModule":
         """Set training mode here, in the shared submodules and on the original root module (whose own
         ``forward`` may read ``self.training`` when it runs the plain forward)."""
@@ -307,9 +321,11 @@ class RecomputedModule(SharedModelModule):
     """
 
     def __init__(self, model: nn.Module, prepare: Callable[[tuple, dict], PreparedStep],
-                 eval_forward: Callable[[tuple, dict], Any]) -> None:
+                 eval_forward: Callable[[tuple, dict], Any], retrace: Callable[[], None] | None = None) -> None:
         super().__init__(model)
         object.__setattr__(self, "_prepare", prepare)
+        object.__setattr__(self, "_retrace", retrace)
+        object.__setattr__(self, "_traced_structure", TracedStructure(self._named_modules))
         object.__setattr__(self, "_eval_forward", eval_forward)
         object.__setattr__(self, "_plans", {})
         object.__setattr__(self, "_watched", set())  # ids of the prepared steps whose first step was checked
@@ -323,6 +339,8 @@ class RecomputedModule(SharedModelModule):
         return self._prepared(args, kwargs).plan
 
     def _prepared(self, args: tuple, kwargs: dict) -> PreparedStep:
+        if self._retrace is not None and self._traced_structure.changed():
+            self._trace_again()
         if planned_hooks_key(self._named_modules, self._original_class) != self._traced_hooks:
             raise hooks_changed_error(self._original_class)
         key = _signature_key(args, kwargs)
@@ -333,6 +351,17 @@ class RecomputedModule(SharedModelModule):
         step = self._plans[key]
         object.__setattr__(self, "recompute_plan", step.plan)
         return step
+
+    def _trace_again(self) -> None:
+        """Trace and plan again: a submodule was replaced or a plain attribute changed (``model.tau =
+        0.5``), which the traced graph holds as it was (as dynamo's guards make the compiler path do;
+        before session 43 the steps ran the old module or value, silently). The hooks are traced again
+        with the model."""
+        object.__setattr__(self, "_named_modules", list(self._original.named_modules()))
+        self._retrace()
+        self._plans.clear()
+        object.__setattr__(self, "_traced_structure", TracedStructure(self._named_modules))
+        object.__setattr__(self, "_traced_hooks", planned_hooks_key(self._named_modules, self._original_class))
 
     @torch.compiler.disable(reason=OUTER_COMPILE_REASON)
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -379,6 +408,30 @@ def placeholder_binder(model: nn.Module, graph_module: fx.GraphModule) -> Callab
                 raise TypeError(f"missing argument {name!r}")
         return values
     return bind
+
+
+class TracedStructure:
+    """What a traced graph holds as it was when traced: each module's submodules (by identity), and the
+    numbers, strings, booleans and ``None`` (and tuples of them) the modules hold as attributes, the
+    training flag aside (a temperature, a drop rate: constants of the graph). :meth:`changed` compares
+    with C-level maps: 0.1 ms for ResNet-152's 423 modules, where a walk of every ``__dict__`` took 3 ms."""
+
+    def __init__(self, named_modules: Sequence[tuple[str, nn.Module]]) -> None:
+        self.tables = [module._modules for _, module in named_modules]
+        self.children = tuple(map(tuple, map(dict.values, self.tables)))
+        entries = [(module.__dict__, name) for _, module in named_modules
+                   for name, value in module.__dict__.items() if name != "training" and _plain(value)]
+        self.dicts, self.names = [d for d, _ in entries], [n for _, n in entries]
+        self.values = tuple(map(dict.get, self.dicts, self.names))
+
+    def changed(self) -> bool:
+        return (tuple(map(tuple, map(dict.values, self.tables))) != self.children
+                or tuple(map(dict.get, self.dicts, self.names)) != self.values)
+
+
+def _plain(value: Any) -> bool:
+    return value is None or isinstance(value, (bool, int, float, str)) or (
+        isinstance(value, tuple) and all(_plain(v) for v in value))
 
 
 def _signature_key(args: tuple, kwargs: dict) -> tuple:

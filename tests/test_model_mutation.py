@@ -82,3 +82,41 @@ def test_functional_call_trains_the_parameters_it_is_given(unet):
     assert all(p.grad is None for p in model.parameters())
     assert_same(step_gradients(reference, inputs), step_gradients(optimized, inputs))  # its own again
     assert len(optimized._planning_seconds) == 1  # planned again for new tensors: no new call signature
+
+
+class _Scaled(torch.nn.Module):
+    """Its output scaled by a plain attribute (a temperature, a gradient reversal's lambda a schedule
+    changes between steps)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.Sequential(torch.nn.Linear(16, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256),
+                                          torch.nn.Tanh(), torch.nn.Linear(256, 256), torch.nn.Tanh())
+        self.head = torch.nn.Linear(256, 4)
+        self.scale = 1.0
+
+    def forward(self, x):
+        return self.head(self.layers(x)) * self.scale
+
+
+@pytest.mark.parametrize("where", ["optimized", "model"])
+def test_an_attribute_or_submodule_set_after_optimize_is_the_one_the_step_uses(path_options, where):
+    """``optimized.scale = 3.0`` was set on the optimized module alone, and both paths kept training with
+    the model's 1.0; set on the model, the executor's traced graph kept the value of its trace. Now an
+    attribute or submodule set on the optimized module is set on the model, and the executor traces and
+    plans again when a plain attribute changed (the compiler path's guards recompile)."""
+    torch.manual_seed(0)
+    model, x = _Scaled(), (torch.randn(1024, 16),)
+    reference = copy.deepcopy(model)
+    optimized = optimize(model, 0.8, example_inputs=x, **path_options)
+    assert_same(step_gradients(optimized, x), step_gradients(reference, x))
+    setattr(optimized if where == "optimized" else model, "scale", 3.0)
+    reference.scale = 3.0
+    assert model.scale == 3.0 and optimized.scale == 3.0
+    assert_same(step_gradients(optimized, x), step_gradients(reference, x))
+    head = torch.nn.Linear(256, 4)
+    reference.head = copy.deepcopy(head)
+    setattr(optimized if where == "optimized" else model, "head", head)
+    assert model.head is head and optimized.head is head
+    assert_same(step_gradients(optimized, x), step_gradients(reference, x))
+    assert optimized.recompute_plan.recomputed_nodes
