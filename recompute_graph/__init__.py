@@ -12,7 +12,7 @@ from typing import Any
 
 from .errors import (BudgetExceededWarning, CompilerFallbackWarning, DynamicShapesError, EvalModeGradientWarning,
                      GraphBreakWarning, GraphError, InfeasibleBudgetError, LossNotPricedWarning,
-                     ManyCallSignaturesWarning, PlanFileError,
+                     ManyCallSignaturesWarning, PlanFileError, UnplannedCallWarning,
                      PlanMismatchWarning,
                      ProfileError, ProfilerActiveWarning, RecomputeError, RewriteError, ScheduleError, SolverError,
                      TraceError)
@@ -48,7 +48,7 @@ __all__ = ["CostGraph", "CostNode", "RecomputeError", "TraceError", "ProfileErro
            "SolverError", "InfeasibleBudgetError", "ScheduleError", "RewriteError", "PlanFileError",
            "PlanMismatchWarning", "BudgetExceededWarning", "CompilerFallbackWarning", "DynamicShapesError",
            "GraphBreakWarning", "ProfilerActiveWarning", "EvalModeGradientWarning", "LossNotPricedWarning",
-           "ManyCallSignaturesWarning",
+           "ManyCallSignaturesWarning", "UnplannedCallWarning",
            "parse_bytes", "format_bytes",
            *_LAZY]
 

@@ -92,6 +92,12 @@ class EvalModeGradientWarning(UserWarning):
     per module."""
 
 
+class UnplannedCallWarning(UserWarning):
+    """A method of the model read through the optimized module (``optimized.compute_loss(batch)``) called
+    the model itself in a training step: that call runs the plain forward, outside the plan and its
+    budget. Once per module."""
+
+
 class ManyCallSignaturesWarning(UserWarning):
     """An optimized module has planned many call signatures: each new input shape (or dtype, or
     autocast setting) is captured, priced and planned on its first training call, so inputs whose

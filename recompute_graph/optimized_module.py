@@ -8,6 +8,7 @@ original model when the model was exported (``export_trace.py``).
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import time
 import types
@@ -19,7 +20,7 @@ from torch import fx, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .errors import (BudgetExceededWarning, EvalModeGradientWarning, InfeasibleBudgetError, ManyCallSignaturesWarning,
-                     RewriteError)
+                     RewriteError, UnplannedCallWarning)
 from .executor_state import autocast_state
 from .library_classes import is_peft_model, is_transformers_model
 from .module_hooks import hooks_changed_error, planned_hooks_key
@@ -209,7 +210,35 @@ class SharedModelModule(nn.Module):
             original = self.__dict__.get("_original")
             if original is None or name.startswith("__"):
                 raise
-            return getattr(original, name)
+            value = getattr(original, name)
+            if isinstance(value, types.MethodType) and value.__self__ is original and _users_method(value):
+                return self._watched_method(value)
+            return value
+
+    def _watched_method(self, method: types.MethodType) -> Callable[..., Any]:
+        """``method`` of the model (its ``self`` is the model, not this module), warning with
+        :class:`UnplannedCallWarning` when it calls the model in a training step: that call is not planned
+        (``compute_loss(self, batch)`` calling ``self(x)``)."""
+        original, owner = self._original, self._original_class
+
+        @functools.wraps(method)
+        def watched(*args: Any, **kwargs: Any) -> Any:
+            trained: list[bool] = []
+            handle = original.register_forward_pre_hook(
+                lambda module, inputs: trained.append(module.training and torch.is_grad_enabled()))
+            try:
+                return method(*args, **kwargs)
+            finally:
+                handle.remove()
+                if any(trained) and not self.__dict__.get("_unplanned_warned"):
+                    object.__setattr__(self, "_unplanned_warned", True)
+                    warnings.warn(
+                        f"{owner}.{method.__name__}, read through the optimized module, called the model itself "
+                        "in a training step: its self is the model, so that call ran the plain forward, outside "
+                        "the plan and its budget. Call the module optimize() returned in the training loop "
+                        f"(loss = loss_fn(optimized(x)), or a {method.__name__} taking it as an argument).",
+                        UnplannedCallWarning, stacklevel=2)
+        return watched
 
     @property  # type: ignore[misc]
     def __class__(self) -> type:
@@ -408,6 +437,15 @@ def placeholder_binder(model: nn.Module, graph_module: fx.GraphModule) -> Callab
                 raise TypeError(f"missing argument {name!r}")
         return values
     return bind
+
+
+#: the packages whose methods on a model are not the user's (they do not call the model to train it)
+_LIBRARIES = frozenset({"torch", "transformers", "peft", "diffusers", "timm", "torchvision", "accelerate",
+                        "recompute_graph"})
+
+
+def _users_method(method: types.MethodType) -> bool:
+    return getattr(method.__func__, "__module__", "torch").split(".")[0] not in _LIBRARIES
 
 
 class TracedStructure:

@@ -770,3 +770,36 @@ def test_a_counter_the_forward_updates_counts_training_calls_only(path_options):
     assert int(model.steps) == int(expected.steps) == 3
     assert all(torch.equal(a, b) for a, b in zip(_gradients(model), _gradients(expected)))
     assert model.calls == (3 if path_options["compiler"] else 0)
+
+
+class _WithLossMethod(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(16, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 4))
+
+    def forward(self, x):
+        return self.layers(x)
+
+    def compute_loss(self, x):
+        return self(x).square().mean()
+
+
+def test_a_method_of_the_model_that_calls_it_in_training_warns_that_the_call_is_not_planned(path_options):
+    """``optimized.compute_loss(x)`` is the model's method: its ``self`` is the model, so ``self(x)`` ran
+    the plain forward, outside the plan and its budget, silently. An ``UnplannedCallWarning`` now says so,
+    once; under ``torch.no_grad()`` it does not, and the optimized module itself is planned."""
+    import warnings
+    torch.manual_seed(0)
+    model, x = _WithLossMethod(), torch.randn(512, 16)
+    optimized = rg.optimize(model, 0.9, example_inputs=(x,), **path_options)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            optimized.compute_loss(x)
+        default_loss(optimized(x)).backward()
+        assert not [w for w in caught if issubclass(w.category, rg.UnplannedCallWarning)]
+        for _ in range(2):
+            optimized.compute_loss(x).backward()
+    found = [w for w in caught if issubclass(w.category, rg.UnplannedCallWarning)]
+    assert len(found) == 1 and "compute_loss" in str(found[0].message) and found[0].filename == __file__
+    assert not model._forward_pre_hooks
