@@ -162,8 +162,7 @@ def _optimize(model: nn.Module, budget: Budget, example_inputs: Sequence[Any] | 
     named_modules = list(model.named_modules())
 
     def traced() -> CallGraphs:
-        with kept_hook_tensors_refused(named_modules, type(model).__name__):
-            return CallGraphs(model, tracer)
+        return CallGraphs(model, tracer)
     graphs = traced()
     planned_bytes: list[int] = []  # the budget of each call signature planned so far
 

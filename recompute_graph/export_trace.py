@@ -44,6 +44,7 @@ from .autograd_in_forward import export_refusals
 from .errors import TraceError
 from .kept_tensors import carried_by_export, kept_tensors_refused
 from .library_classes import is_transformers_model
+from .module_hooks import kept_hook_tensors_refused
 from .random_sources import host_random_draws_refused
 from .trace import TraceResult, functionalize, grad_mode_switches_refused, user_source_location
 
@@ -289,7 +290,8 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict) -> ExportedTrace:
         with grad_mode_switches_refused(model, "torch.export"), export_refusals(type(model).__name__), \
                 host_random_draws_refused(model, "torch.export"), kept_tensors_refused(
                     model, carried_by_export, lambda message: TraceError(message, module_path=""), _KEPT_FAKE,
-                    in_forward=True):
+                    in_forward=True), kept_hook_tensors_refused(
+                    list(model.named_modules()), type(model).__name__, lambda message: TraceError(message)):
             program = torch.export.export(model, tuple(args), dict(kwargs), strict=False)
     except TraceError:
         raise

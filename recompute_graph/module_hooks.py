@@ -144,10 +144,12 @@ def _of_a_trace(value: Any) -> bool:
 
 
 @contextlib.contextmanager
-def kept_hook_tensors_refused(named_modules: Sequence[tuple[str, nn.Module]], owner: str) -> Iterator[None]:
-    """For the executor's trace and pricing of a model (module docstring): its forward hooks and pre-hooks
-    (the global ones too) run watched, and :class:`RewriteError` is raised at the end when a tensor one of
-    them received or made is still alive, kept by the hook. The hooks are put back either way."""
+def kept_hook_tensors_refused(named_modules: Sequence[tuple[str, nn.Module]], owner: str,
+                              error: Callable[[str], Exception] = RewriteError) -> Iterator[None]:
+    """For the executor's traces (``error``: their ``TraceError``, so that ``tracer="auto"`` tries export
+    after fx) and pricing of a model (module docstring): its forward hooks and pre-hooks (the global ones
+    too) run watched, and ``error`` is raised at the end when a tensor one of them received or made is
+    still alive, kept by the hook. The hooks are put back either way."""
     kept: list[tuple[str, weakref.ref, bool]] = []
     replaced: list[tuple[dict, int, Callable[..., Any]]] = []
     tables = [("a global forward hook", module_globals._global_forward_hooks, True),
@@ -177,7 +179,7 @@ def kept_hook_tensors_refused(named_modules: Sequence[tuple[str, nn.Module]], ow
                "runs at each run of that module's node, recomputations included, on tensors outside the "
                "model's autograd graph, so a loss on what it kept would miss its gradient (keep "
                "output.detach() if the hook only logs)")
-        raise RewriteError(
+        raise error(
             f"{owner}: {where} keeps a tensor it received or made (features stored for a loss, say), which the "
             f"schedule executor cannot give it: the hook {how}. The compiler path (compiler='auto' or True) runs "
             "such a hook as eager PyTorch does when dynamo captures the model; or return the features from "

@@ -42,6 +42,7 @@ from .autograd_in_forward import (HookRefused, functions_kept_whole, proxy_hooks
 from .errors import TraceError
 from .kept_tensors import AttributeSnapshot, carried_by_a_trace, kept_tensor_message
 from .model_state import preserved_state
+from .module_hooks import kept_hook_tensors_refused
 from .random_sources import host_random_draws_refused, refuse_generators_made_in_forward
 
 __all__ = ["TraceResult", "BoundInterpreter", "functionalize", "trace", "user_source_location"]
@@ -195,7 +196,8 @@ def trace(model: nn.Module) -> TraceResult:
     with preserved_state(model):  # tracing runs the model's Python code: what it writes into buffers is undone
         name = type(model).__name__
         with grad_mode_switches_refused(model, "torch.fx"), functions_kept_whole(name), proxy_hooks_refused(name), \
-                host_random_draws_refused(model, "torch.fx", torch_generator=True):
+                host_random_draws_refused(model, "torch.fx", torch_generator=True), kept_hook_tensors_refused(
+                    list(model.named_modules()), name, lambda message: TraceError(message, module_path="")):
             result = _trace(model)
         refuse_generators_made_in_forward(model, result.graph_module, "torch.fx")
         return result

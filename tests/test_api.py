@@ -384,7 +384,7 @@ def test_a_forward_hook_keeping_features_is_exact_on_the_compiler_path_and_refus
     model, x = _FeatureLoss(hooked, keeper, closure if store == "closure" else None), torch.randn(2048, 8)
     hooks = dict(model.layers[hooked]._forward_hooks)
     where = (rf"forward hook of module 'layers.{hooked}'.*keeps a tensor it received or made" if store == "closure"
-             else r"keeps a tensor of the step in self.features\['mid'\]")
+             else rf"(keeps a tensor of the step in self.features\['mid'\]|module 'layers.{hooked}'.*keeps a tensor)")
     with pytest.raises((RewriteError, TraceError), match=where):
         rg.optimize(model, 0.8, example_inputs=(x,), compiler=False, tracer=tracer, timing="flops")
     assert dict(model.layers[hooked]._forward_hooks) == hooks and model.features == {}
@@ -397,6 +397,27 @@ def test_a_forward_hook_keeping_features_is_exact_on_the_compiler_path_and_refus
     assert optimized.recompute_plan.recomputed_nodes
     for got, want in zip(_feature_step(model, optimized, x), _feature_step(expected, expected, x)):
         assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_a_hook_feature_extractor_that_returns_its_features_runs_on_the_executor():
+    """timm's ``features_only=True, feature_cls="hook"`` (``FeatureHookNet``): hooks store each stage's
+    output in a dict keyed by ``x.device``, and ``forward`` returns and empties it. Under fx the key is a
+    proxy, so the kept proxies stay, and the fx trace is refused; ``tracer="auto"`` then exports the
+    model, whose hooks hand everything back, and the executor trains it exactly."""
+    from models_zoo import third_party
+    timm = third_party.import_timm()
+
+    def build():
+        torch.manual_seed(0)
+        return timm.create_model("resnet18", features_only=True, feature_cls="hook", pretrained=False)
+
+    def step(call, model):
+        model.zero_grad(set_to_none=True)
+        sum(f.square().mean() for f in call(x)).backward()
+        return [p.grad.clone() for p in model.parameters()]
+    model, expected, x = build(), build(), torch.randn(2, 3, 64, 64)
+    optimized = rg.optimize(model, 1.0, example_inputs=(x,), compiler=False, timing="flops")
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(step(optimized, model), step(expected, expected)))
 
 
 def _feature_step(model, call, x):
