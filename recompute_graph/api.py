@@ -159,19 +159,16 @@ def _optimize(model: nn.Module, budget: Budget, example_inputs: Sequence[Any] | 
         return _optimized_with(again, _optimize_compiled(
             model, budget, example_inputs, example_kwargs, solver, autocast, loss_fn, fallback=compiler == "auto",
             saved_plan=saved, graph_compiler=graph_compiler))
-    named_modules = list(model.named_modules())
-
-    def traced() -> CallGraphs:
-        return CallGraphs(model, tracer)
-    graphs = traced()
+    graphs = CallGraphs(model, tracer)
     planned_bytes: list[int] = []  # the budget of each call signature planned so far
 
-    def retrace() -> None:  # a plain attribute of the model changed: its graph may hold the old value
+    def retrace() -> None:  # a plain attribute or a submodule changed: the graph holds the old ones
         nonlocal graphs
-        graphs = traced()
+        graphs = CallGraphs(model, tracer)
 
     def prepare(args: tuple, kwargs: dict) -> PreparedStep:
-        with full_collections_deferred(), kept_hook_tensors_refused(named_modules, type(model).__name__), \
+        named = list(model.named_modules())  # (anew: a submodule may have been replaced since)
+        with full_collections_deferred(), kept_hook_tensors_refused(named, type(model).__name__), \
                 kept_tensors_refused(model, carried_by_a_run, RewriteError, _KEPT_IN_A_RUN):
             return _prepare(args, kwargs)
 
