@@ -94,15 +94,17 @@ class _Scaled(torch.nn.Module):
                                           torch.nn.Tanh(), torch.nn.Linear(256, 256), torch.nn.Tanh())
         self.head = torch.nn.Linear(256, 4)
         self.scale = 1.0
+        self.mask = torch.ones(4)  # a plain tensor attribute, not a buffer
 
     def forward(self, x):
-        return self.head(self.layers(x)) * self.scale
+        return self.head(self.layers(x)) * self.scale * self.mask
 
 
 @pytest.mark.parametrize("where", ["optimized", "model"])
 def test_an_attribute_or_submodule_set_after_optimize_is_the_one_the_step_uses(path_options, where):
     """``optimized.scale = 3.0`` was set on the optimized module alone, and both paths kept training with
-    the model's 1.0; set on the model, the executor's traced graph kept the value of its trace. Now an
+    the model's 1.0; set on the model, the executor's traced graph kept the value of its trace (and the
+    old submodule, and the old tensor of a plain tensor attribute). Now an
     attribute or submodule set on the optimized module is set on the model, and the executor traces and
     plans again when a plain attribute changed (the compiler path's guards recompile)."""
     torch.manual_seed(0)
@@ -118,5 +120,8 @@ def test_an_attribute_or_submodule_set_after_optimize_is_the_one_the_step_uses(p
     reference.head = copy.deepcopy(head)
     setattr(optimized if where == "optimized" else model, "head", head)
     assert model.head is head and optimized.head is head
+    assert_same(step_gradients(optimized, x), step_gradients(reference, x))
+    reference.mask = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    setattr(optimized if where == "optimized" else model, "mask", reference.mask.clone())
     assert_same(step_gradients(optimized, x), step_gradients(reference, x))
     assert optimized.recompute_plan.recomputed_nodes
