@@ -24,6 +24,7 @@ from .trace import TraceResult, trace
 __all__ = ["TRACERS", "CallGraph", "CallGraphs", "profile_call", "training_mode"]
 
 TRACERS = ("auto", "fx", "export")
+_KEPT = "keeps a tensor of the step in"  # (kept_tensors.kept_tensor_message)
 
 
 @dataclass(frozen=True)
@@ -86,8 +87,8 @@ class CallGraphs:
                     f"reads later ({self.fx_trace.unsafe_mutations[0]}), which only torch.export's "
                     f"functionalization plans exactly, and export failed:\n{export_error}",
                     module_path="", source_location=export_error.source_location) from export_error
-            if self.fx_error is None:
-                raise
+            if self.fx_error is None or _KEPT in str(self.fx_error) and _KEPT in str(export_error):
+                raise  # (both tracers refused the same kept tensor: export's words say it)
             raise TraceError(f"{self.fx_error}\n{export_error}", module_path=self.fx_error.module_path,
                              source_location=self.fx_error.source_location) from export_error
         model = self.model

@@ -291,7 +291,10 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict) -> ExportedTrace:
                 host_random_draws_refused(model, "torch.export"), kept_tensors_refused(
                     model, carried_by_export, lambda message: TraceError(message, module_path=""), _KEPT_FAKE,
                     in_forward=True), kept_hook_tensors_refused(
-                    list(model.named_modules()), type(model).__name__, lambda message: TraceError(message)):
+                    list(model.named_modules()), type(model).__name__, lambda message: TraceError(message)), \
+                warnings.catch_warnings():
+            # export's own word on a tensor kept on an attribute: the refusal above says it with what to do
+            warnings.filterwarnings("ignore", message=r"The tensor attributes? .* assigned during export")
             program = torch.export.export(model, tuple(args), dict(kwargs), strict=False)
     except TraceError:
         raise
