@@ -451,8 +451,9 @@ def _users_method(method: types.MethodType) -> bool:
 class TracedStructure:
     """What a traced graph holds as it was when traced: each module's submodules and plain tensor
     attributes (by identity), and the numbers, strings, booleans and ``None`` (and tuples of them) the
-    modules hold as attributes, the training flag aside (a temperature, a drop rate: constants of the graph). :meth:`changed` compares
-    with C-level maps: 0.1 ms for ResNet-152's 423 modules, where a walk of every ``__dict__`` took 3 ms."""
+    modules hold as attributes, the training flag aside (a temperature, a drop rate: constants of the
+    graph). :meth:`changed` compares with C-level maps: 0.14 ms for ResNet-152's 423 modules, where a
+    walk of every ``__dict__`` took 3 ms."""
 
     def __init__(self, named_modules: Sequence[tuple[str, nn.Module]]) -> None:
         self.tables = [module._modules for _, module in named_modules]
