@@ -457,7 +457,7 @@ class TracedStructure:
 
     def __init__(self, named_modules: Sequence[tuple[str, nn.Module]]) -> None:
         self.tables = [module._modules for _, module in named_modules]
-        self.children = tuple(map(tuple, map(dict.values, self.tables)))
+        self.children = self._children()
         entries = [(module.__dict__, name) for _, module in named_modules
                    for name, value in module.__dict__.items() if name != "training" and _plain(value)]
         self.dicts, self.names = [d for d, _ in entries], [n for _, n in entries]
@@ -467,11 +467,14 @@ class TracedStructure:
         self.tensor_dicts, self.tensor_names = [d for d, _ in tensors], [n for _, n in tensors]
         self.tensor_ids = self._tensor_ids()
 
+    def _children(self) -> tuple:  # (a scripted module's table is no dict: ``OrderedModuleDict``)
+        return tuple(tuple(table.values()) for table in self.tables)
+
     def _tensor_ids(self) -> tuple:
         return tuple(map(id, map(dict.get, self.tensor_dicts, self.tensor_names)))
 
     def changed(self) -> bool:
-        return (tuple(map(tuple, map(dict.values, self.tables))) != self.children
+        return (self._children() != self.children
                 or tuple(map(dict.get, self.dicts, self.names)) != self.values
                 or self._tensor_ids() != self.tensor_ids)
 
