@@ -171,7 +171,9 @@ class _MemoryPass(BoundInterpreter):
         self.tracker = StorageTracker()
         self.records: dict[str, _NodeMemory] = {}
         self.whole_step_saved: dict[int, int] = {}  # storage key -> bytes, all nodes together
-        self._saved_now: dict[int, int] = {}
+        # storage key -> (bytes, serial) while a node runs, then bytes: a key is the storage's address, which a
+        # later storage reuses once the first is freed, so the tracker's serial tells them apart
+        self._saved_now: dict[int, Any] = {}
 
     def run(self, *args: Any) -> "_MemoryPass":
         with torch.enable_grad(), self.tracker, torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
@@ -181,7 +183,7 @@ class _MemoryPass(BoundInterpreter):
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         key = storage_key(tensor)
         if key is not None and key in self.tracker.owner_of:  # created during the step
-            self._saved_now[key] = tensor.untyped_storage().nbytes()
+            self._saved_now[key] = (tensor.untyped_storage().nbytes(), self.tracker.serial[key])
         return tensor
 
     def run_node(self, n: fx.Node) -> Any:
@@ -208,6 +210,8 @@ class _MemoryPass(BoundInterpreter):
             raise _node_error(n, error) from error
         finally:
             self.tracker.owner = None
+        # a storage freed inside the node with the backward that saved it holds nothing
+        self._saved_now = {k: b for k, (b, serial) in self._saved_now.items() if self.tracker.serial.get(k) == serial}
         self.records[n.name] = self._record(n, result, input_tensors, versions, module, buffers,
                                             buffer_versions, live_before, buffer_values)
         self.whole_step_saved.update(self._saved_now)
@@ -240,8 +244,6 @@ class _MemoryPass(BoundInterpreter):
         needs: set[str] = set()
         for key, nbytes in self._saved_now.items():
             owner = owner_of.get(key)
-            if owner is None:  # freed inside the node with the backward that saved it: holds nothing
-                continue
             if key in output_keys and owner == n.name and key not in used_keys:
                 # an item of the node's tuple no consumer reads (BatchNorm's saved mean and inverse
                 # std in an exported graph): held by the backward alone, like an internal buffer
@@ -533,13 +535,11 @@ def _build_cost_graph(gm: fx.GraphModule, traced: TraceResult, memory: _MemoryPa
         nodes.append(CostNode(
             index=i, name=n.name, kind="opaque" if (n.op == "call_module" and n.target in opaque) else kind,
             target=target, predecessors=predecessors, output_bytes=mem.output_bytes, alias_of=alias,
-            grad_bytes=mem.grad_bytes,
-            saved_input_bytes=mem.saved_input_bytes, saved_output_bytes=mem.saved_output_bytes,
-            saved_buffer_bytes=mem.saved_buffer_bytes,
+            grad_bytes=mem.grad_bytes, saved_input_bytes=mem.saved_input_bytes,
+            saved_output_bytes=mem.saved_output_bytes, saved_buffer_bytes=mem.saved_buffer_bytes,
             backward_needs=tuple(sorted(index_of[o] for o in mem.backward_needs)),
             workspace_bytes=mem.workspace_bytes, backward_workspace_bytes=comp.backward_workspace_bytes,
-            backward_aliases_grad=comp.backward_aliases_grad,
-            param_grad_bytes=param_grad_bytes[i],
+            backward_aliases_grad=comp.backward_aliases_grad, param_grad_bytes=param_grad_bytes[i],
             forward_cost=forward_cost, backward_cost=backward_cost,
             forward_flops=comp.forward_flops, backward_flops=comp.backward_flops,
             requires_grad=mem.requires_grad, inplace=mem.inplace, random=mem.random, stateful=mem.stateful,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import os
 import re
 import statistics
@@ -82,6 +83,10 @@ class StorageTracker(TorchDispatchMode):
         self.owner_of: dict[int, Any] = {}
         self.ops_seen: set[str] = set()
         self._live: dict[int, int] = {}
+        # a key (the storage's address) is reused by a later storage once its own is freed: the serial of
+        # the storage a key names now tells a storage saved and freed from the one reusing its address
+        self.serial: dict[int, int] = {}
+        self._serials = itertools.count()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -100,6 +105,7 @@ class StorageTracker(TorchDispatchMode):
         storage = tensor.untyped_storage()
         nbytes = storage.nbytes()
         self._live[key] = nbytes
+        self.serial[key] = next(self._serials)
         if self.owner is not None:
             self.owner_of[key] = self.owner
         self.live_bytes += nbytes
@@ -109,6 +115,7 @@ class StorageTracker(TorchDispatchMode):
     def _release(self, key: int) -> None:
         nbytes = self._live.pop(key, 0)
         self.owner_of.pop(key, None)
+        self.serial.pop(key, None)
         self.live_bytes -= nbytes
 
     def reset_peak(self) -> None:
@@ -347,17 +354,17 @@ def saved_tensor_bytes(run: Callable[[], Any]) -> int:
     released when ``run``'s results are dropped. A storage saved by a backward that died before ``run``
     returned (``max``'s indices when its values go unused) holds nothing and is not counted.
     """
-    saved: dict[int, int] = {}
+    saved: dict[int, tuple[int, int]] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         key = storage_key(tensor)
         if key is not None and key in tracker._live:
-            saved[key] = tensor.untyped_storage().nbytes()
+            saved[key] = (tensor.untyped_storage().nbytes(), tracker.serial[key])
         return tensor
 
     with StorageTracker() as tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        result = run()
-        held = sum(nbytes for key, nbytes in saved.items() if key in tracker._live)
+        result = run()  # (a saved storage freed since, its address reused by another, is not counted)
+        held = sum(nbytes for key, (nbytes, serial) in saved.items() if tracker.serial.get(key) == serial)
         del result
     return held
 

@@ -220,3 +220,26 @@ def test_the_profilers_start_and_stop_lines_are_dropped_from_stderr_and_other_li
         torch.ones(1000) + 1
     assert recorder.peak_bytes() >= 4000
     assert capfd.readouterr().err == "a warning of someone else's\n"
+
+
+def test_a_saved_storage_freed_and_its_address_reused_is_not_counted():
+    """A storage's key is its address, which a later storage reuses once the first is freed: ``max``'s
+    indices, saved by a backward that dies with the unused values, were counted when a tensor made after
+    them took their address (16896 bytes for 16384 in CI, depending on what ran before). The tracker's
+    serial tells the two apart."""
+    import torch
+    from recompute_graph.measure import StorageTracker, saved_tensor_bytes, storage_key
+
+    weight = torch.randn(32, 32, requires_grad=True)
+
+    def run():
+        x = torch.randn(64, 32) @ weight  # saves the input (8192 bytes)
+        x.max(1)  # saves the indices (512 bytes) for a backward that dies with the unused values, here
+        return x, [torch.empty(64, dtype=torch.long) for _ in range(64)]  # (likely at the indices' address)
+    assert saved_tensor_bytes(run) == 64 * 32 * 4
+    with StorageTracker() as tracker:
+        first = torch.empty(64, dtype=torch.long)
+        key, serial = storage_key(first), tracker.serial[storage_key(first)]
+        del first
+        again = [torch.empty(64, dtype=torch.long) for _ in range(64)]
+        assert tracker.serial.get(key) != serial and again
