@@ -18,13 +18,13 @@ from .costs import profile_graph
 from .errors import TraceError
 from .graph import CostGraph
 from .export_trace import export_trace, training_kwargs
+from .kept_tensors import KEPT_TENSOR_WORDS
 from .optimized_module import placeholder_binder
 from .trace import TraceResult, trace
 
 __all__ = ["TRACERS", "CallGraph", "CallGraphs", "profile_call", "training_mode"]
 
 TRACERS = ("auto", "fx", "export")
-_KEPT = "keeps a tensor of the step in"  # (kept_tensors.kept_tensor_message)
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,8 @@ class CallGraphs:
                     f"reads later ({self.fx_trace.unsafe_mutations[0]}), which only torch.export's "
                     f"functionalization plans exactly, and export failed:\n{export_error}",
                     module_path="", source_location=export_error.source_location) from export_error
-            if self.fx_error is None or _KEPT in str(self.fx_error) and _KEPT in str(export_error):
+            both_kept = all(KEPT_TENSOR_WORDS in str(e) for e in (self.fx_error, export_error))
+            if self.fx_error is None or both_kept:
                 raise  # (both tracers refused the same kept tensor: export's words say it)
             raise TraceError(f"{self.fx_error}\n{export_error}", module_path=self.fx_error.module_path,
                              source_location=self.fx_error.source_location) from export_error

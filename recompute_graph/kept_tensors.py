@@ -27,8 +27,11 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import fx, nn
 
-__all__ = ["AttributeSnapshot", "kept_tensors_refused", "kept_tensor_message", "carried_by_a_trace",
-           "carried_by_export", "carried_by_a_run"]
+__all__ = ["AttributeSnapshot", "kept_tensors_refused", "kept_tensor_message", "KEPT_TENSOR_WORDS",
+           "carried_by_a_trace", "carried_by_export", "carried_by_a_run"]
+
+#: the words every refusal of a kept tensor has (``call_graphs`` tells two tracers' refusals of one by them)
+KEPT_TENSOR_WORDS = "keeps a tensor of the step in"
 
 #: nn.Module's own bookkeeping in ``__dict__`` (hooks, tables of parameters, buffers and submodules).
 _STANDARD = frozenset({
@@ -133,7 +136,7 @@ class AttributeSnapshot:
 
 def kept_tensor_message(owner: str, path: str, how: str) -> str:
     """What the executor's refusal of a kept tensor says: where, why (``how``) and what to do."""
-    return (f"{owner}: the forward (or a forward hook) keeps a tensor of the step in {path} (a KL term or "
+    return (f"{owner}: the forward (or a forward hook) {KEPT_TENSOR_WORDS} {path} (a KL term or "
             f"features for the loss, or state for its next call), which the schedule executor cannot "
             f"reproduce: {how}, so a loss or a later call reading it would get a stale value or miss its "
             "gradient. The compiler path (compiler='auto', the default, or True) keeps it as eager PyTorch "

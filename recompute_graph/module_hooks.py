@@ -20,8 +20,8 @@ the kept tensor a graph output. The executor cannot give it that tensor: a hook 
 once, at trace time, on proxies or fake tensors, and a leaf module's hook runs at each run of its node,
 recomputations included, on tensors outside the model's autograd graph. The gradient of a loss on the
 kept feature was lost silently, or the step failed in autograd. :func:`kept_hook_tensors_refused` watches
-the hooks while the executor traces and prices the model and raises :class:`RewriteError` when one of
-them left such a tensor alive. Detached copies (``output.detach()``, logging) are allowed; torch's own
+the hooks while the executor traces (``TraceError``) and prices (``RewriteError``) the model and refuses
+it when one of them left such a tensor alive. Detached copies (``output.detach()``, logging) are allowed; torch's own
 hooks (pruning, weight and spectral norm, quantization observers, FSDP) are not watched.
 """
 from __future__ import annotations
@@ -39,8 +39,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from .errors import RewriteError
+from .kept_tensors import carried_by_a_run
 
-__all__ = ["planned_hooks_key", "hooks_changed_error", "kept_hook_tensors_refused"]
+__all__ = ["planned_hooks_key", "hooks_changed_error", "kept_hook_tensors_refused", "torch_own_hook"]
 
 
 def planned_hooks_key(named_modules: Sequence[tuple[str, nn.Module]], owner: str) -> tuple[Any, ...]:
@@ -92,12 +93,11 @@ class _TensorsMade(TorchFunctionMode):
 def _carries_the_graph(value: Any) -> bool:
     """A value that, kept past the step, should have carried the model's autograd graph: a proxy or fake
     tensor of a trace, or a real activation that requires grad (not a leaf: the user's input, a weight)."""
-    if _of_a_trace(value):
-        return True
-    return isinstance(value, torch.Tensor) and value.requires_grad and value.grad_fn is not None
+    return _of_a_trace(value) or carried_by_a_run(value)
 
 
-def _library_hook(hook: Callable[..., Any]) -> bool:
+def torch_own_hook(hook: Callable[..., Any]) -> bool:
+    """Whether ``hook`` is torch's own (pruning, weight and spectral norm, quantization observers, FSDP)."""
     target = hook.func if isinstance(hook, functools.partial) else hook
     module = getattr(target, "__module__", None) or type(target).__module__ or ""
     return module.split(".")[0] == "torch"
@@ -109,11 +109,12 @@ def _watched(hook: Callable[..., Any], where: str, kept: list[tuple[str, weakref
     to the tensors it makes: proxies through the fx tracer, other tensors through a torch-function mode."""
     def watched(*args: Any) -> Any:
         made: list[weakref.ref] = []
-        tracers = {v.tracer for v in tree_leaves(args[1:]) if isinstance(v, fx.Proxy)}
+        values = tree_leaves(args[1:])
+        tracers = {v.tracer for v in values if isinstance(v, fx.Proxy)}
         with _proxies_made(tracers, made) if tracers else _TensorsMade(made):
             result = hook(*args)
         received = tree_leaves(args[-1]) if output_is_last else []
-        traced = bool(tracers) or any(_of_a_trace(v) for v in tree_leaves(args[1:]))
+        traced = bool(tracers) or any(_of_a_trace(v) for v in values)
         kept.extend((where, weakref.ref(t), traced) for t in received if _carries_the_graph(t))
         kept.extend((where, ref, traced) for ref in made)
         return result
@@ -160,7 +161,7 @@ def kept_hook_tensors_refused(named_modules: Sequence[tuple[str, nn.Module]], ow
                    (f"a forward pre-hook of {label}", module._forward_pre_hooks, False)]
     for where, hooks, output_is_last in tables:
         for key, hook in list(hooks.items()):
-            if not _library_hook(hook):
+            if not torch_own_hook(hook):
                 hooks[key] = _watched(hook, where, kept, output_is_last)
                 replaced.append((hooks, key, hook))
     try:
