@@ -10,12 +10,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .errors import (BudgetExceededWarning, CompilerFallbackWarning, DynamicShapesError, EvalModeGradientWarning,
-                     GraphBreakWarning, GraphError, InfeasibleBudgetError, LossNotPricedWarning,
-                     ManyCallSignaturesWarning, PlanFileError, UnplannedCallWarning,
-                     PlanMismatchWarning,
-                     ProfileError, ProfilerActiveWarning, RecomputeError, RewriteError, ScheduleError, SolverError,
-                     TraceError)
+from .errors import (BudgetExceededWarning, ChangingStateError, CompilerFallbackWarning, DynamicShapesError,
+                     EvalModeGradientWarning, GraphBreakWarning, GraphError, InfeasibleBudgetError,
+                     LossNotPricedWarning, ManyCallSignaturesWarning, PlanFileError, PlanMismatchWarning,
+                     ProfileError, ProfilerActiveWarning, RecompilationWarning, RecomputeError, RewriteError,
+                     ScheduleError, SolverError, TraceError, UnplannedCallWarning)
 from .graph import CostGraph, CostNode
 from .units import format_bytes, parse_bytes
 
@@ -48,7 +47,7 @@ __all__ = ["CostGraph", "CostNode", "RecomputeError", "TraceError", "ProfileErro
            "SolverError", "InfeasibleBudgetError", "ScheduleError", "RewriteError", "PlanFileError",
            "PlanMismatchWarning", "BudgetExceededWarning", "CompilerFallbackWarning", "DynamicShapesError",
            "GraphBreakWarning", "ProfilerActiveWarning", "EvalModeGradientWarning", "LossNotPricedWarning",
-           "ManyCallSignaturesWarning", "UnplannedCallWarning",
+           "ManyCallSignaturesWarning", "UnplannedCallWarning", "ChangingStateError", "RecompilationWarning",
            "parse_bytes", "format_bytes",
            *_LAZY]
 

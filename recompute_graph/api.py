@@ -13,8 +13,9 @@ from torch.utils._pytree import tree_map
 from .collector import full_collections_deferred
 from .costs import profile_graph
 from .call_graphs import CallGraph, CallGraphs, profile_call, training_mode
-from .errors import InfeasibleBudgetError, ProfileError, RewriteError, TraceError
+from .errors import ChangingStateError, InfeasibleBudgetError, ProfileError, RewriteError, TraceError
 from .kept_tensors import carried_by_a_run, kept_tensors_refused
+from .model_state import changed_at_each_call, changing_state_message
 from .module_hooks import kept_hook_tensors_refused
 from .optimized_module import PreparedStep, RecomputedModule, infeasible_for_new_call
 
@@ -178,6 +179,9 @@ def _optimize(model: nn.Module, budget: Budget, example_inputs: Sequence[Any] | 
                                  loss_fn=loss_fn, output_of=call.output_of, **options)
 
     def _prepare(args: tuple, kwargs: dict) -> PreparedStep:
+        changed = changed_at_each_call(model, lambda: model(*args, **kwargs))
+        if changed:
+            raise ChangingStateError(changing_state_message(type(model).__name__, changed, _TRACED_VALUE))
         call = graphs.graph_for(args, kwargs)
         graph = cost_graph
         if graph is None:
@@ -215,6 +219,8 @@ def _optimize(model: nn.Module, budget: Budget, example_inputs: Sequence[Any] | 
     return _optimized_with(again, optimized)
 
 
+_TRACED_VALUE = ("the schedule executor's traced graph runs no Python: its training calls would not change the "
+                 "value, and would compute with the value of the trace")
 _KEPT_IN_A_RUN = ("a module the executor runs whole stores it at each run of its node, recomputations included, "
                   "on tensors outside the model's autograd graph")
 

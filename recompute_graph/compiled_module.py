@@ -35,16 +35,17 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
-from torch._dynamo.exc import TorchDynamoException
+from torch._dynamo.exc import FailOnRecompileLimitHit, TorchDynamoException
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten
 
 from .collector import full_collections_deferred
-from .errors import CompilerFallbackWarning, InfeasibleBudgetError, RecomputeError
+from .errors import (ChangingStateError, CompilerFallbackWarning, InfeasibleBudgetError, RecompilationWarning,
+                     RecomputeError, user_stacklevel)
 from .joint_capture import CaptureError
 from .compile_backend import budget_backend
 from .joint_lowering import Lowered
-from .model_state import generator_states, preserved_state
+from .model_state import PlainValues, changed_again, changing_state_message, generator_states, preserved_state
 from .joint_allocations import own_output_known
 from .output_structure import OutputStructure
 from .losses import own_loss
@@ -85,6 +86,7 @@ class CompiledRecomputedModule(SharedModelModule):
         object.__setattr__(self, "_planned", {})  # signature key -> the Lowered of its graph
         object.__setattr__(self, "_current", None)  # the signature of the last call planned or run
         object.__setattr__(self, "_watched", set())  # signatures whose first CUDA step was checked
+        object.__setattr__(self, "_recompiled", set())  # signatures compiled again since planned (warned)
         object.__setattr__(self, "_own_outputs", {})  # signature key -> its own forward's OutputStructure
         object.__setattr__(self, "_fallback", fallback)
         object.__setattr__(self, "delegate", None)  # the fallback module, once the compiler path failed
@@ -139,20 +141,21 @@ class CompiledRecomputedModule(SharedModelModule):
             raise error
         reason = str(error).removesuffix(_EXECUTOR_ADVICE)
         warnings.warn(f"{self._original_class}: the compiler path failed ({reason}); planning with the "
-                      "schedule executor instead", CompilerFallbackWarning, stacklevel=4)
+                      "schedule executor instead", CompilerFallbackWarning, stacklevel=user_stacklevel())
         object.__setattr__(self, "delegate", self._fallback())
 
     def _step_for(self, key: tuple) -> Callable[..., Any]:
         """The compiled call of one signature: ``torch.compile`` of a call of the model in a code object
         of its own (:func:`_own_code_call`), so that its compiled code is this signature's alone."""
         if key not in self._steps:
-            compiled = torch.compile(_own_code_call(self._original), backend=self._backend, fullgraph=True,
-                                     dynamic=False)
+            call = _own_code_call(self._original)
+            compiled = torch.compile(call, backend=self._backend, fullgraph=True, dynamic=False)
             ignored = ignored_logging_calls()  # once, not on every training call
 
             def step(*args: Any, **kwargs: Any) -> Any:
                 with logging_calls_ignored(ignored):
                     return compiled(*args, **kwargs)
+            step.code = call.__code__  # (Dynamo's guard failures are kept by code object)
             self._steps[key] = step
         return self._steps[key]
 
@@ -184,17 +187,25 @@ class CompiledRecomputedModule(SharedModelModule):
                      ) -> "tuple[list[torch.Tensor], list[torch.Tensor], OutputStructure] | None":
         """The model's own forward, undone: its floating-point outputs, the generators' states after it,
         and its output's structure (whether it returned its own loss; what the loss is priced on); None
-        on meta tensors (nothing runs)."""
+        on meta tensors (nothing runs). ``ChangingStateError`` when the forward changes a plain Python
+        value at every call (a second run changes it again: ``model_state.changed_again``), for which
+        Dynamo would compile again at each step."""
         if any(isinstance(t, torch.Tensor) and t.is_meta for t in tree_flatten((args, kwargs))[0]):
             return None
         with preserved_state(self._original, rng=True, watch_parameters=True), torch.enable_grad(), \
                 full_collections_deferred():
+            before = PlainValues(self._original)
             output = self._original(*args, **kwargs)
             held = [*tree_flatten((args, kwargs))[0], *self._original.parameters(), *self._original.buffers()]
             structure = OutputStructure.of(output, held, own_loss(output) is not None)
             expected = _floating_values(output)
             del output, held
-            return expected, generator_states(), structure
+            drawn = generator_states()
+            changed = changed_again(self._original, before, lambda: self._original(*args, **kwargs))
+            if changed:
+                raise ChangingStateError(changing_state_message(self._original_class, changed,
+                                                                _RECOMPILED_PER_VALUE))
+            return expected, drawn, structure
 
     def _check_random_draws(self, output: list[torch.Tensor], drawn_from: list[torch.Tensor],
                             compiled_draws: list[torch.Tensor], expected: list[torch.Tensor],
@@ -245,6 +256,7 @@ class CompiledRecomputedModule(SharedModelModule):
                 output = self._step_for(key)(*args, **kwargs)
             if len(self._lowerings) > lowered:  # a recompilation (a guard Dynamo added) planned again
                 self._planned[key] = self._lowerings[-1]
+                self._warn_of_recompilation(key)
                 if watch is not None:  # its pricing ran inside the watched step: the next step is judged
                     self._watched.discard(key)
                     watch = None
@@ -254,10 +266,41 @@ class CompiledRecomputedModule(SharedModelModule):
         except TorchDynamoException as error:
             failure = _library_error(error, self._original_class)
             failure.__cause__ = error
+        except FailOnRecompileLimitHit as error:
+            failure = CaptureError(
+                f"{self._original_class}: Dynamo compiled this call torch._dynamo.config.recompile_limit "
+                f"({torch._dynamo.config.recompile_limit}) times, last because {self._failed_guard(key)}")
+            failure.__cause__ = error
         if isinstance(failure, InfeasibleBudgetError):
             raise failure
         self._fall_back(failure)  # Dynamo failed before the step ran: nothing of it happened
         return self.delegate(*args, **kwargs)
+
+    def _failed_guard(self, key: tuple) -> str:
+        """The last guard of Dynamo's that failed for the compiled call of ``key``, and where the model
+        reads it (``model.scale == 1.0  # x * self.scale  # model.py:12 in forward``)."""
+        failures = getattr(torch._dynamo.utils, "guard_failures", {}).get(self._steps[key].code, [])
+        lines = [f.strip().splitlines()[0] for f in failures if f.strip()]
+        if not lines:
+            return "one of its guards failed"
+        newest = max(lines, key=_cache_entry)  # ("0/7: model.tau == 0.65  # x = l(x) / s.tau  # m.py:9 in forward")
+        parts = [" ".join(part.split()) for part in newest.split(": ", 1)[-1].split("#")]
+        where = f" (read at {parts[-1]}: {parts[1]})" if len(parts) > 2 else ""
+        return f"its guard {parts[0]} failed{where}"[:400]
+
+    def _warn_of_recompilation(self, key: tuple) -> None:
+        """A ``RecompilationWarning`` the first time Dynamo compiles (and the backend plans) a planned call
+        signature again."""
+        if key in self._recompiled:
+            return
+        self._recompiled.add(key)
+        warnings.warn(
+            f"{self._original_class}: torch.compile compiled this training call again, and it was planned again: "
+            f"{self._failed_guard(key)}. When a Python number the model reads (a temperature, a schedule's "
+            "factor) changes between steps, each new value costs a capture and a planning, and after "
+            f"torch._dynamo.config.recompile_limit ({torch._dynamo.config.recompile_limit}) compilations the "
+            "schedule executor takes over. Keep such a value in a tensor (a buffer, set with .fill_(value)), "
+            "which no guard reads by value.", RecompilationWarning, stacklevel=user_stacklevel())
 
     def _watch(self, key: tuple, args: tuple, kwargs: dict) -> PeakWatch | None:
         """On CUDA, the first step of each signature is checked against its plan's budget (as the
@@ -276,6 +319,12 @@ class CompiledRecomputedModule(SharedModelModule):
         plan = self.recompute_plan
         return (f"{self._original_class}, compiled, plan: "
                 f"{plan.one_line() if plan is not None else 'on first training call'}")
+
+
+def _cache_entry(guard_failure: str) -> int:
+    """The cache entry a line of Dynamo's guard failures is of: 7 in ``0/7: model.tau == 0.65 ...``."""
+    entry = guard_failure.split(":", 1)[0].rsplit("/", 1)[-1]
+    return int(entry) if entry.isdigit() else -1
 
 
 def _dispatch_mode_blocks_compile() -> bool:
@@ -369,5 +418,7 @@ def _library_error(error: Exception, model_name: str) -> Exception:
                         f"{(lines[0] if lines else '')[:300]}){_EXECUTOR_ADVICE}")
 
 
+_RECOMPILED_PER_VALUE = ("Dynamo would compile the model again (and this library plan it again) for each new value, "
+                         "until its recompile_limit stops the compiled call")
 _EXECUTOR_ADVICE = (". Use optimize(..., compiler=False) for the schedule executor, or compiler='auto' (the "
                     "default) to fall back to it with a warning.")

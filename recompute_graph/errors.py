@@ -6,6 +6,27 @@ who do not know this library.
 """
 from __future__ import annotations
 
+import os
+import sys
+
+_LIBRARY_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a ``warnings.warn`` in the function calling this one name the user's
+    line: the first frame outside this library, torch and ``contextlib`` (a warning raised in a step
+    passes through ``nn.Module``'s call and Dynamo's wrappers, at depths that vary)."""
+    torch_module = sys.modules.get("torch")
+    skipped = [_LIBRARY_DIR, *([os.path.dirname(os.path.abspath(torch_module.__file__))]
+                               if torch_module is not None and torch_module.__file__ else [])]
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None:
+        path = os.path.abspath(frame.f_code.co_filename)
+        if not any(path.startswith(d + os.sep) for d in skipped) and not path.endswith("contextlib.py"):
+            return level
+        frame, level = frame.f_back, level + 1
+    return level
+
 
 class RecomputeError(Exception):
     """Base class of every error raised on purpose by recompute_graph."""
@@ -118,3 +139,17 @@ class ScheduleError(RecomputeError, ValueError):
 
 class RewriteError(RecomputeError):
     """The traced model cannot be executed under a schedule (the message says which node and why)."""
+
+
+class ChangingStateError(RecomputeError, ValueError):
+    """The model's forward changes a plain Python value it holds as an attribute at every call (a step
+    counter, ``self.step += 1``; a temperature annealed inside forward), which no captured graph can
+    reproduce: the executor's traced graph keeps the value of its trace, and Dynamo compiles the model
+    again for each new value. The message names the attribute and how to keep it in a buffer instead."""
+
+
+class RecompilationWarning(UserWarning):
+    """On the compiler path, Dynamo compiled an already planned call again, and the library planned it
+    again, because a guard failed (the message names it): a Python number the model reads changed
+    between steps. Each new value costs a capture and a planning, and past Dynamo's ``recompile_limit``
+    the schedule executor takes over. Once per call signature."""

@@ -21,7 +21,12 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["preserved_state", "training_step", "generator_states", "values_put_back", "held_generators",
-           "generator_state", "set_generator_state", "same_generator_state"]
+           "generator_state", "set_generator_state", "same_generator_state", "PlainValues", "changed_again",
+           "changed_at_each_call", "changing_state_message"]
+
+#: the plain Python values of a module's attributes: what ``preserved_state`` puts back, and what a
+#: forward that changes them at each call is found by (:class:`PlainValues`)
+_PLAIN = (int, float, str, bool, type(None))
 
 
 #: Parameters some forward was seen writing into in place, by id (a tensor's ``==`` compares values, so a
@@ -98,7 +103,7 @@ def preserved_state(module: nn.Module, *, rng: bool = False, grads: bool = False
     buffers = [(b, b.detach().clone()) for b in module.buffers() if not b.is_meta]
     buffer_tables = [(m, dict(m._buffers)) for m in module.modules() if m._buffers]
     scalars = [(m, name, value) for m in module.modules() for name, value in m.__dict__.items()
-               if name != "training" and isinstance(value, (int, float, str, bool, type(None)))]
+               if name != "training" and isinstance(value, _PLAIN)]
     saved_grads = [(p, p.grad) for p in module.parameters()] if grads else []
     cpu_rng = torch.get_rng_state() if rng else None
     held = [(g, generator_state(g)) for _, g in held_generators(module)] if rng else []
@@ -133,6 +138,66 @@ def preserved_state(module: nn.Module, *, rng: bool = False, grads: bool = False
             torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
+
+
+class PlainValues:
+    """The plain Python values (``int``, ``float``, ``str``, ``bool``, ``None``) every module of a model
+    holds as attributes at one moment, the training flag aside."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.values = {(name, key): value for name, module in model.named_modules()
+                       for key, value in module.__dict__.items() if key != "training" and isinstance(value, _PLAIN)}
+
+    def changed_since(self, earlier: "PlainValues") -> list[str]:
+        """``self.step: 3 -> 4`` for each value that is not ``earlier``'s (one set or removed counts)."""
+        changed = []
+        for name, key in sorted(set(self.values) | set(earlier.values)):
+            before, now = earlier.values.get((name, key), _MISSING), self.values.get((name, key), _MISSING)
+            if before is not now and (type(before) is not type(now) or before != now):
+                changed.append(f"self.{name + '.' if name else ''}{key}: {_shown(before)} -> {_shown(now)}")
+        return changed
+
+
+_MISSING = object()
+
+
+def _shown(value: Any) -> str:
+    return "(not set)" if value is _MISSING else repr(value)
+
+
+def changed_again(model: nn.Module, before: PlainValues, call: Callable[[], Any]) -> list[str]:
+    """The plain values (:class:`PlainValues`) a forward of ``model`` changes at every call, inside a block
+    that puts them back (:func:`preserved_state`): ``before`` was taken before a first call that already
+    ran there. When that call changed any, ``call`` runs the forward once more (its output dropped), and
+    what it changes again is returned. A value set by the first call only (transformers' Funnel and
+    SegFormer set attributes up on their first forward) is not state that changes."""
+    after = PlainValues(model)
+    if not after.changed_since(before):
+        return []
+    output = call()
+    del output
+    return PlainValues(model).changed_since(after)
+
+
+def changed_at_each_call(model: nn.Module, call: Callable[[], Any]) -> list[str]:
+    """:func:`changed_again` of one or two runs of ``call``, a forward of ``model`` with grad, undone."""
+    with preserved_state(model, rng=True, watch_parameters=True), torch.enable_grad():
+        before = PlainValues(model)
+        output = call()
+        del output
+        return changed_again(model, before, call)
+
+
+def changing_state_message(owner: str, changed: list[str], how: str) -> str:
+    """What a refusal of values changed at each call (:func:`changed_at_each_call`) says: which, why (``how``),
+    and what to do."""
+    name = changed[0].split(":")[0].removeprefix("self.").rsplit(".", 1)[-1]
+    return (f"{owner}: its forward changes {', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''} at "
+            f"every call (a step counter, a value annealed inside forward), and {how}. Keep a value that changes "
+            f"between steps in a buffer, which both paths update as eager PyTorch does: "
+            f"self.register_buffer({name!r}, torch.zeros(())) in __init__, then self.{name} += 1 (or "
+            f".fill_(value)) in forward. A value that changes rarely (once per epoch) may be set outside forward(), "
+            "where each new value is captured and planned again.")
 
 
 def held_generators(module: nn.Module) -> list[tuple[str, Any]]:

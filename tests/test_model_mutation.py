@@ -3,7 +3,9 @@ training exactly, on both paths: the plan is made again for the tensors in use (
 same mechanism: tests/test_distributed.py)."""
 from __future__ import annotations
 
+import contextlib
 import copy
+import warnings
 
 import pytest
 import torch
@@ -125,3 +127,90 @@ def test_an_attribute_or_submodule_set_after_optimize_is_the_one_the_step_uses(p
     setattr(optimized if where == "optimized" else model, "mask", reference.mask.clone())
     assert_same(step_gradients(optimized, x), step_gradients(reference, x))
     assert optimized.recompute_plan.recomputed_nodes
+
+
+class _Counting(torch.nn.Module):
+    """A forward that counts its training calls in a plain int and fades a residual in with it (a
+    warm-up): each call changes ``self.step``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(6))
+        self.step = 0
+
+    def forward(self, x):
+        if self.training:
+            self.step += 1
+        alpha = min(1.0, self.step / 10)
+        for layer in self.layers:
+            x = torch.tanh(layer(x)) * alpha + x * (1 - alpha)
+        return x
+
+
+@pytest.mark.parametrize("compiler", [False, True, "auto"])
+def test_a_value_the_forward_changes_at_each_call_is_refused(compiler):
+    """``self.step += 1`` in forward: the executor's traced graph kept the value of its trace, so the
+    counter never moved and the warm-up trained silently wrong (gradients off by the largest one from
+    the second step); the compiler path compiled and planned again at each new value and failed at the
+    ninth step with Dynamo's ``FailOnRecompileLimitHit``. Both now refuse it when planning, naming the
+    attribute, and leave it as it was."""
+    from recompute_graph import ChangingStateError, CompilerFallbackWarning
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, x = _Counting(), torch.randn(256, 64)
+    with pytest.warns(CompilerFallbackWarning, match=r"self\.step") if compiler == "auto" else \
+            contextlib.nullcontext():
+        with pytest.raises(ChangingStateError, match=r"self\.step.*register_buffer"):
+            optimize(model, 0.6, example_inputs=(x,), compiler=compiler)
+    assert model.step == 0
+
+
+class _SetUpOnce(torch.nn.Module):
+    """A forward that sets attributes on its first call and leaves them alike later (transformers' Funnel
+    and SegFormer do): not state that changes at each call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(6)))
+        self.seq_len = None
+
+    def forward(self, x):
+        self.seq_len = x.shape[0]
+        if not getattr(self, "_installed", False):
+            self._installed = True
+        return torch.tanh(self.layers(x))
+
+
+def test_values_a_forward_sets_once_are_planned(path_options):
+    torch.manual_seed(0)
+    model, x = _SetUpOnce(), (torch.randn(256, 64),)
+    reference = copy.deepcopy(model)
+    optimized = optimize(model, 0.7, example_inputs=x, **path_options)
+    for _ in range(2):
+        assert_same(step_gradients(optimized, x), step_gradients(reference, x))
+    if path_options["compiler"]:  # (Dynamo replays the forward's attribute writes; the executor's graph has none)
+        assert model.seq_len == 256
+
+
+def test_a_value_changed_between_steps_warns_of_recompilation_then_falls_back_to_the_executor():
+    """A temperature annealed from the training loop (``model.scale = ...`` before each step) on the
+    compiler path: Dynamo's guard on the number fails at each new value, so the call is compiled and
+    planned again, and past ``recompile_limit`` the compiled call failed with ``FailOnRecompileLimitHit``
+    in the middle of training. Now the first recompilation warns, saying which value and what to do, and
+    at the limit the schedule executor takes over (it traces and plans again per value), exactly."""
+    from recompute_graph import CompilerFallbackWarning, RecompilationWarning
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, x = _Scaled(), (torch.randn(1024, 16),)
+    reference = copy.deepcopy(model)
+    optimized = optimize(model, 0.8, example_inputs=x, compiler="auto")
+    with torch._dynamo.config.patch(recompile_limit=3), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(5):
+            model.scale = reference.scale = 1.0 + 0.25 * step
+            assert_same(step_gradients(optimized, x), step_gradients(reference, x))
+    recompiled = [w for w in caught if w.category is RecompilationWarning]
+    assert len(recompiled) == 1 and "scale" in str(recompiled[0].message)
+    fallen = [w for w in caught if w.category is CompilerFallbackWarning]
+    assert len(fallen) == 1 and "recompile_limit" in str(fallen[0].message)
+    assert optimized.delegate is not None and optimized.recompute_plan.recomputed_nodes
