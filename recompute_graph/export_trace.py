@@ -306,8 +306,11 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict) -> ExportedTrace:
             f"cannot export {type(model).__name__} with torch.export either: {type(error).__name__}: "
             f"{first_line}" + (f"\n  at {location}" if location else "") + (
                 "\n  The forward branches on a tensor's value there (a layer skipped at random, LayerDrop: "
-                "transformers' layerdrop=0 turns it off), so no one graph holds its ops; make the branch depend "
-                "on shapes or configuration only." if type(error).__name__ == "GuardOnDataDependentSymNode" else
+                "transformers' layerdrop=0 turns it off; a check for NaNs), so no one graph holds its ops; make "
+                "the branch depend on shapes or configuration only, or compile the model yourself with "
+                "torch.compile(model, backend=rg.backend(budget), dynamic=False), which plans the graphs on "
+                "either side of the branch within one budget."
+                if type(error).__name__ == "GuardOnDataDependentSymNode" else
                 "\n  Pass example inputs exactly as training calls the model (keyword arguments included); "
                 "if the model returns a custom object, register it with torch.utils._pytree."),
             module_path="", source_location=location) from error

@@ -825,3 +825,36 @@ def test_a_method_of_the_model_that_calls_it_in_training_warns_that_the_call_is_
     found = [w for w in caught if issubclass(w.category, rg.UnplannedCallWarning)]
     assert len(found) == 1 and "compute_loss" in str(found[0].message) and found[0].filename == __file__
     assert not model._forward_pre_hooks
+
+
+class _CheckpointsItsBlocks(nn.Module):
+    """A model that already checkpoints its blocks (``torch.utils.checkpoint``, as transformers'
+    ``gradient_checkpointing_enable()`` and timm's ``set_grad_checkpointing()`` do), with a dropout in each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Dropout(0.1), nn.Linear(256, 64))
+                                    for _ in range(4))
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+        for block in self.blocks:
+            x = x + checkpoint(block, x, use_reentrant=False)
+        return x
+
+
+def test_a_model_that_checkpoints_its_own_blocks_trains_exactly(path_options):
+    """Both paths trace through the user's checkpoint calls and plan the whole step themselves; the
+    dropout masks of the checkpointed blocks are drawn as eager PyTorch draws them."""
+    import copy
+    torch.manual_seed(0)
+    model, x = _CheckpointsItsBlocks(), torch.randn(512, 64)
+    expected = copy.deepcopy(model)
+    optimized = rg.optimize(model, 0.6, example_inputs=(x,), **path_options)
+    assert optimized.recompute_plan.recomputed_nodes
+    for step in range(2):
+        for m in (optimized, expected):
+            m.zero_grad(set_to_none=True)
+            torch.manual_seed(step)
+            default_loss(m(x)).backward()
+        assert all(torch.equal(a, b) for a, b in zip(_gradients(model), _gradients(expected)))

@@ -119,3 +119,45 @@ def test_a_named_solvers_plans_are_the_candidates_of_a_broken_step():
     assert {plan.solver for plan in backend.step_plan.plans.values()} == {"chain_dp"}
     assert measured <= budget
     assert 0.9 <= measured / backend.step_plan.predicted_step_peak_bytes <= 1.1
+
+
+class _CheckedForNaNs(nn.Module):
+    """A forward that raises when its activations hold a NaN: a branch on a tensor's value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Sequential(*(nn.Sequential(nn.Linear(128, 128), nn.GELU()) for _ in range(4)))
+        self.second = nn.Sequential(*(nn.Sequential(nn.Linear(128, 128), nn.GELU()) for _ in range(4)))
+
+    def forward(self, x):
+        h = self.first(x)
+        if torch.isnan(h).any():
+            raise FloatingPointError("NaN in the activations")
+        return self.second(h)
+
+
+def test_a_check_for_nans_is_refused_by_optimize_and_planned_by_the_backend_it_names():
+    """Neither of optimize()'s paths can capture a branch on a tensor's value; its error now names the
+    backend, under which the graphs on either side of the branch share the budget, exactly."""
+    import recompute_graph as rg
+    torch.manual_seed(0)
+    model, x = _CheckedForNaNs(), torch.randn(1024, 128)
+    with pytest.warns(rg.CompilerFallbackWarning), \
+            pytest.raises(rg.TraceError, match=r"check for NaNs.*backend=rg\.backend\(budget\), dynamic=False"):
+        rg.optimize(model, 0.7, example_inputs=(x,))
+
+    def step(module: nn.Module) -> None:
+        module.zero_grad(set_to_none=True)
+        _loss(module(x)).backward()
+    eager_bytes = allocator_peak_memory(lambda: step(model))
+    reference = [p.grad.clone() for p in model.parameters()]
+    torch._dynamo.reset()
+    backend = budget_backend(int(0.75 * eager_bytes), loss_fn=_loss)
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    with pytest.warns(GraphBreakWarning):
+        step(compiled)
+    measured = allocator_peak_memory(lambda: step(compiled))
+    assert backend.step_plan is not None and measured <= backend.step_plan.budget_bytes
+    assert backend.step_plan.recompute_cost > 0
+    largest = max(r.abs().max() for r in reference)
+    assert max((p.grad - r).abs().max() for p, r in zip(model.parameters(), reference)) / largest < 1e-6
