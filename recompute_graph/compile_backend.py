@@ -46,7 +46,7 @@ from torch import fx
 from torch.autograd import Variable
 
 from .collector import full_collections_deferred
-from .errors import InfeasibleBudgetError
+from .errors import InfeasibleBudgetError, user_stacklevel
 from .graph import CostGraph
 from .joint_capture import refuse_symbolic_shapes, warn_of_graph_break
 from .joint_lowering import (InfeasibleBudgetWarning, Lowered, SchedulePass, lower_plan, plan_and_lower, price_joint,
@@ -271,7 +271,7 @@ class RecomputeBackend:
             if self.on_infeasible != "floor":
                 raise
             warnings.warn(f"{error} Planning the step at its smallest feasible budget, {error.min_budget_bytes} "
-                          "bytes (on_infeasible='floor').", InfeasibleBudgetWarning, stacklevel=4)
+                          "bytes (on_infeasible='floor').", InfeasibleBudgetWarning, stacklevel=user_stacklevel())
             step = choose_step_plans(calls, graphs, error.min_budget_bytes, candidates, gradients, steady)
         from .planner import plan_from_solution
         for key in sorted(set(calls)):

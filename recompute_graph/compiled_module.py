@@ -244,7 +244,7 @@ class CompiledRecomputedModule(SharedModelModule):
         if self.delegate is None and _dispatch_mode_blocks_compile():
             warnings.warn(f"{self._original_class}: a torch dispatch mode is active, and torch.compile does "
                           "not run under one: this call runs the model's plain forward, without the plan",
-                          CompilerFallbackWarning, stacklevel=2)
+                          CompilerFallbackWarning, stacklevel=user_stacklevel())
             return self._original(*args, **kwargs)
         self.plan(*args, **kwargs)
         if self.delegate is not None:

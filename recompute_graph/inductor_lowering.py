@@ -42,7 +42,7 @@ from typing import Any, Sequence
 import torch
 from torch import fx
 
-from .errors import InfeasibleBudgetError, SolverError
+from .errors import InfeasibleBudgetError, SolverError, user_stacklevel
 from .joint_capture import op_name
 from .joint_lowering import replay_random, rng_snapshot
 from .joint_partition import boxed_interpreter
@@ -135,7 +135,7 @@ def inductor_graph_compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -
     why = _with_custom_ops(gm)
     if why is not None:
         warnings.warn(f"{'backward' if is_backward else 'forward'} graph runs uncompiled: {why}",
-                      InductorFallbackWarning, stacklevel=2)
+                      InductorFallbackWarning, stacklevel=user_stacklevel())
         return boxed_interpreter(gm, example_inputs)
     with inductor_config.patch(fallback_random=True, layout_optimization=False, reorder_for_peak_memory=False,
                                **settings):
@@ -297,7 +297,8 @@ def fit_plan_to_inductor(lowered: Any, budget_bytes: int, replan: Any) -> Any:
                       f"predicts, more than the budget of {budget_bytes} leaves room for; compiled with "
                       f"{FUSION_LIMITED} it holds {best.inductor_excess_bytes} bytes more (its step predicted at "
                       f"{step} bytes{', within the budget' if fits else ''}) and runs slower. Raise the budget for "
-                      "inductor's fused code, or leave graph_compiler unset.", InductorBudgetWarning, stacklevel=3)
+                      "inductor's fused code, or leave graph_compiler unset.", InductorBudgetWarning,
+                      stacklevel=user_stacklevel())
         return best
     again = ("after planning again with less budget" if len(tried) > 1 else
              f"and planning again with less budget failed: {no_plan}" if no_plan else
@@ -307,7 +308,7 @@ def fit_plan_to_inductor(lowered: Any, budget_bytes: int, replan: Any) -> Any:
                   f"predicts ({again}): its step is predicted at {step} bytes against the budget of "
                   f"{budget_bytes}. Lower the budget, or leave graph_compiler unset: the generated graphs "
                   "hold what the plan predicts.",
-                  InductorBudgetWarning, stacklevel=3)
+                  InductorBudgetWarning, stacklevel=user_stacklevel())
     return best
 
 

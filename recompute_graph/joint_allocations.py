@@ -27,6 +27,7 @@ from torch import fx
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .batch_norm_recompute import RECOMPUTE_SECONDS_SUFFIX, normalize_from_statistics, training_batch_norm
+from .errors import user_stacklevel
 from .joint_costs import buffer_updates
 from .meta_flops import node_signature
 from .joint_units import JointUnits, is_tangent
@@ -79,7 +80,7 @@ def _cpu_allocator_blind() -> bool:
                   "reading the allocator would end it, so the kernels' temporaries are left out of the plan "
                   "and the loss is priced by the storages it makes. Run the first step (which compiles and "
                   "plans) outside the profiler for prices by the allocator.", ProfilerActiveWarning,
-                  stacklevel=2)
+                  stacklevel=user_stacklevel())
     return True
 
 
@@ -335,7 +336,7 @@ def _warn_not_priced(error: Exception, structured: bool) -> None:
     warnings.warn(f"loss_fn could not run on {taken} ({type(error).__name__}: {error}); bytes are set aside for "
                   "it by a guess, the outputs' size, not by its measured transient. Give a loss_fn that takes "
                   f"{'that output' if structured else 'those outputs'}, or check the step with rg.verify.",
-                  LossNotPricedWarning, stacklevel=2)
+                  LossNotPricedWarning, stacklevel=user_stacklevel())
 
 
 class LossOnOutputs(NamedTuple):

@@ -50,7 +50,7 @@ from torch import fx, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .autograd_in_forward import export_refusals
-from .errors import DynamicShapesError, GraphBreakWarning, TraceError
+from .errors import DynamicShapesError, GraphBreakWarning, TraceError, user_stacklevel
 from .losses import default_training_loss
 from .model_state import preserved_state
 
@@ -297,5 +297,5 @@ def warn_of_graph_break(gm: fx.GraphModule) -> bool:
         "then plans them together within the budget from the second step on (the backend's step_plan); "
         "what runs at the break itself is not counted. Remove the break (torch.compile(..., "
         "fullgraph=True) raises at it), or use rg.optimize(model, budget), which captures the model "
-        "whole or plans it with the schedule executor.", GraphBreakWarning, stacklevel=3)
+        "whole or plans it with the schedule executor.", GraphBreakWarning, stacklevel=user_stacklevel())
     return True

@@ -43,7 +43,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import fx
 
-from .errors import InfeasibleBudgetError
+from .errors import InfeasibleBudgetError, user_stacklevel
 from .graph import CostGraph
 from .gradient_accumulation import ACCUMULATE_IN_PLACE, accumulate_in_place, arrival_order_sums
 from .joint_capture import RANDOM_TARGETS, op_name
@@ -540,6 +540,6 @@ def plan_and_lower(joint: fx.GraphModule, budget: Any, *, num_fwd_outputs: int, 
             raise
         warnings.warn(f"graph {name!r}: {error} Planning it at its smallest feasible budget, "
                       f"{error.min_budget_bytes} bytes (on_infeasible='floor').", InfeasibleBudgetWarning,
-                      stacklevel=2)
+                      stacklevel=user_stacklevel())
         plan = make_plan(graph, error.min_budget_bytes, solver)
     return lower_plan(joint, units, graph, plan, num_fwd_outputs=num_fwd_outputs, schedule_pass=schedule_pass)

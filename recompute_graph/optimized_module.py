@@ -20,7 +20,7 @@ from torch import fx, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .errors import (BudgetExceededWarning, EvalModeGradientWarning, InfeasibleBudgetError, ManyCallSignaturesWarning,
-                     RewriteError, UnplannedCallWarning)
+                     RewriteError, UnplannedCallWarning, user_stacklevel)
 from .executor_state import autocast_state
 from .library_classes import is_peft_model, is_transformers_model
 from .module_hooks import hooks_changed_error, planned_hooks_key
@@ -99,7 +99,8 @@ class PeakWatch:
                 f"{self.model}: this training step allocated {format_bytes(self.measured_bytes)} on {self.device}, "
                 f"over the plan's budget of {format_bytes(self.budget_bytes)}. If the loss trained with is not "
                 "the one planned for, pass it as optimize(..., loss_fn=...); rg.verify(model, budget, "
-                "example_inputs=..., loss_fn=...) compares the two.", BudgetExceededWarning, stacklevel=2)
+                "example_inputs=..., loss_fn=...) compares the two.", BudgetExceededWarning,
+                stacklevel=user_stacklevel())
 
 
 def _cuda_device(inputs: list[Any]) -> torch.device | None:
@@ -177,7 +178,7 @@ class SharedModelModule(nn.Module):
             "captured and planned on its first training call, so batches padded to their own longest sequence pay "
             "for a plan per length: pad them to a few fixed lengths (transformers' DataCollatorWithPadding("
             "pad_to_multiple_of=64), or to one maximum length) (docs/training.md, \"Calls of other shapes\").",
-            ManyCallSignaturesWarning, stacklevel=4)
+            ManyCallSignaturesWarning, stacklevel=user_stacklevel())
 
     def _bind_forward(self) -> None:
         """``inspect.signature(optimized.forward)`` is the model's (``transformers``' Trainer keeps the
@@ -237,7 +238,7 @@ class SharedModelModule(nn.Module):
                         "in a training step: its self is the model, so that call ran the plain forward, outside "
                         "the plan and its budget. Call the module optimize() returned in the training loop "
                         f"(loss = loss_fn(optimized(x)), or a {method.__name__} taking it as an argument).",
-                        UnplannedCallWarning, stacklevel=2)
+                        UnplannedCallWarning, stacklevel=user_stacklevel())
         return watched
 
     @property  # type: ignore[misc]
@@ -323,7 +324,7 @@ class SharedModelModule(nn.Module):
                           "model's plain forward, so a backward from it is not planned and not kept within the "
                           "budget. Wrap validation in torch.no_grad(); to train with BatchNorm or dropout frozen, "
                           "call model.train() and then .eval() on those modules.", EvalModeGradientWarning,
-                          stacklevel=4)
+                          stacklevel=user_stacklevel())
         return self.training and differentiable
 
 

@@ -530,7 +530,8 @@ def test_hooks_that_keep_nothing_of_the_graph_run_on_the_executor(path_options):
 def test_a_call_in_eval_mode_with_grad_warns_once_that_it_is_not_planned(path_options):
     """Training in ``eval()`` mode (BatchNorm frozen the blunt way) runs the plain forward: exact, but
     outside the plan and its budget. Silent before; now an ``EvalModeGradientWarning`` says so once and
-    what to do. A validation call under ``torch.no_grad()`` does not warn."""
+    what to do. A validation call under ``torch.no_grad()`` does not warn. The warning names the
+    caller's line (it named a line of the library's)."""
     import copy
     import warnings
     torch.manual_seed(0)
@@ -541,8 +542,9 @@ def test_a_call_in_eval_mode_with_grad_warns_once_that_it_is_not_planned(path_op
         warnings.simplefilter("error")
         with torch.no_grad():
             optimized(x)
-    with pytest.warns(rg.EvalModeGradientWarning, match="no_grad"):
+    with pytest.warns(rg.EvalModeGradientWarning, match="no_grad") as caught:
         default_loss(optimized(x)).backward()
+    assert caught[0].filename == __file__  # the user's line, not the library's (errors.user_stacklevel)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         default_loss(optimized(x)).backward()  # once per module
