@@ -179,10 +179,10 @@ def _optimize(model: nn.Module, budget: Budget, example_inputs: Sequence[Any] | 
                                  loss_fn=loss_fn, output_of=call.output_of, **options)
 
     def _prepare(args: tuple, kwargs: dict) -> PreparedStep:
+        call = graphs.graph_for(args, kwargs)
         changed = changed_at_each_call(model, lambda: model(*args, **kwargs))
         if changed:
             raise ChangingStateError(changing_state_message(type(model).__name__, changed, _TRACED_VALUE))
-        call = graphs.graph_for(args, kwargs)
         graph = cost_graph
         if graph is None:
             try:

@@ -149,7 +149,8 @@ class ChangingStateError(RecomputeError, ValueError):
 
 
 class RecompilationWarning(UserWarning):
-    """On the compiler path, Dynamo compiled an already planned call again, and the library planned it
-    again, because a guard failed (the message names it): a Python number the model reads changed
-    between steps. Each new value costs a capture and a planning, and past Dynamo's ``recompile_limit``
-    the schedule executor takes over. Once per call signature."""
+    """A training call was captured and planned again because a Python value changed between steps:
+    on the compiler path a guard of Dynamo's failed (a number the model reads; past Dynamo's
+    ``recompile_limit`` the schedule executor takes over), or, on either path, a value passed to forward
+    differs from the calls planned before (it is part of the call signature). The message names it.
+    Each new value costs a capture and a planning. Once per call signature, or per module."""

@@ -180,12 +180,20 @@ def changed_again(model: nn.Module, before: PlainValues, call: Callable[[], Any]
 
 
 def changed_at_each_call(model: nn.Module, call: Callable[[], Any]) -> list[str]:
-    """:func:`changed_again` of one or two runs of ``call``, a forward of ``model`` with grad, undone."""
-    with preserved_state(model, rng=True, watch_parameters=True), torch.enable_grad():
-        before = PlainValues(model)
-        output = call()
-        del output
-        return changed_again(model, before, call)
+    """:func:`changed_again` of one or two runs of ``call``, a forward of ``model`` with grad, undone
+    (Python's and numpy's global generators too)."""
+    numpy = sys.modules.get("numpy")
+    host_states = random.getstate(), numpy.random.get_state() if numpy is not None else None
+    try:
+        with preserved_state(model, rng=True, watch_parameters=True), torch.enable_grad():
+            before = PlainValues(model)
+            output = call()
+            del output
+            return changed_again(model, before, call)
+    finally:
+        random.setstate(host_states[0])
+        if host_states[1] is not None:
+            numpy.random.set_state(host_states[1])
 
 
 def changing_state_message(owner: str, changed: list[str], how: str) -> str:

@@ -17,10 +17,10 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 from torch import fx, nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from .errors import (BudgetExceededWarning, EvalModeGradientWarning, InfeasibleBudgetError, ManyCallSignaturesWarning,
-                     RewriteError, UnplannedCallWarning, user_stacklevel)
+                     RecompilationWarning, RewriteError, UnplannedCallWarning, user_stacklevel)
 from .executor_state import autocast_state
 from .library_classes import is_peft_model, is_transformers_model
 from .module_hooks import hooks_changed_error, planned_hooks_key
@@ -167,6 +167,17 @@ class SharedModelModule(nn.Module):
         swapped); the :data:`MANY_SIGNATURES`-th signature gets a :class:`ManyCallSignaturesWarning`
         (once per module)."""
         known = key in self._planning_seconds
+        if not known and not self.__dict__.get("_values_warned"):
+            differing = _values_only_difference(key, self._planning_seconds, args, kwargs)
+            if differing:
+                object.__setattr__(self, "_values_warned", True)
+                warnings.warn(
+                    f"{self._original_class}: this training call was captured and planned again, as a new call "
+                    f"signature, because {', '.join(differing)} differs from a call planned before: a Python "
+                    "value passed to forward is part of the signature, so each new value costs a planning. "
+                    "Pass a value that changes between steps as a tensor (torch.tensor(value)), an input of "
+                    "the plan rather than part of its signature.", RecompilationWarning,
+                    stacklevel=user_stacklevel())
         self._planning_seconds[key] = self._planning_seconds.get(key, 0.0) + seconds
         count = len(self._planning_seconds)
         if known or count != MANY_SIGNATURES:
@@ -496,6 +507,27 @@ def _signature_key(args: tuple, kwargs: dict) -> tuple:
         else:
             key.append(repr(value))
     return tuple(key)
+
+
+def _values_only_difference(key: tuple, earlier: "dict[tuple, float]", args: tuple, kwargs: dict) -> list[str]:
+    """``tau=0.9`` for each argument that is not a tensor in which ``key`` (a :func:`_signature_key` of the
+    call ``args, kwargs``, perhaps with more after it) differs from an ``earlier`` key of the same
+    structure, tensors and autocast; [] when no earlier key is such."""
+    paths = [path for path, _ in tree_flatten_with_path((args, kwargs))[0]]
+    leaves = range(2, 2 + len(paths))  # (after the autocast state and the call's structure)
+    for other in earlier:
+        if other == key or len(other) != len(key) or other[:2] != key[:2]:
+            continue
+        differing = [i for i, (a, b) in enumerate(zip(key, other)) if a != b]
+        if all(i in leaves and isinstance(key[i], str) for i in differing):
+            return [f"{_argument_name(paths[i - 2])}={key[i]}" for i in differing]
+    return []
+
+
+def _argument_name(path: tuple) -> str:
+    """``tau`` or ``argument 1`` (and what is inside it: ``options['tau']``) for a path into ``(args, kwargs)``."""
+    head, rest = path[1], keystr(path[2:]) if len(path) > 2 else ""
+    return f"{head.key}{rest}" if path[0].idx == 1 else f"argument {head.idx}{rest}"
 
 
 #: the number of call signatures planned at which :class:`ManyCallSignaturesWarning` is shown

@@ -214,3 +214,39 @@ def test_a_value_changed_between_steps_warns_of_recompilation_then_falls_back_to
     fallen = [w for w in caught if w.category is CompilerFallbackWarning]
     assert len(fallen) == 1 and "recompile_limit" in str(fallen[0].message)
     assert optimized.delegate is not None and optimized.recompute_plan.recomputed_nodes
+
+
+class _Tempered(torch.nn.Module):
+    """A temperature passed to forward (``model(x, tau=...)``), annealed by the training loop."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(6))
+
+    def forward(self, x, tau=1.0):
+        for layer in self.layers:
+            x = torch.tanh(layer(x) / tau)
+        return x
+
+
+def test_a_number_passed_to_forward_that_changes_warns_and_a_tensor_plans_once(path_options):
+    """Each new value of a Python number passed to forward is a new call signature, captured and planned
+    again (seconds a step on this model): silent before, now a ``RecompilationWarning`` names the argument
+    once. Passed as a tensor, the value is an input of one plan."""
+    from recompute_graph import RecompilationWarning
+    torch.manual_seed(0)
+    model, x = _Tempered(), torch.randn(512, 64)
+    reference = copy.deepcopy(model)
+    optimized = optimize(model, 0.6, example_inputs=(x,), example_kwargs=dict(tau=1.0), **path_options)
+
+    def gradients(module, tau):
+        module.zero_grad(set_to_none=True)
+        module(x, tau=tau).square().mean().backward()
+        return [p.grad.clone() for p in module.parameters()]
+    with pytest.warns(RecompilationWarning, match=r"tau=0\.75 differs.*torch\.tensor\(value\)"):
+        assert_same(gradients(optimized, 0.75), gradients(reference, 0.75))
+    planned = len(optimized._planning_seconds)
+    for tau in (0.5, 0.25):
+        tensor = torch.tensor(tau)
+        assert_same(gradients(optimized, tensor), gradients(reference, tensor))
+    assert len(optimized._planning_seconds) == planned + 1  # one plan for every tensor value
