@@ -5,6 +5,8 @@ that may leave a trace in the model: :func:`preserved_state` restores every buff
 statistics, ``num_batches_tracked``) by value, the parameters a forward writes into (a momentum update
 in ``forward``), optionally the parameters' ``.grad`` and the random generators: the CPU/CUDA ones and
 those the model holds (:func:`held_generators`).
+:class:`PlainValues` and :func:`changed_at_each_call` find a plain Python value the forward changes at
+every call (a step counter, ``self.step += 1``), which no captured graph reproduces: both paths refuse it.
 :func:`training_step` is the README loop's step as a callable, for measuring and comparing.
 """
 from __future__ import annotations
@@ -153,12 +155,16 @@ class PlainValues:
         changed = []
         for name, key in sorted(set(self.values) | set(earlier.values)):
             before, now = earlier.values.get((name, key), _MISSING), self.values.get((name, key), _MISSING)
-            if before is not now and (type(before) is not type(now) or before != now):
+            if before is not now and (type(before) is not type(now) or before != now) and not _both_nan(before, now):
                 changed.append(f"self.{name + '.' if name else ''}{key}: {_shown(before)} -> {_shown(now)}")
         return changed
 
 
 _MISSING = object()
+
+
+def _both_nan(a: Any, b: Any) -> bool:
+    return isinstance(a, float) and isinstance(b, float) and a != a and b != b
 
 
 def _shown(value: Any) -> str:

@@ -250,3 +250,12 @@ def test_a_number_passed_to_forward_that_changes_warns_and_a_tensor_plans_once(p
         tensor = torch.tensor(tau)
         assert_same(gradients(optimized, tensor), gradients(reference, tensor))
     assert len(optimized._planning_seconds) == planned + 1  # one plan for every tensor value
+
+
+def test_plain_values_name_what_changed_and_a_nan_is_not_a_change():
+    from recompute_graph.model_state import PlainValues
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    model[0].step, model.nan, model.tau = 0, float("nan"), 1.0
+    before = PlainValues(model)
+    model[0].step, model.nan, model.tau, model.mode = 1, float("nan"), 1.0 * 1, "warm"
+    assert PlainValues(model).changed_since(before) == ["self.mode: (not set) -> 'warm'", "self.0.step: 0 -> 1"]
