@@ -15,9 +15,11 @@ def _loss(out: torch.Tensor) -> torch.Tensor:
     return out.pow(2).sum()
 
 
-def _setup():
+def _setup(model: "nn.Module | None" = None, x: "torch.Tensor | None" = None):
+    """The model (BrokenHalves by default), its step, its eager peak and its eager gradients."""
     torch.manual_seed(0)
-    model, x = BrokenHalves(width=128, layers=4), torch.randn(1024, 128)
+    if model is None:
+        model, x = BrokenHalves(width=128, layers=4), torch.randn(1024, 128)
 
     def step(module: nn.Module) -> None:
         module.zero_grad(set_to_none=True)
@@ -145,13 +147,7 @@ def test_a_check_for_nans_is_refused_by_optimize_and_planned_by_the_backend_it_n
     with pytest.warns(rg.CompilerFallbackWarning), \
             pytest.raises(rg.TraceError, match=r"check for NaNs.*backend=rg\.backend\(budget\), dynamic=False"):
         rg.optimize(model, 0.7, example_inputs=(x,))
-
-    def step(module: nn.Module) -> None:
-        module.zero_grad(set_to_none=True)
-        _loss(module(x)).backward()
-    eager_bytes = allocator_peak_memory(lambda: step(model))
-    reference = [p.grad.clone() for p in model.parameters()]
-    torch._dynamo.reset()
+    model, step, eager_bytes, reference = _setup(model, x)
     backend = budget_backend(int(0.75 * eager_bytes), loss_fn=_loss)
     compiled = torch.compile(model, backend=backend, dynamic=False)
     with pytest.warns(GraphBreakWarning):
