@@ -259,3 +259,28 @@ def test_plain_values_name_what_changed_and_a_nan_is_not_a_change():
     before = PlainValues(model)
     model[0].step, model.nan, model.tau, model.mode = 1, float("nan"), 1.0 * 1, "warm"
     assert PlainValues(model).changed_since(before) == ["self.mode: (not set) -> 'warm'", "self.0.step: 0 -> 1"]
+
+
+class _BufferTempered(_Tempered):
+    """The temperature kept in a buffer, which the training loop fills."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("tau", torch.ones(()))
+
+    def forward(self, x):
+        return super().forward(x, self.tau)
+
+
+def test_a_value_kept_in_a_buffer_changes_between_steps_with_no_planning(path_options):
+    """What the warnings advise: ``model.tau.fill_(value)`` between steps trains exactly on one plan."""
+    torch.manual_seed(0)
+    model, x = _BufferTempered(), (torch.randn(512, 64),)
+    reference = copy.deepcopy(model)
+    optimized = optimize(model, 0.6, example_inputs=x, **path_options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for tau in (0.9, 0.7, 0.5):
+            model.tau.fill_(tau), reference.tau.fill_(tau)
+            assert_same(step_gradients(optimized, x), step_gradients(reference, x))
+    assert len(optimized._planning_seconds) == 1 and optimized.recompute_plan.recomputed_nodes
