@@ -46,7 +46,8 @@ from .kept_tensors import carried_by_export, kept_tensors_refused
 from .library_classes import is_transformers_model
 from .module_hooks import kept_hook_tensors_refused
 from .random_sources import host_random_draws_refused
-from .trace import TraceResult, functionalize, grad_mode_switches_refused, user_source_location
+from .mode_switches import grad_mode_switches_refused, refuse_autocast_blocks_under_autocast
+from .trace import TraceResult, functionalize, user_source_location
 
 __all__ = ["ExportedTrace", "export_trace", "training_kwargs"]
 
@@ -316,6 +317,7 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict) -> ExportedTrace:
             module_path="", source_location=location) from error
     in_spec, out_spec = program.call_spec.in_spec, program.call_spec.out_spec
     _refuse_unused_random_draws(program.graph, type(model).__name__)
+    refuse_autocast_blocks_under_autocast(program.graph, type(model).__name__)
     try:
         # functionalized: writes through views become data edges, buffer writes outputs. torch's own copy
         # of the program's specs warns that it uses a deprecated check: nothing a user can act on

@@ -22,13 +22,10 @@ and the returned ``GraphModule`` refers to the user's submodules and parameters 
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
-import linecache
 import operator
 import os
-import sys
 import traceback
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +38,7 @@ from .autograd_in_forward import (HookRefused, functions_kept_whole, proxy_hooks
                                   refuse_differentiation_nodes)
 from .errors import TraceError
 from .kept_tensors import AttributeSnapshot, carried_by_a_trace, kept_tensor_message
+from .mode_switches import autocast_switches_refused, grad_mode_switches_refused
 from .model_state import preserved_state
 from .module_hooks import kept_hook_tensors_refused
 from .random_sources import host_random_draws_refused, refuse_generators_made_in_forward
@@ -195,7 +193,8 @@ def trace(model: nn.Module) -> TraceResult:
         raise TraceError(f"expected an nn.Module, got {type(model).__name__}")
     with preserved_state(model):  # tracing runs the model's Python code: what it writes into buffers is undone
         name = type(model).__name__
-        with grad_mode_switches_refused(model, "torch.fx"), functions_kept_whole(name), proxy_hooks_refused(name), \
+        with grad_mode_switches_refused(model, "torch.fx"), autocast_switches_refused(model), \
+                functions_kept_whole(name), proxy_hooks_refused(name), \
                 host_random_draws_refused(model, "torch.fx", torch_generator=True), kept_hook_tensors_refused(
                     list(model.named_modules()), name, lambda message: TraceError(message, module_path="")):
             result = _trace(model)
@@ -204,42 +203,6 @@ def trace(model: nn.Module) -> TraceResult:
 
 
 _LIBRARY_DIR = os.path.dirname(_THIS_FILE)
-
-
-@contextlib.contextmanager
-def grad_mode_switches_refused(model: nn.Module, tracer: str) -> Any:
-    """Raise :class:`TraceError` after the block when the model's own code switched autograd's grad mode
-    while it was traced (``with torch.no_grad():`` in ``forward``, a stop-gradient): neither tracer's
-    graph keeps the switch, so the schedule executor ran those ops with grad and gradients flowed where
-    the model stops them (a SimSiam-like target branch: gradients off by 1e-3, silently). The compiler
-    path keeps it (``optimize(..., compiler="auto")``). Calls from torch or this library are not the model's."""
-    found: list[str] = []
-    original = torch._C._set_grad_enabled
-
-    def watched(mode: bool) -> None:
-        if mode != torch.is_grad_enabled() and not found:
-            frame = sys._getframe(1)
-            while frame is not None:
-                path = os.path.abspath(frame.f_code.co_filename)
-                if path.startswith(_LIBRARY_DIR):
-                    break
-                if not path.startswith(_TORCH_DIR) and "contextlib" not in path:
-                    line = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
-                    found.append(f"{frame.f_code.co_filename}:{frame.f_lineno} ({line})")
-                    break
-                frame = frame.f_back
-        original(mode)
-    torch._C._set_grad_enabled = watched
-    try:
-        yield
-    finally:
-        torch._C._set_grad_enabled = original
-    if found:
-        raise TraceError(
-            f"{type(model).__name__}.forward switches autograd's grad mode at {found[0]}: the {tracer} graph "
-            "the schedule executor runs does not keep the switch, and gradients would flow where the model "
-            "stops them. The compiler path keeps it: optimize(..., compiler='auto') (the default) or "
-            "compiler=True.", module_path="", source_location=found[0])
 
 
 def assign_buffer(buffer: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
