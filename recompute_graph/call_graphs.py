@@ -18,7 +18,7 @@ from .costs import profile_graph
 from .errors import TraceError
 from .graph import CostGraph
 from .export_trace import export_trace, training_kwargs
-from .kept_tensors import KEPT_TENSOR_WORDS
+from .kept_tensors import KEPT_TENSOR_WORDS, KeptOutsideTheModel
 from .optimized_module import placeholder_binder
 from .trace import TraceResult, trace
 
@@ -56,7 +56,7 @@ class CallGraphs:
             try:
                 self.fx_trace = trace(model)
             except TraceError as error:
-                if tracer == "fx":
+                if tracer == "fx" or isinstance(error, KeptOutsideTheModel):
                     raise
                 self.fx_error = error
         if self.fx_trace is not None and self.fx_trace.unsafe_mutations and tracer == "fx":

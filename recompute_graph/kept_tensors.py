@@ -22,13 +22,18 @@ a mutation both tracers plan.
 from __future__ import annotations
 
 import contextlib
+import gc
+import weakref
 from typing import Any, Callable, Iterator
 
 import torch
 from torch import fx, nn
 
+from .errors import TraceError
+
 __all__ = ["AttributeSnapshot", "kept_tensors_refused", "kept_tensor_message", "KEPT_TENSOR_WORDS",
-           "carried_by_a_trace", "carried_by_export", "carried_by_a_run"]
+           "carried_by_a_trace", "carried_by_export", "carried_by_a_run", "KeptOutsideTheModel",
+           "containers_keeping_proxies"]
 
 #: the words every refusal of a kept tensor has (``call_graphs`` tells two tracers' refusals of one by them)
 KEPT_TENSOR_WORDS = "keeps a tensor of the step in"
@@ -162,3 +167,33 @@ def kept_tensors_refused(model: nn.Module, carries: Callable[[Any], bool], error
         snapshot.restore(kept)
     if kept:
         raise error(kept_tensor_message(type(model).__name__, kept[0][0], how))
+
+
+class KeptOutsideTheModel(TraceError):
+    """The forward kept a value of its torch.fx trace in a container outside the model (a global list, a
+    dict in a closure: ``FEATURES.append(h)`` for the loss to read). Final for ``tracer="auto"``: export's
+    graph would leave a fake tensor there, and neither graph fills the container in training."""
+
+
+def containers_keeping_proxies(made: "list[weakref.ref[fx.Proxy]]") -> list[str]:
+    """The containers outside the model that still hold a proxy of ``made`` (weak references to every
+    proxy a trace made) once the trace is over (``list``, ``dict``; the proxies are taken out of them):
+    nothing of the library holds one then, so whatever does was filled by the forward."""
+    if all(ref() is None for ref in made):
+        return []
+    gc.collect()  # (a proxy held only by a reference cycle is not kept)
+    alive = [proxy for proxy in (ref() for ref in made) if proxy is not None]
+    found: list[str] = []
+    for proxy in alive:
+        for holder in gc.get_referrers(proxy):
+            if holder is alive:
+                continue
+            if isinstance(holder, list):
+                holder[:] = [item for item in holder if item is not proxy]
+                found.append("a list")
+            elif isinstance(holder, dict) and "__module__" not in holder and "f_locals" not in holder:
+                keys = [key for key, value in holder.items() if value is proxy]
+                for key in keys:
+                    del holder[key]
+                found.extend(f"a dict (at key {key!r})" for key in keys)
+    return found

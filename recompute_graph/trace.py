@@ -27,6 +27,7 @@ import functools
 import operator
 import os
 import traceback
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +38,8 @@ from torch.utils._pytree import tree_flatten
 from .autograd_in_forward import (HookRefused, functions_kept_whole, proxy_hooks_refused,
                                   refuse_differentiation_nodes)
 from .errors import TraceError
-from .kept_tensors import AttributeSnapshot, carried_by_a_trace, kept_tensor_message
+from .kept_tensors import (AttributeSnapshot, KeptOutsideTheModel, carried_by_a_trace, containers_keeping_proxies,
+                           kept_tensor_message)
 from .mode_switches import autocast_switches_refused, grad_mode_switches_refused
 from .model_state import preserved_state
 from .module_hooks import kept_hook_tensors_refused
@@ -133,6 +135,7 @@ class _ModuleLevelTracer(fx.Tracer):
     def __init__(self, opaque: frozenset[str]) -> None:
         super().__init__()
         self.opaque = opaque
+        self.made: list[weakref.ref[fx.Proxy]] = []  # every proxy of the trace (``containers_keeping_proxies``)
         self.record_stack_traces = True  # so that errors can name the user's source line
         # buffers read as attributes (``self.num_batches_tracked.add_(1)`` in timm's BatchNormAct2d)
         # become graph nodes; otherwise the write would run once, at trace time, and never in training
@@ -157,6 +160,11 @@ class _ModuleLevelTracer(fx.Tracer):
                     delattr(fx.Proxy, dunder)
                 else:
                     setattr(fx.Proxy, dunder, method)
+
+    def create_proxy(self, *args: Any, **kwargs: Any) -> fx.Proxy:
+        proxy = super().create_proxy(*args, **kwargs)
+        self.made.append(weakref.ref(proxy))
+        return proxy
 
     def _recording(self, function: Any) -> Any:
         @functools.wraps(function)
@@ -252,6 +260,8 @@ def _drop_leaked_proxies(before: list[tuple[nn.Module, dict, dict, dict]]) -> li
 
 
 _KEPT_PROXY = "torch.fx kept a proxy of its trace there, and the executor's graph runs no Python to store the tensor"
+_KEPT_OUTSIDE = ("torch.fx left a proxy of its trace there (taken out now), torch.export would leave a fake tensor, "
+                 "and the executor's graph runs no Python to fill it")
 
 
 def _trace(model: nn.Module) -> TraceResult:
@@ -282,6 +292,12 @@ def _trace(model: nn.Module) -> TraceResult:
             raise TraceError(kept_tensor_message(type(model).__name__, kept[0][0], _KEPT_PROXY), module_path="")
         names = {id(module): name for name, module in model.named_modules()}
         _buffer_assignments(graph, [(f"{names[id(m)]}.{b}".lstrip("."), proxy) for m, b, proxy in assigned])
+        del assigned
+        outside = containers_keeping_proxies(tracer.made)
+        if outside:
+            raise KeptOutsideTheModel(kept_tensor_message(
+                type(model).__name__, f"{outside[0]} outside the model (a global or a closure variable)",
+                _KEPT_OUTSIDE), module_path="")
         refuse_differentiation_nodes(type(model).__name__, graph, _user_frame)
         graph_module = fx.GraphModule(tracer.root, graph, class_name=f"Traced{type(model).__name__}")
         for name in set(model.__dict__) - set(before[0][1]):  # fx's constants (``_opaque_obj0``): the copy's now

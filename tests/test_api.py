@@ -860,3 +860,37 @@ def test_a_model_that_checkpoints_its_own_blocks_trains_exactly(path_options):
             torch.manual_seed(step)
             default_loss(m(x)).backward()
         assert all(torch.equal(a, b) for a, b in zip(_gradients(model), _gradients(expected)))
+
+
+_FEATURES: list = []  # filled by _FillsAGlobalList's forward, read and cleared by the loss
+
+
+class _FillsAGlobalList(nn.Module):
+    """A forward that appends a feature map to a list outside the model for the loss to read (a
+    perceptual or deep-supervision term), or stores it in a dict of a closure."""
+
+    def __init__(self, store=None) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(6))
+        self.store = (lambda h: _FEATURES.append(h)) if store is None else store
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i == 2:
+                self.store(x)
+        return x
+
+
+@pytest.mark.parametrize("container", ["global list", "closure dict"])
+def test_a_tensor_kept_in_a_container_outside_the_model_is_refused_by_the_executor(container):
+    """torch.fx left a proxy of its trace in the list, and the executor's steps never filled it: the
+    loss's feature term was a proxy on the first step (its ``backward()`` did nothing) and missing from
+    the second, silently. Refused now, and not by export either (its fake tensor would be left there);
+    the proxy is taken out."""
+    closure: dict = {}
+    store = None if container == "global list" else (lambda h: closure.__setitem__("mid", h))
+    with pytest.raises(rg.TraceError, match=r"keeps a tensor of the step in a (list|dict \(at key 'mid'\)) "
+                                            r"outside the model \(a global or a closure variable\)"):
+        rg.optimize(_FillsAGlobalList(store), 0.6, example_inputs=(torch.randn(256, 64),), compiler=False)
+    assert _FEATURES == [] and closure == {}
