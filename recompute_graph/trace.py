@@ -205,7 +205,12 @@ def trace(model: nn.Module) -> TraceResult:
                 functions_kept_whole(name), proxy_hooks_refused(name), \
                 host_random_draws_refused(model, "torch.fx", torch_generator=True), kept_hook_tensors_refused(
                     list(model.named_modules()), name, lambda message: TraceError(message, module_path="")):
-            result = _trace(model)
+            result, made = _trace(model)
+        outside = containers_keeping_proxies(made)  # (after the hooks' own refusals, which say more)
+        if outside:
+            raise KeptOutsideTheModel(kept_tensor_message(
+                name, f"{outside[0]} outside the model (a global or a closure variable)", _KEPT_OUTSIDE),
+                module_path="")
         refuse_generators_made_in_forward(model, result.graph_module, "torch.fx")
         return result
 
@@ -264,7 +269,7 @@ _KEPT_OUTSIDE = ("torch.fx left a proxy of its trace there (taken out now), torc
                  "and the executor's graph runs no Python to fill it")
 
 
-def _trace(model: nn.Module) -> TraceResult:
+def _trace(model: nn.Module) -> "tuple[TraceResult, list[weakref.ref[fx.Proxy]]]":
     opaque: dict[str, str] = {}
     submodule_count = sum(1 for _ in model.modules())
     for _attempt in range(submodule_count + 1):
@@ -293,17 +298,12 @@ def _trace(model: nn.Module) -> TraceResult:
         names = {id(module): name for name, module in model.named_modules()}
         _buffer_assignments(graph, [(f"{names[id(m)]}.{b}".lstrip("."), proxy) for m, b, proxy in assigned])
         del assigned
-        outside = containers_keeping_proxies(tracer.made)
-        if outside:
-            raise KeptOutsideTheModel(kept_tensor_message(
-                type(model).__name__, f"{outside[0]} outside the model (a global or a closure variable)",
-                _KEPT_OUTSIDE), module_path="")
         refuse_differentiation_nodes(type(model).__name__, graph, _user_frame)
         graph_module = fx.GraphModule(tracer.root, graph, class_name=f"Traced{type(model).__name__}")
         for name in set(model.__dict__) - set(before[0][1]):  # fx's constants (``_opaque_obj0``): the copy's now
             del model.__dict__[name]
         functionalized, unsafe = functionalize(graph_module)
-        return TraceResult(graph_module, tuple(opaque), tuple(opaque.values()), functionalized, unsafe)
+        return TraceResult(graph_module, tuple(opaque), tuple(opaque.values()), functionalized, unsafe), tracer.made
     raise TraceError(f"tracing {type(model).__name__} did not converge")  # pragma: no cover
 
 
