@@ -17,7 +17,7 @@ import contextlib
 import gc
 from typing import Iterator
 
-__all__ = ["DEFERRED_FULL_COLLECTION_THRESHOLD", "full_collections_deferred"]
+__all__ = ["DEFERRED_FULL_COLLECTION_THRESHOLD", "full_collections_deferred", "every_object_seen"]
 
 #: ``threshold2`` while planning (CPython's default is 10): a full pass after this many middle-generation
 #: collections, about one per 700,000 allocations that survived two collections
@@ -43,3 +43,18 @@ def full_collections_deferred() -> Iterator[None]:
         gc.set_threshold(*thresholds)
         if freeze:
             gc.unfreeze()
+
+
+@contextlib.contextmanager
+def every_object_seen() -> Iterator[None]:
+    """The block with the frozen objects back in the collector's view (``gc.get_referrers`` does not
+    search frozen ones: a global list the model fills was invisible inside :func:`full_collections_deferred`),
+    frozen again after."""
+    frozen = gc.get_freeze_count() > 0
+    if frozen:
+        gc.unfreeze()
+    try:
+        yield
+    finally:
+        if frozen:
+            gc.freeze()

@@ -48,6 +48,7 @@ from .joint_lowering import Lowered
 from .model_state import PlainValues, changed_again, changing_state_message, generator_states, preserved_state
 from .joint_allocations import own_output_known
 from .output_structure import OutputStructure
+from .outside_containers import OutsideContainers
 from .losses import own_loss
 from .module_hooks import planned_hooks_key
 from .optimized_module import (OUTER_COMPILE_REASON, PeakWatch, SharedModelModule, _cuda_device, _signature_key,
@@ -168,10 +169,12 @@ class CompiledRecomputedModule(SharedModelModule):
         (:meth:`_check_random_draws`). Errors of the compiler come out as the library's own."""
         was_training = self.training
         self.train(True)
+        outside = OutsideContainers(self._original)  # (lists a forward fills: planning's runs leave nothing there)
         try:
-            own = self._own_forward(args, kwargs)
+            own = self._own_forward(args, kwargs, outside)
             self._own_outputs[key] = own[2] if own is not None else None
-            with preserved_state(self._original, rng=True), torch.enable_grad(), full_collections_deferred():
+            with preserved_state(self._original, rng=True), torch.enable_grad(), full_collections_deferred(), \
+                    outside.put_back():
                 drawn_from = generator_states()
                 with own_output_known(self._own_outputs[key]):
                     output = _floating_values(self._step_for(key)(*args, **kwargs))
@@ -183,7 +186,7 @@ class CompiledRecomputedModule(SharedModelModule):
         finally:
             self.train(was_training)
 
-    def _own_forward(self, args: tuple, kwargs: dict
+    def _own_forward(self, args: tuple, kwargs: dict, outside: OutsideContainers
                      ) -> "tuple[list[torch.Tensor], list[torch.Tensor], OutputStructure] | None":
         """The model's own forward, undone: its floating-point outputs, the generators' states after it,
         and its output's structure (whether it returned its own loss; what the loss is priced on); None
@@ -195,13 +198,17 @@ class CompiledRecomputedModule(SharedModelModule):
         with preserved_state(self._original, rng=True, watch_parameters=True), torch.enable_grad(), \
                 full_collections_deferred():
             before = PlainValues(self._original)
-            output = self._original(*args, **kwargs)
+            with outside.recording():
+                output = self._original(*args, **kwargs)
             held = [*tree_flatten((args, kwargs))[0], *self._original.parameters(), *self._original.buffers()]
             structure = OutputStructure.of(output, held, own_loss(output) is not None)
             expected = _floating_values(output)
             del output, held
+            outside.take_out()
             drawn = generator_states()
-            changed = changed_again(self._original, before, lambda: self._original(*args, **kwargs))
+            with outside.recording():
+                changed = changed_again(self._original, before, lambda: self._original(*args, **kwargs))
+            outside.take_out()
             if changed:
                 raise ChangingStateError(changing_state_message(self._original_class, changed,
                                                                 _RECOMPILED_PER_VALUE))

@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import fx, nn
 
+from .collector import every_object_seen
 from .errors import TraceError
 
 __all__ = ["AttributeSnapshot", "kept_tensors_refused", "kept_tensor_message", "KEPT_TENSOR_WORDS",
@@ -185,7 +186,9 @@ def containers_keeping_proxies(made: "list[weakref.ref[fx.Proxy]]") -> list[str]
     alive = [proxy for proxy in (ref() for ref in made) if proxy is not None]
     found: list[str] = []
     for proxy in alive:
-        for holder in gc.get_referrers(proxy):
+        with every_object_seen():
+            holders = gc.get_referrers(proxy)
+        for holder in holders:
             if holder is alive:
                 continue
             if isinstance(holder, list):

@@ -894,3 +894,27 @@ def test_a_tensor_kept_in_a_container_outside_the_model_is_refused_by_the_execut
                                             r"outside the model \(a global or a closure variable\)"):
         rg.optimize(_FillsAGlobalList(store), 0.6, example_inputs=(torch.randn(256, 64),), compiler=False)
     assert _FEATURES == [] and closure == {}
+
+
+def test_a_tensor_kept_in_a_global_list_trains_exactly_on_the_compiler_path():
+    """Dynamo replays the append after its graph, so the compiler path trains it as eager PyTorch does.
+    But planning's runs of the forward appended too: the first step's loss read two stale feature maps
+    besides its own (gradients twice the largest one off), and the list's length, a guard, made Dynamo
+    compile again. Planning now takes out what its runs put there."""
+    import copy
+
+    def loss(out):
+        total = out.square().mean() + sum(f.abs().mean() for f in _FEATURES)
+        _FEATURES.clear()
+        return total
+    torch.manual_seed(0)
+    model, x = _FillsAGlobalList(), torch.randn(256, 64)
+    expected = copy.deepcopy(model)
+    optimized = rg.optimize(model, 0.6, example_inputs=(x,), compiler=True)
+    assert _FEATURES == [] and optimized.recompute_plan.recomputed_nodes
+    for _ in range(2):
+        for m in (optimized, expected):
+            m.zero_grad(set_to_none=True)
+            loss(m(x)).backward()
+        assert all(torch.equal(a, b) for a, b in zip(_gradients(model), _gradients(expected)))
+    assert len(optimized.lowerings) == 1  # compiled once

@@ -1,0 +1,93 @@
+"""Lists and dicts outside a model that its forward fills with activations, put back after planning.
+
+A forward may put a tensor of the step into a container outside the model for the loss to read: a
+global list of feature maps (``FEATURES.append(h)``, a deep-supervision or perceptual term the loss sums
+and clears), a dict in a closure. The compiler path trains it exactly, as eager PyTorch does (Dynamo
+replays the append after its graph). But planning runs the forward too (the model's own forward, then
+one compiled forward), and each run appended: the first training step's loss read two stale feature
+maps besides its own, and its gradients were twice the largest one off (before session 44).
+
+:class:`OutsideContainers` records the activations an eager run makes (a ``TorchFunctionMode`` keeping
+weak references to every result that requires grad and has a ``grad_fn``). Once the run's output is
+dropped, :meth:`OutsideContainers.take_out` finds the lists and dicts still holding one of them (not a
+module's own attributes), takes them out, and remembers the containers; :meth:`OutsideContainers.put_back`
+restores those containers after later runs (the compiled trial). The schedule executor refuses such a
+forward instead (``kept_tensors.containers_keeping_proxies``).
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import weakref
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
+
+from .collector import every_object_seen
+from .kept_tensors import carried_by_a_run
+
+__all__ = ["OutsideContainers"]
+
+
+class _ActivationsMade(TorchFunctionMode):
+    def __init__(self, made: "list[weakref.ref[torch.Tensor]]") -> None:
+        super().__init__()
+        self.made = made
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        result = func(*args, **(kwargs or {}))
+        self.made.extend(weakref.ref(t) for t in tree_leaves(result) if carried_by_a_run(t))
+        return result
+
+
+class OutsideContainers:
+    """The containers outside ``model`` its forward fills (module docstring)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.made: "list[weakref.ref[torch.Tensor]]" = []
+        self.containers: "list[list | dict]" = []
+
+    def recording(self) -> TorchFunctionMode:
+        """The mode to run the eager forward(s) under."""
+        return _ActivationsMade(self.made)
+
+    def take_out(self) -> None:
+        """Take the activations still alive out of the lists and dicts outside the model that hold them."""
+        if all(ref() is None for ref in self.made):
+            return
+        own = {id(module.__dict__) for module in self.model.modules()}
+        alive = [t for t in (ref() for ref in self.made) if t is not None]
+        kept = {id(t) for t in alive}
+        with every_object_seen():
+            holders = [holder for tensor in alive for holder in gc.get_referrers(tensor)]
+        for holder in holders:
+            if holder is alive or id(holder) in own or not isinstance(holder, (list, dict)):
+                continue
+            if isinstance(holder, dict) and ("__module__" in holder or "__builtins__" in holder):
+                continue  # (a class's or a module's namespace)
+            if isinstance(holder, list):
+                holder[:] = [item for item in holder if id(item) not in kept]
+            else:
+                for key in [key for key, value in holder.items() if id(value) in kept]:
+                    del holder[key]
+            if not any(holder is c for c in self.containers):
+                self.containers.append(holder)
+        self.made.clear()
+
+    @contextlib.contextmanager
+    def put_back(self) -> Iterator[None]:
+        """Around a run that is not eager (the compiled trial): the containers found as they were before."""
+        saved = [(container, container.copy()) for container in self.containers]
+        try:
+            yield
+        finally:
+            for container, before in saved:
+                if isinstance(container, list):
+                    container[:] = before
+                else:
+                    container.clear()
+                    container.update(before)
