@@ -28,13 +28,15 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch import fx, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
 from .collector import every_object_seen
 from .errors import TraceError
 
 __all__ = ["AttributeSnapshot", "kept_tensors_refused", "kept_tensor_message", "KEPT_TENSOR_WORDS",
            "carried_by_a_trace", "carried_by_export", "carried_by_a_run", "KeptOutsideTheModel",
-           "containers_keeping_proxies"]
+           "containers_keeping_proxies", "TensorsMade"]
 
 #: the words every refusal of a kept tensor has (``call_graphs`` tells two tracers' refusals of one by them)
 KEPT_TENSOR_WORDS = "keeps a tensor of the step in"
@@ -200,3 +202,17 @@ def containers_keeping_proxies(made: "list[weakref.ref[fx.Proxy]]") -> list[str]
                     del holder[key]
                 found.extend(f"a dict (at key {key!r})" for key in keys)
     return found
+
+
+class TensorsMade(TorchFunctionMode):
+    """Weak references, appended to ``made``, to the results of the torch functions run under it that
+    ``keep`` accepts (a hook's ``output.mean(1)``, an activation a forward puts in a global list)."""
+
+    def __init__(self, made: "list[weakref.ref]", keep: Callable[[Any], bool]) -> None:
+        super().__init__()
+        self.made, self.keep = made, keep
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        result = func(*args, **(kwargs or {}))
+        self.made.extend(weakref.ref(t) for t in tree_leaves(result) if self.keep(t))
+        return result

@@ -35,11 +35,10 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import fx, nn
 from torch.nn.modules import module as module_globals
-from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from .errors import RewriteError
-from .kept_tensors import carried_by_a_run
+from .kept_tensors import TensorsMade, carried_by_a_run
 
 __all__ = ["planned_hooks_key", "hooks_changed_error", "kept_hook_tensors_refused", "torch_own_hook"]
 
@@ -77,19 +76,6 @@ def hooks_changed_error(owner: str) -> RewriteError:
                         "again by itself).")
 
 
-class _TensorsMade(TorchFunctionMode):
-    """Weak references to the tensors a hook makes with torch functions (``output.mean(1)`` kept)."""
-
-    def __init__(self, made: list[weakref.ref]) -> None:
-        super().__init__()
-        self.made = made
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        result = func(*args, **(kwargs or {}))
-        self.made.extend(weakref.ref(t) for t in tree_leaves(result) if _carries_the_graph(t))
-        return result
-
-
 def _carries_the_graph(value: Any) -> bool:
     """A value that, kept past the step, should have carried the model's autograd graph: a proxy or fake
     tensor of a trace, or a real activation that requires grad (not a leaf: the user's input, a weight)."""
@@ -111,7 +97,7 @@ def _watched(hook: Callable[..., Any], where: str, kept: list[tuple[str, weakref
         made: list[weakref.ref] = []
         values = tree_leaves(args[1:])
         tracers = {v.tracer for v in values if isinstance(v, fx.Proxy)}
-        with _proxies_made(tracers, made) if tracers else _TensorsMade(made):
+        with _proxies_made(tracers, made) if tracers else TensorsMade(made, _carries_the_graph):
             result = hook(*args)
         received = tree_leaves(args[-1]) if output_is_last else []
         traced = bool(tracers) or any(_of_a_trace(v) for v in values)

@@ -19,28 +19,16 @@ from __future__ import annotations
 import contextlib
 import gc
 import weakref
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves
 
 from .collector import every_object_seen
-from .kept_tensors import carried_by_a_run
+from .kept_tensors import TensorsMade, carried_by_a_run
 
 __all__ = ["OutsideContainers"]
-
-
-class _ActivationsMade(TorchFunctionMode):
-    def __init__(self, made: "list[weakref.ref[torch.Tensor]]") -> None:
-        super().__init__()
-        self.made = made
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        result = func(*args, **(kwargs or {}))
-        self.made.extend(weakref.ref(t) for t in tree_leaves(result) if carried_by_a_run(t))
-        return result
 
 
 class OutsideContainers:
@@ -53,7 +41,7 @@ class OutsideContainers:
 
     def recording(self) -> TorchFunctionMode:
         """The mode to run the eager forward(s) under."""
-        return _ActivationsMade(self.made)
+        return TensorsMade(self.made, carried_by_a_run)
 
     def take_out(self) -> None:
         """Take the activations still alive out of the lists and dicts outside the model that hold them."""
