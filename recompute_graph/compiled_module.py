@@ -204,11 +204,10 @@ class CompiledRecomputedModule(SharedModelModule):
             structure = OutputStructure.of(output, held, own_loss(output) is not None)
             expected = _floating_values(output)
             del output, held
-            outside.take_out()
             drawn = generator_states()
             with outside.recording():
                 changed = changed_again(self._original, before, lambda: self._original(*args, **kwargs))
-            outside.take_out()
+            outside.take_out()  # (what both runs put into lists outside the model)
             if changed:
                 raise ChangingStateError(changing_state_message(self._original_class, changed,
                                                                 _RECOMPILED_PER_VALUE))

@@ -36,7 +36,7 @@ from .errors import TraceError
 
 __all__ = ["AttributeSnapshot", "kept_tensors_refused", "kept_tensor_message", "KEPT_TENSOR_WORDS",
            "carried_by_a_trace", "carried_by_export", "carried_by_a_run", "KeptOutsideTheModel",
-           "containers_keeping_proxies", "TensorsMade"]
+           "containers_keeping_proxies", "taken_out_of_containers", "TensorsMade"]
 
 #: the words every refusal of a kept tensor has (``call_graphs`` tells two tracers' refusals of one by them)
 KEPT_TENSOR_WORDS = "keeps a tensor of the step in"
@@ -178,29 +178,38 @@ class KeptOutsideTheModel(TraceError):
     graph would leave a fake tensor there, and neither graph fills the container in training."""
 
 
-def containers_keeping_proxies(made: "list[weakref.ref[fx.Proxy]]") -> list[str]:
-    """The containers outside the model that still hold a proxy of ``made`` (weak references to every
-    proxy a trace made) once the trace is over (``list``, ``dict``; the proxies are taken out of them):
-    nothing of the library holds one then, so whatever does was filled by the forward."""
+def containers_keeping_proxies(made: "list[weakref.ref[fx.Proxy]]", model: nn.Module) -> list[str]:
+    """Where, outside ``model``, a proxy of ``made`` (weak references to every proxy a trace made) is still
+    held once the trace is over (``a list``, ``a dict (at key 'mid')``), the proxies taken out: nothing of
+    the library holds one then, so whatever does was filled by the forward."""
     if all(ref() is None for ref in made):
         return []
     gc.collect()  # (a proxy held only by a reference cycle is not kept)
     alive = [proxy for proxy in (ref() for ref in made) if proxy is not None]
-    found: list[str] = []
-    for proxy in alive:
-        with every_object_seen():
-            holders = gc.get_referrers(proxy)
-        for holder in holders:
-            if holder is alive:
-                continue
-            if isinstance(holder, list):
-                holder[:] = [item for item in holder if item is not proxy]
-                found.append("a list")
-            elif isinstance(holder, dict) and "__module__" not in holder and "f_locals" not in holder:
-                keys = [key for key, value in holder.items() if value is proxy]
-                for key in keys:
-                    del holder[key]
-                found.extend(f"a dict (at key {key!r})" for key in keys)
+    return [where for _, where in taken_out_of_containers(alive, model)]
+
+
+def taken_out_of_containers(values: list, model: nn.Module) -> "list[tuple[list | dict, str]]":
+    """Take each of ``values`` out of the lists and dicts that hold it, but for the model's own attribute
+    tables and the namespaces of classes and modules: each container emptied of them, with where they were
+    (``a list``, ``a dict (at key 'mid')``)."""
+    ids = {id(value) for value in values}
+    skipped = {id(values), *(id(module.__dict__) for module in model.modules())}
+    with every_object_seen():  # (a list made before a frozen block is invisible to get_referrers)
+        holders = [holder for value in values for holder in gc.get_referrers(value)]
+    found: "list[tuple[list | dict, str]]" = []
+    for holder in holders:
+        if id(holder) in skipped:
+            continue
+        skipped.add(id(holder))
+        if isinstance(holder, list):
+            holder[:] = [item for item in holder if id(item) not in ids]
+            found.append((holder, "a list"))
+        elif isinstance(holder, dict) and "__module__" not in holder and "__builtins__" not in holder:
+            keys = [key for key, value in holder.items() if id(value) in ids]
+            for key in keys:
+                del holder[key]
+            found.extend((holder, f"a dict (at key {key!r})") for key in keys)
     return found
 
 

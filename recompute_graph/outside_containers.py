@@ -17,7 +17,6 @@ forward instead (``kept_tensors.containers_keeping_proxies``).
 from __future__ import annotations
 
 import contextlib
-import gc
 import weakref
 from typing import Iterator
 
@@ -25,8 +24,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .collector import every_object_seen
-from .kept_tensors import TensorsMade, carried_by_a_run
+from .kept_tensors import TensorsMade, carried_by_a_run, taken_out_of_containers
 
 __all__ = ["OutsideContainers"]
 
@@ -45,26 +43,11 @@ class OutsideContainers:
 
     def take_out(self) -> None:
         """Take the activations still alive out of the lists and dicts outside the model that hold them."""
-        if all(ref() is None for ref in self.made):
-            return
-        own = {id(module.__dict__) for module in self.model.modules()}
         alive = [t for t in (ref() for ref in self.made) if t is not None]
-        kept = {id(t) for t in alive}
-        with every_object_seen():
-            holders = [holder for tensor in alive for holder in gc.get_referrers(tensor)]
-        for holder in holders:
-            if holder is alive or id(holder) in own or not isinstance(holder, (list, dict)):
-                continue
-            if isinstance(holder, dict) and ("__module__" in holder or "__builtins__" in holder):
-                continue  # (a class's or a module's namespace)
-            if isinstance(holder, list):
-                holder[:] = [item for item in holder if id(item) not in kept]
-            else:
-                for key in [key for key, value in holder.items() if id(value) in kept]:
-                    del holder[key]
-            if not any(holder is c for c in self.containers):
-                self.containers.append(holder)
         self.made.clear()
+        for container, _ in taken_out_of_containers(alive, self.model) if alive else ():
+            if not any(container is known for known in self.containers):
+                self.containers.append(container)
 
     @contextlib.contextmanager
     def put_back(self) -> Iterator[None]:

@@ -206,7 +206,7 @@ def trace(model: nn.Module) -> TraceResult:
                 host_random_draws_refused(model, "torch.fx", torch_generator=True), kept_hook_tensors_refused(
                     list(model.named_modules()), name, lambda message: TraceError(message, module_path="")):
             result, made = _trace(model)
-        outside = containers_keeping_proxies(made)  # (after the hooks' own refusals, which say more)
+        outside = containers_keeping_proxies(made, model)  # (after the hooks' own refusals, which say more)
         if outside:
             raise KeptOutsideTheModel(kept_tensor_message(
                 name, f"{outside[0]} outside the model (a global or a closure variable)", _KEPT_OUTSIDE),
