@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
@@ -59,6 +60,39 @@ class StepState:
     external_keys: set = field(default_factory=set)  # storages of the output gradients autograd handed in
     passed_on: set = field(default_factory=set)  # ids of tensors a node returned as given (an nn.Identity)
     state_before: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # see ``recomputed_state``
+    # while a backward runs with ``retain_graph=True``: the step as the forward left it, whose values
+    # and tapes that backward must leave intact for the next one (see ``retained``)
+    kept_for_next_backward: StepState | None = None
+
+    def retained(self) -> StepState:
+        """A copy of the step's containers (the tensors are shared) that a backward run with
+        ``retain_graph=True`` leaves as it is: the state is put back from it afterwards (``put_back``),
+        so that another backward runs from the forward's values again."""
+        return dataclasses.replace(
+            self, values=dict(self.values), static=dict(self.static), tapes=dict(self.tapes),
+            grads={source: dict(buffers) for source, buffers in self.grads.items()},
+            owned_grads=set(self.owned_grads), rng_states=dict(self.rng_states),
+            random_computations=Counter(self.random_computations), computed=set(self.computed),
+            output_sources=list(self.output_sources), passed_on=set(self.passed_on),
+            state_before=dict(self.state_before), kept_for_next_backward=None)
+
+    def put_back(self, retained: StepState) -> None:
+        """The containers of ``retained`` (from :meth:`retained`) in place of this step's own."""
+        for name in (f.name for f in dataclasses.fields(self)):
+            setattr(self, name, getattr(retained, name))
+        self.kept_for_next_backward = None
+
+    def kept_value(self, index: int, value: Any) -> bool:
+        """Whether ``value`` of node ``index`` is the forward's, which a backward retaining the graph
+        must not release."""
+        kept = self.kept_for_next_backward
+        return kept is not None and kept.values.get(index) is value
+
+    def kept_tape(self, index: int, tape: Tape) -> bool:
+        """Whether ``tape`` of node ``index`` is the one the forward recorded, which a backward retaining
+        the graph runs with ``retain_graph=True``."""
+        kept = self.kept_for_next_backward
+        return kept is not None and kept.tapes.get(index) is tape
 
 
 #: Device types whose autocast state a step records (``autocast_state``).

@@ -65,8 +65,15 @@ class _ScheduleFunction(torch.autograd.Function):
                 "Hessian-vector products take) reached a module optimize() returned: its plan runs one "
                 "backward, whose gradients have no graph of their own. Compute that term with the original "
                 "model (the optimized module shares its parameters), or leave it out of the recomputed step.")
-        input_grads, parameter_grads = ctx.executor.run_backward(ctx.state, grads)
-        ctx.state = None
+        if ctx.state is None:  # autograd's own words for it, as the original model would say
+            raise RuntimeError(
+                "Trying to backward through the graph a second time: the optimized module's step was freed by "
+                "its first backward. Specify retain_graph=True in the first backward if you need to backward "
+                "through the graph a second time.")
+        keep_graph = torch._C._autograd._get_current_graph_task_keep_graph()
+        input_grads, parameter_grads = ctx.executor.run_backward(ctx.state, grads, keep_graph)
+        if not keep_graph:
+            ctx.state = None
         if ctx.watch is not None:
             ctx.watch.finish()
         tensor_input_grads = [input_grads[k] for k in ctx.input_positions]

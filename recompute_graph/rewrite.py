@@ -201,12 +201,23 @@ class ScheduleExecutor:
             state.output_sources += [(source, k) for k in range(count)]
         return state, output
 
-    def run_backward(self, state: StepState, output_grads: Sequence[torch.Tensor | None]
+    def run_backward(self, state: StepState, output_grads: Sequence[torch.Tensor | None], keep_graph: bool = False
                      ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
         """Run the backward ops given the gradients of the flattened tensor outputs; returns the
-        gradients of the placeholders and of ``self.parameters``."""
-        with forward_parameters_held(self._parameter_slots):  # the recomputations read the forward's
-            return self._run_backward(state, output_grads)
+        gradients of the placeholders and of ``self.parameters``. ``keep_graph`` (the caller's
+        ``retain_graph=True``): the forward's values and tapes are left intact (those the schedule frees
+        are only let go of, their recomputations are released as planned) and ``state`` is put back as
+        the forward left it, so another backward can run; the step's peak is then the forward's values
+        plus the backward's, as autograd's own when it retains a graph."""
+        if keep_graph:
+            state.kept_for_next_backward = state.retained()
+        kept = state.kept_for_next_backward
+        try:
+            with forward_parameters_held(self._parameter_slots):  # the recomputations read the forward's
+                return self._run_backward(state, output_grads)
+        finally:
+            if kept is not None:
+                state.put_back(kept)
 
     def _run_backward(self, state: StepState, output_grads: Sequence[torch.Tensor | None]
                       ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
@@ -336,7 +347,7 @@ class ScheduleExecutor:
     def _free(self, state: StepState, index: int) -> None:
         value = state.values.pop(index)
         tape = state.tapes.get(index)
-        if tape is not None and tape.freed_shapes is None:
+        if tape is not None and tape.freed_shapes is None and not state.kept_value(index, value):
             flat = pytree_leaves(value)
             if all(any(t is f for f in flat) for t in tape.outputs) and not self._held_elsewhere(state, tape.outputs):
                 tape.freed_shapes = [t.shape for t in tape.outputs]
@@ -372,7 +383,8 @@ class ScheduleExecutor:
         targets = [leaf for _, _, leaf in tape.leaves] + tape.parameters
         try:
             with parameter_hooks_held(tape.parameters):  # they run once, on the summed gradient
-                results = torch.autograd.grad([t for t, _ in pairs], targets, [g for _, g in pairs], allow_unused=True)
+                results = torch.autograd.grad([t for t, _ in pairs], targets, [g for _, g in pairs], allow_unused=True,
+                                              retain_graph=state.kept_tape(index, tape))
         except RuntimeError as error:
             raise RewriteError(f"backward of node {self.fx_of[index].format_node()} failed: {error}") from error
         fresh = fresh_results(results, {storage_key(g) for _, g in pairs})
@@ -392,6 +404,7 @@ class ScheduleExecutor:
         root_grads: list[torch.Tensor] = []
         leaves: list[tuple[Any, int, torch.Tensor]] = []
         parameters: list[nn.Parameter] = []
+        retain = False
         for op in ops:
             if not isinstance(op, Backward):
                 continue
@@ -399,6 +412,7 @@ class ScheduleExecutor:
             grads = state.grads.pop(op.node, {})
             if tape is None:
                 continue
+            retain = retain or state.kept_tape(op.node, tape)
             if tape.freed_shapes is not None:
                 for t, shape in zip(tape.outputs, tape.freed_shapes):
                     t.data = torch.empty((), dtype=t.dtype, device=t.device).expand(shape)
@@ -421,7 +435,7 @@ class ScheduleExecutor:
         del roots, root_grads
         try:
             with parameter_hooks_held(parameters):
-                results = torch.autograd.grad(dummies, targets, allow_unused=True)
+                results = torch.autograd.grad(dummies, targets, allow_unused=True, retain_graph=retain)
         except RuntimeError as error:
             names = [self.fx_of[op.node].name for op in ops if isinstance(op, Backward)]
             raise RewriteError(f"backward of nodes {names[:5]}... failed: {error}") from error

@@ -1,6 +1,7 @@
 """optimize(model, budget): the public entry point, end to end on small models; the tests taking
 ``path_options`` run on both of its paths (the schedule executor and the compiler path)."""
 import contextlib
+import copy
 import re
 
 import pytest
@@ -123,6 +124,48 @@ def test_a_double_backward_is_refused_with_an_error_that_says_so(path_options):
         gradient.square().sum().backward()
     default_loss(optimized(x)).backward()  # a plain step still runs
     assert x.grad is not None
+
+
+class _DropoutBatchNormNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16)
+        self.c2, self.b2 = nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16)
+        self.drop, self.fc = nn.Dropout(0.3), nn.Linear(16 * 256, 10)
+
+    def forward(self, x):
+        h = self.drop(torch.relu(self.b1(self.c1(x))))
+        h = torch.relu(self.b2(self.c2(h)))
+        return self.fc((torch.tanh(h) * h).flatten(1))
+
+
+def test_two_losses_backpropagated_with_retain_graph_give_the_original_gradients(path_options):
+    """``l1.backward(retain_graph=True); l2.backward()`` (a loss per head, a GAN's two terms): the
+    second backward runs through the same step. The executor kept the forward's values through the first
+    backward only when autograd retains the graph; it freed them before (the second backward failed)."""
+    torch.manual_seed(0)
+    reference, x = _DropoutBatchNormNet(), torch.randn(16, 3, 16, 16)
+    model = copy.deepcopy(reference)
+    optimized = rg.optimize(model, 0.6, example_inputs=(x,), **path_options)
+    if isinstance(optimized, rg.RecomputedModule):
+        assert optimized.recompute_plan.recomputed_nodes
+    for step in range(2):
+        for module in (optimized, reference):
+            module.zero_grad()
+            torch.manual_seed(step)
+            y = module(x)
+            y.square().mean().backward(retain_graph=True)
+            y.abs().mean().backward()
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, msg=name)
+        for a, b in zip(model.buffers(), reference.buffers()):
+            torch.testing.assert_close(a, b)
+    torch.manual_seed(5)
+    default_loss(optimized(x)).backward()  # a step without retain_graph after them frees as planned
+    with pytest.raises(RuntimeError, match="second time"):
+        y = optimized(x)
+        y.sum().backward()
+        y.sum().backward()
 
 
 def test_keyword_arguments_and_defaults_are_bound_like_the_original(path_options):
