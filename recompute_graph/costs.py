@@ -39,6 +39,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from .device_profiles import DEVICE_PROFILES, DeviceProfile
 from .errors import ProfileError
+from .executor_state import compact_gradients
 from .graph import CostGraph, CostNode
 from .loss_pricing import (LossPrice, allocator_windows, gradient_seeds, incoming_gradient_layouts, node_window,
                            price_loss, rng_state_bytes)
@@ -104,7 +105,8 @@ def profile_graph(traced: TraceResult, example_inputs: Sequence[Any], *, timing:
         layouts = incoming_gradient_layouts(gm, memory.env, loss_fn, output_of)
         grad_nodes = {node for node, record in memory.records.items() if record.requires_grad}
         with allocator_windows(on_meta, cuda) as compute_windows:
-            compute = _run_counted(_ComputePass(gm, "flops", repeats, warmup, grad_nodes, layouts), inputs, bar)
+            compute = _run_counted(_ComputePass(gm, "flops", repeats, warmup, grad_nodes, layouts,
+                                                allocator_windows=not on_meta), inputs, bar)
         compute.add_allocator_workspace(compute_windows())
         if timing == "measure":  # timed apart: the profiler's per-op cost would distort the times
             timed = _run_counted(_ComputePass(gm, timing, repeats, warmup, grad_nodes, layouts), inputs, bar)
@@ -325,11 +327,14 @@ class _ComputePass(BoundInterpreter):
     timing it (``timing="measure"``, the third pass)."""
 
     def __init__(self, gm: fx.GraphModule, timing: str, repeats: int, warmup: int, grad_nodes: set[str],
-                 layouts: dict) -> None:
+                 layouts: dict, allocator_windows: bool = False) -> None:
         """``grad_nodes``: the nodes whose output requires grad in training (from the memory pass);
-        ``layouts``: the layouts of their incoming gradients (``loss_pricing.incoming_gradient_layouts``)."""
+        ``layouts``: the layouts of their incoming gradients (``loss_pricing.incoming_gradient_layouts``);
+        ``allocator_windows``: the allocator is recorded (not on meta), so each backward is run once more
+        in a window of its own (``_allocator_window``)."""
         super().__init__(gm)
         self.timing, self.repeats, self.warmup = timing, repeats, warmup
+        self.allocator_windows = allocator_windows
         self.grad_nodes, self.layouts = grad_nodes, layouts
         self.records: dict[str, _NodeCompute] = {}
 
@@ -351,13 +356,13 @@ class _ComputePass(BoundInterpreter):
         return result
 
     def add_allocator_workspace(self, windows: dict[str, tuple[int, int, int]]) -> None:
-        """Raise ``backward_workspace_bytes`` to the allocator's peak in each isolated backward above the
-        level before it and the input gradients it returns (the simulator counts those)."""
+        """Set ``backward_workspace_bytes`` to the allocator's peak in each isolated backward, run with no
+        dispatch mode (``_allocator_window``), above the level before it and the input gradients it
+        returns (the simulator counts those); the storage tracker's figure stays where no window ran."""
         for name, (start, peak, _) in windows.items():
             record = self.records.get(name)
             if record is not None and record.has_backward:
-                record.backward_workspace_bytes = max(record.backward_workspace_bytes,
-                                                      peak - start - record.returned_bytes)
+                record.backward_workspace_bytes = max(0, peak - start - record.returned_bytes)
 
     def _trainable_argument_ids(self, n: fx.Node) -> set[int]:
         """ids of the argument tensors of ``n`` that require grad in training: outputs of nodes that do,
@@ -392,7 +397,9 @@ class _ComputePass(BoundInterpreter):
 
     def _forward(self, n: fx.Node, fresh_args: Any, fresh_kwargs: Any) -> Any:
         with torch.enable_grad():
-            return getattr(self, n.op)(n.target, fresh_args, fresh_kwargs)
+            out = getattr(self, n.op)(n.target, fresh_args, fresh_kwargs)
+        compact_gradients(out)  # as the executor runs the node
+        return out
 
     def _backward(self, n: fx.Node, out: Any, leaves: list[torch.Tensor],
                   seeds: list[torch.Tensor] | None = None) -> list[torch.Tensor | None] | None:
@@ -436,8 +443,7 @@ class _ComputePass(BoundInterpreter):
             tracker.reset_peak()
             live_before = tracker.live_bytes
             tracker.owner = "backward"  # storages made from here on (a freed one's key may be reused)
-            with node_window(n.name):
-                input_grads = self._backward(n, out, leaves, seeds)
+            input_grads = self._backward(n, out, leaves, seeds)
             tracker.owner = None
         made_by_backward = {key for key, owner in tracker.owner_of.items() if owner == "backward"}
         has_backward = input_grads is not None
@@ -455,7 +461,23 @@ class _ComputePass(BoundInterpreter):
                                                                 for g in passed)
         del input_grads, seeds
         del out, leaves
+        if has_backward and self.allocator_windows:
+            self._allocator_window(n, args, kwargs, trainable_ids)
         return record
+
+    def _allocator_window(self, n: fx.Node, args: Any, kwargs: Any, trainable_ids: set[int]) -> None:
+        """The isolated forward and backward once more, with no dispatch mode active, its backward in
+        the allocator window ``add_allocator_workspace`` reads. Under a Python dispatch mode (the
+        storage tracker's) autograd takes the out-of-place variants of many backward formulas
+        (``areAnyTensorSubclassLike``): gather, index_select, indexing, sort, topk and max over a
+        dimension allocated a second gradient-sized tensor that the executor's own backward, run with
+        no mode, never makes (a sort's workspace was priced at its gradient's size, 13 % of a step)."""
+        fresh_args, fresh_kwargs, leaves = self._fresh_inputs(args, kwargs, trainable_ids)
+        out = self._forward(n, fresh_args, fresh_kwargs)
+        seeds = gradient_seeds(_tensors(out), self.layouts.get(n.name, {}))
+        with node_window(n.name):
+            input_grads = self._backward(n, out, leaves, seeds)
+        del input_grads, seeds, out, leaves
 
     def _timed(self, n: fx.Node, args: Any, kwargs: Any, trainable_ids: set[int]) -> _NodeCompute:
         """Median wall-clock seconds of the node's forward and of its isolated backward, after ``warmup``

@@ -9,6 +9,8 @@
   recomputed (dropout masks are identical);
 * :func:`forward_parameters_held`: the parameters the forward ran with, put back into the modules while
   the backward recomputes (``torch.func.functional_call`` swaps its own in for the forward alone);
+* :func:`compact_gradients`: a gradient autograd returns in an oversized storage (``F.unfold``'s) copied
+  to its own size;
 * small helpers over pytrees of tensors.
 """
 from __future__ import annotations
@@ -27,7 +29,7 @@ from .measure import storage_key
 from .model_state import values_put_back
 
 __all__ = ["Tape", "StepState", "recomputed_state", "autocast_state", "autocast_as", "pytree_leaves",
-           "unique_parameters", "fresh_results", "InjectGradient", "unpack_saved", "replayed_rng", "parameter_slots",
+           "unique_parameters", "fresh_results", "compact_gradients", "InjectGradient", "unpack_saved", "replayed_rng", "parameter_slots",
            "forward_parameters_held"]
 
 
@@ -180,6 +182,28 @@ class InjectGradient(torch.autograd.Function):
         grad = ctx.box.pop()
         ctx.box = None
         return grad, None
+
+
+#: autograd nodes whose backward returns an input's gradient in a storage larger than the gradient:
+#: ``F.unfold``'s col2im makes it the size of the unfolded gradient and shrinks it (9x for a 3x3 window)
+OVERSIZED_GRADIENT_NODES = frozenset({"Im2ColBackward0"})
+
+
+def _compacted(grad_inputs: tuple, _: tuple) -> tuple:
+    return tuple(g.clone() if g is not None and g.untyped_storage().nbytes() > g.numel() * g.element_size()
+                 else g for g in grad_inputs)
+
+
+def compact_gradients(value: Any) -> None:
+    """For each tensor of ``value`` made by an autograd node of :data:`OVERSIZED_GRADIENT_NODES`: a
+    hook copying the gradients it returns into storages of their own size as it returns them, so that
+    the oversized one is released at once instead of living on as the input's gradient. Both the
+    executor's nodes and their isolated pricing runs (``costs.py``) call it, so the copy's moment is
+    priced as the node's backward workspace and the gradient by its size, as the simulator counts it."""
+    for t in pytree_leaves(value):
+        node = getattr(t, "grad_fn", None) if isinstance(t, torch.Tensor) else None
+        if node is not None and type(node).__name__ in OVERSIZED_GRADIENT_NODES:
+            node.register_hook(_compacted)
 
 
 def unpack_saved(tensor: torch.Tensor) -> torch.Tensor:

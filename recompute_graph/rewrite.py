@@ -47,9 +47,9 @@ from torch import fx, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .errors import RewriteError
-from .executor_state import (InjectGradient, StepState, Tape, autocast_as, autocast_state, forward_parameters_held,
-                             fresh_results, parameter_hooks_held, parameter_slots, pytree_leaves, recomputed_state,
-                             replayed_rng, unique_parameters, unpack_saved)
+from .executor_state import (InjectGradient, StepState, Tape, autocast_as, autocast_state, compact_gradients,
+                             forward_parameters_held, fresh_results, parameter_hooks_held, parameter_slots,
+                             pytree_leaves, recomputed_state, replayed_rng, unique_parameters, unpack_saved)
 from .graph import CostGraph
 from .measure import storage_key
 from .model_state import held_generators, values_put_back
@@ -295,6 +295,7 @@ class ScheduleExecutor:
             values_put_back(restore)
         state.computed.add(index)
         state.values[index] = out
+        compact_gradients(out)
         if isinstance(out, torch.Tensor) and any(out is v for v in inputs.values()):
             state.passed_on.add(id(out))  # see _held_elsewhere
         if tape:

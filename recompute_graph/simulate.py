@@ -12,6 +12,9 @@ Memory model (bytes of tensor storage above what was live before the step; see d
   once).
 * With a tape, the node's internal saved buffers (``saved_buffer_bytes``) are allocated and the tape
   holds references to the storages its backward reads (``backward_needs``: its inputs' and its own).
+  A node of several outputs whose backward saves some of them (``saved_output_bytes`` below
+  ``output_bytes``: a sort keeps its indices, not its values) has two storages: the tape holds the saved
+  part only, which outlives the rest once the value and its views are freed.
 * A storage lives while a value or a tape refers to it (reference counting, as in PyTorch).
 * At the start of backward the gradients of the model outputs arrive (``grad_bytes``); autograd holds
   them until the model's whole backward has run (``output_gradients_held``; else each is released after
@@ -125,6 +128,8 @@ class _Simulation:
         self.phase, self.position, self.op = "forward", -1, None  # the op running (``run``)
         self.storage_bytes: dict[int, int] = {}
         self.storage_refs: dict[int, int] = {}
+        # the part a tape may outlive: storage -> the storage of the saved part of the same value
+        self.saved_part: dict[int, int] = {}
         self.next_storage = 0
         self.value: dict[int, int] = {}            # node -> storage id of its current value
         self.tape: dict[int, list[int]] = {}       # node -> storages its tape refers to
@@ -172,6 +177,8 @@ class _Simulation:
         if self.storage_refs[sid] == 0:
             self.live -= self.storage_bytes.pop(sid)
             del self.storage_refs[sid]
+            if self.saved_part and sid in self.saved_part:
+                self._unref(self.saved_part.pop(sid))
 
     def _add(self, nbytes: int) -> None:
         live = self.live = self.live + nbytes
@@ -206,7 +213,13 @@ class _Simulation:
                                     f"{self.last_random} ({self.graph.nodes[self.last_random].name!r}), which "
                                     "follows it in the model: each would draw the other's mask")
             self.last_random = index
-        if node.alias_of is None:
+        saved_part = None
+        if node.alias_of is None and 0 < node.saved_output_bytes < node.output_bytes and self.graph.implicit_backward:
+            # several outputs, of which the backward saves some (a sort's indices, not its values): the
+            # saved ones stay with the tape once the value and its views are freed
+            sid = self._new_storage(node.output_bytes - node.saved_output_bytes)
+            saved_part = self.saved_part[sid] = self._new_storage(node.saved_output_bytes)
+        elif node.alias_of is None:
             sid = self._new_storage(node.output_bytes)
         else:
             sid = self._ref(self._storage_of_owner(op.node, node.alias_of, "the node views"))
@@ -233,7 +246,8 @@ class _Simulation:
             refs = [self._new_storage(node.saved_buffer_bytes - (0 if kept is None else node.recompute_kept_bytes))]
             own = self.owners[index]
             for q in node.backward_needs:
-                refs.append(self._ref(sid if q == own else self._storage_of_owner(index, q, "its backward needs")))
+                mine = sid if saved_part is None else saved_part
+                refs.append(self._ref(mine if q == own else self._storage_of_owner(index, q, "its backward needs")))
             if kept is not None:
                 refs.append(self._ref(kept))
             self.tape[index] = refs
