@@ -53,6 +53,7 @@ from .joint_lowering import (InfeasibleBudgetWarning, Lowered, SchedulePass, low
                              set_last_lowering)
 from .joint_partition import boxed_interpreter
 from .joint_units import JointUnits, joint_units
+from .native_kernels import native_kernels
 from .step_graphs import StepPlan, choose_step_plans
 
 __all__ = ["budget_backend", "RecomputeBackend", "MAX_STEP_CALLS"]
@@ -167,9 +168,10 @@ class RecomputeBackend:
             if getattr(compiled, "_boxed_call", False):
                 run._boxed_call = True  # type: ignore[attr-defined]
             return run
-        return aot_autograd(fw_compiler=self.graph_compiler, bw_compiler=backward_compiler,
-                            partition_fn=lambda joint, joint_inputs, **kwargs: self._partition(
-                                record, joint, joint_inputs, **kwargs))(record.gm, example_inputs)
+        with native_kernels():  # interpolation as its kernel, not PyTorch's gathers (native_kernels.py)
+            return aot_autograd(fw_compiler=self.graph_compiler, bw_compiler=backward_compiler,
+                                partition_fn=lambda joint, joint_inputs, **kwargs: self._partition(
+                                    record, joint, joint_inputs, **kwargs))(record.gm, example_inputs)
 
     def _partition(self, record: _CompiledGraph, joint: fx.GraphModule, joint_inputs: Any, *,
                    num_fwd_outputs: int, **_: Any) -> tuple[fx.GraphModule, fx.GraphModule]:

@@ -53,6 +53,7 @@ from .autograd_in_forward import export_refusals
 from .errors import DynamicShapesError, GraphBreakWarning, TraceError, user_stacklevel
 from .losses import default_training_loss
 from .model_state import preserved_state
+from .native_kernels import native_kernels
 
 __all__ = ["CaptureError", "JointGraph", "capture_joint", "RANDOM_TARGETS", "reachable", "op_name",
            "refuse_symbolic_shapes",
@@ -188,7 +189,7 @@ def capture_joint(model: nn.Module, example_inputs: Sequence[Any], example_kwarg
         raise CaptureError(f"{len(frozen)} parameters do not require grad; the joint capture needs every "
                            "parameter trainable (frozen parameters: use the module-level path)")
     step = _StepOf(model, loss_fn or default_training_loss, call)
-    with preserved_state(model, rng=True):
+    with preserved_state(model, rng=True), native_kernels():
         try:
             gm, signature = aot_export_module(step, tuple(tensors), trace_joint=True, output_loss_index=0)
         except Exception as error:  # noqa: BLE001 - any failure to capture is reported the same way
