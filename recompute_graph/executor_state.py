@@ -29,8 +29,8 @@ from .measure import storage_key
 from .model_state import values_put_back
 
 __all__ = ["Tape", "StepState", "recomputed_state", "autocast_state", "autocast_as", "pytree_leaves",
-           "unique_parameters", "fresh_results", "compact_gradients", "InjectGradient", "unpack_saved", "replayed_rng", "parameter_slots",
-           "forward_parameters_held"]
+           "unique_parameters", "fresh_results", "compact_gradients", "InjectGradient", "unpack_saved", "replayed_rng",
+           "parameter_slots", "forward_parameters_held"]
 
 
 @dataclass

@@ -50,6 +50,7 @@ from .errors import RewriteError
 from .executor_state import (InjectGradient, StepState, Tape, autocast_as, autocast_state, compact_gradients,
                              forward_parameters_held, fresh_results, parameter_hooks_held, parameter_slots,
                              pytree_leaves, recomputed_state, replayed_rng, unique_parameters, unpack_saved)
+from .fused_runs import plan_fused_runs
 from .graph import CostGraph
 from .measure import storage_key
 from .model_state import held_generators, values_put_back
@@ -105,77 +106,8 @@ class ScheduleExecutor:
         self._fused_runs: dict[int, int] = {}          # first backward position of a fused run -> its end
         self._connections: dict[int, frozenset[int]] = {}  # taped forward position -> inputs read with edge
         if fuse if fuse is not None else observer is None:
-            self._plan_fusion()
-
-    def _plan_fusion(self) -> None:
-        """Find the backward runs to fuse and, for each taped forward feeding one, the inputs to connect.
-        Positions count ``forward_ops`` then ``backward_ops``."""
-        ops = list(self.schedule.forward_ops) + list(self.schedule.backward_ops)
-        start = len(self.schedule.forward_ops)
-        run_of: dict[int, int] = {}          # Backward position -> run id
-        runs: list[tuple[int, int, set[int]]] = []  # (first, end, nodes)
-        position = start
-        while position < len(ops):
-            end = position
-            while end < len(ops) and isinstance(ops[end], (Backward, FreeValue)):
-                end += 1
-            backwards = [p for p in range(position, end) if isinstance(ops[p], Backward)]
-            if len(backwards) >= 2:
-                for p in backwards:
-                    run_of[p] = len(runs)
-                runs.append((position, end, {ops[p].node for p in backwards}))
-            position = max(end, position + 1)
-        latest_tape: dict[int, int] = {}     # node -> position of the taped Forward whose tape is current
-        current: dict[int, int] = {}         # node -> position of the Forward that made its current value
-        tape_run: dict[int, int] = {}        # taped Forward position -> run consuming its tape
-        run_tapes: dict[int, list[int]] = {}  # run -> its Backward ops' taped Forward positions, in order
-        reads: list[tuple[int, int, int | None]] = []
-        for position, op in enumerate(ops):
-            if isinstance(op, Forward):
-                if op.tape:
-                    reads += [(position, u, current.get(u)) for u in self._cost_inputs[op.node]]
-                    latest_tape[op.node] = position
-                current[op.node] = position
-            elif isinstance(op, Backward):
-                taped = latest_tape.pop(op.node, None)
-                if taped is not None and position in run_of:
-                    tape_run[taped] = run_of[position]
-                    run_tapes.setdefault(run_of[position], []).append(taped)
-        connections: dict[int, set[int]] = {}
-        # autograd's engine runs the ready node taped last first: a run whose Backward ops do not follow
-        # their tapes in reverse would run in another order than the simulator's, holding gradients
-        # meanwhile (a safeguard; the run that broke Mamba's budget was in order, its cause is below)
-        broken: set[int] = {k for k, tapes in run_tapes.items() if any(a <= b for a, b in zip(tapes, tapes[1:]))}
-        # a value from outside the run read by several of its tapes gets one gradient from each, held
-        # until the fused call returns, where node by node each is summed in as it is made (three or
-        # more hold more than the simulator counts: Mamba's 16 slices of one tensor, 1 MB)
-        outside_readers: Counter[tuple[int, int]] = Counter()
-        for position, u, source in reads:
-            run = tape_run.get(position)
-            if run is None:
-                continue
-            if source is not None and tape_run.get(source) == run:
-                connections.setdefault(position, set()).add(u)
-            elif u in runs[run][2]:
-                broken.add(run)   # reads a value of a run node that is not the tape the run back-propagates
-            elif self.graph.nodes[u].requires_grad:
-                outside_readers[run, u] += 1
-        broken |= {run for (run, _), count in outside_readers.items() if count >= 3}
-        # Parameters with a gradient buffer from an earlier backward op: the fused call would hold its
-        # own sum of their gradients next to that buffer (one parameter size more than node by node,
-        # which the simulator does not model), so runs using them stay node by node.
-        run_at = {first: k for k, (first, _, _) in enumerate(runs)}
-        seen: set[int] = set()
-        for position in range(start, len(ops)):
-            if position in run_at:
-                k = run_at[position]
-                if any(id(p) in seen for v in runs[k][2] for p in self._node_parameters[v]):
-                    broken.add(k)
-            op = ops[position]
-            if isinstance(op, Backward):
-                seen.update(id(p) for p in self._node_parameters[op.node])
-        self._fused_runs = {first: end for k, (first, end, _) in enumerate(runs) if k not in broken}
-        self._connections = {p: frozenset(us) for p, us in connections.items() if tape_run[p] not in broken}
+            self._fused_runs, self._connections = plan_fused_runs(schedule, graph, self._cost_inputs,
+                                                                  self._node_parameters)
 
     def parameters_changed(self) -> bool:
         """True when the traced module's trainable parameters are no longer the objects this executor
@@ -295,10 +227,10 @@ class ScheduleExecutor:
             values_put_back(restore)
         state.computed.add(index)
         state.values[index] = out
-        compact_gradients(out)
         if isinstance(out, torch.Tensor) and any(out is v for v in inputs.values()):
             state.passed_on.add(id(out))  # see _held_elsewhere
         if tape:
+            compact_gradients(out)
             flat = pytree_leaves(out)
             positions = [k for k, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
             if positions:

@@ -81,25 +81,25 @@ def test_measured_timing_is_positive_and_flop_timing_is_deterministic():
 
 
 def test_the_timing_pass_runs_a_node_three_times_once_those_took_long_enough(monkeypatch):
-    from recompute_graph import costs
+    from recompute_graph import node_compute
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
     runs = []
-    forward = costs._ComputePass._forward
+    forward = node_compute.ComputePass._forward
 
     def counted(self, n, *args):
         if self.timing == "measure" and n.target == "0":
             runs.append(n.name)
         return forward(self, n, *args)
-    monkeypatch.setattr(costs._ComputePass, "_forward", counted)
+    monkeypatch.setattr(node_compute.ComputePass, "_forward", counted)
 
     def timed_runs(enough_seconds: float) -> int:
-        monkeypatch.setattr(costs, "TIMED_ENOUGH_SECONDS", enough_seconds)
+        monkeypatch.setattr(node_compute, "TIMED_ENOUGH_SECONDS", enough_seconds)
         runs.clear()
         profile_model(model, (torch.randn(4, 8),), timing="measure", repeats=5, warmup=1)
         return len(runs)
 
     assert timed_runs(float("inf")) == 1 + 5
-    assert timed_runs(0.0) == 1 + costs.TIMED_ENOUGH_RUNS == 4
+    assert timed_runs(0.0) == 1 + node_compute.TIMED_ENOUGH_RUNS == 4
 
 
 @pytest.mark.parametrize("name", ["resnet50", "gpt2", "unet", "rnn"])
@@ -256,7 +256,7 @@ def test_an_item_of_a_tuple_is_priced_on_a_copy_of_that_item_alone(monkeypatch):
     """``h.unbind(0)`` over many rows: each item's node read the whole tuple, and its isolated runs
     copied every row (rows squared copies a block; at 512 rows planning ran out of 24 GiB, the
     profiler's records of the copies). Now it copies the item it takes."""
-    import recompute_graph.costs as costs
+    from recompute_graph import node_compute
 
     class Rows(nn.Module):
         def __init__(self, rows: int):
@@ -268,13 +268,13 @@ def test_an_item_of_a_tuple_is_priced_on_a_copy_of_that_item_alone(monkeypatch):
             return self.b(torch.stack([h[k] * h[k] for k in range(self.rows)], 0))
 
     copied = []
-    fresh_inputs = costs._ComputePass._fresh_inputs
+    fresh_inputs = node_compute.ComputePass._fresh_inputs
 
     def counted(args, kwargs, trainable_ids):
         copied.append(sum(isinstance(t, torch.Tensor) for t in tree_flatten((args, kwargs))[0]))
         return fresh_inputs(args, kwargs, trainable_ids)
 
-    monkeypatch.setattr(costs._ComputePass, "_fresh_inputs", staticmethod(counted))
+    monkeypatch.setattr(node_compute.ComputePass, "_fresh_inputs", staticmethod(counted))
     rows = 64
     _, graph = profile_model(Rows(rows), (torch.randn(rows, 8),), timing="flops")
     assert len(graph) > 3 * rows
