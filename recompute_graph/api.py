@@ -17,7 +17,7 @@ from .errors import ChangingStateError, InfeasibleBudgetError, ProfileError, Rew
 from .kept_tensors import carried_by_a_run, kept_tensors_refused
 from .model_state import changed_at_each_call, changing_state_message
 from .module_hooks import kept_hook_tensors_refused
-from .optimized_module import PreparedStep, RecomputedModule, infeasible_for_new_call
+from .optimized_module import PreparedStep, RecomputedModule, SharedModelModule, infeasible_for_new_call
 
 if TYPE_CHECKING:
     from .compiled_module import CompiledRecomputedModule
@@ -130,6 +130,7 @@ def _optimize(model: nn.Module, budget: Budget, example_inputs: Sequence[Any] | 
               compiler: "bool | str", graph_compiler: str | None,
               options: dict[str, Any]) -> "RecomputedModule | CompiledRecomputedModule":
     parse_budget(budget)
+    model = _original_model(model)
     _refuse_uninitialized_lazy_modules(model)
     saved = load_plan(os.fspath(plan)) if isinstance(plan, (str, os.PathLike)) else plan
     if solver != "auto":
@@ -238,6 +239,21 @@ def _planning_copies(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             copies[id(value)] = value.detach().clone().requires_grad_(value.requires_grad)
         return copies[id(value)]
     return tree_map(copied, (args, kwargs))
+
+
+def _original_model(model: nn.Module) -> nn.Module:
+    """The model to plan: the original of a module ``optimize()`` returned (planned again at the new
+    budget; the first module keeps its own plans). A model holding such a module inside raises
+    TraceError: its plan would run inside the outer one's, which plans the whole model at once."""
+    if isinstance(model, SharedModelModule):
+        model = model._original
+    for name, module in model.named_modules():
+        if name and isinstance(module, SharedModelModule):
+            raise TraceError(
+                f"{type(model).__name__}.{name} is a module optimize() returned: optimize() plans a whole model "
+                f"at once. Put back the module you passed to optimize() there and optimize the outer model, "
+                f"or train the outer model as it is (the inner one keeps its plan).")
+    return model
 
 
 def _refuse_uninitialized_lazy_modules(model: nn.Module) -> None:

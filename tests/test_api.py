@@ -3,6 +3,7 @@
 import contextlib
 import copy
 import re
+import warnings
 
 import pytest
 import torch
@@ -961,3 +962,35 @@ def test_a_tensor_kept_in_a_global_list_trains_exactly_on_the_compiler_path():
             loss(m(x)).backward()
         assert all(torch.equal(a, b) for a, b in zip(_gradients(model), _gradients(expected)))
     assert len(optimized.lowerings) == 1  # compiled once
+
+
+def test_optimizing_an_optimized_module_plans_its_model_again_at_the_new_budget(path_options):
+    """``optimize(optimized, 0.8)`` (a user trying another budget): the compiler path could not compile
+    the optimized module and fell back, the executor failed to trace it (``Proxy object cannot be
+    iterated``). The original model is now planned again; the first module keeps its own plan."""
+    model, (x,) = models_zoo.get_model("mlp", "tiny")
+    first = rg.optimize(model, 0.8, example_inputs=(x,), **path_options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", rg.CompilerFallbackWarning)  # the compiler path takes it
+        second = rg.optimize(first, 0.95, example_inputs=(x,), **path_options)
+    assert type(second) is type(first)
+    assert second.recompute_plan.budget_bytes > first.recompute_plan.budget_bytes
+    reference = copy.deepcopy(model)
+    torch.manual_seed(0)
+    default_loss(second(x)).backward()
+    default_loss(reference(x)).backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_a_module_optimize_returned_inside_another_model_is_refused_naming_it(path_options):
+    """Optimizing a model that holds an optimized submodule planned the submodule twice over (the
+    executor failed in its pricing, saying hooks had changed). optimize() plans a whole model at once:
+    it refuses, naming the submodule, and changes nothing."""
+    model, (x,) = models_zoo.get_model("mlp", "tiny")
+    parent = nn.Sequential(rg.optimize(model, 0.8, example_inputs=(x,), **path_options), nn.Tanh())
+    before = {name: p.detach().clone() for name, p in parent.named_parameters()}
+    with pytest.raises(rg.TraceError, match=r"Sequential\.0 is a module optimize\(\) returned"):
+        rg.optimize(parent, 0.8, example_inputs=(x,), **path_options)
+    for name, p in parent.named_parameters():
+        assert torch.equal(p, before[name]) and p.grad is None
