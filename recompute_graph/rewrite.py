@@ -93,6 +93,14 @@ class ScheduleExecutor:
         computations = Counter(op.node for op in (*schedule.forward_ops, *schedule.backward_ops)
                                if isinstance(op, Forward))
         self._random = [node.random and computations[node.index] > 1 for node in graph]
+        # the storages some backward reads (by their owning node): a model output among them that the
+        # caller writes in place between the forward and the backward would be read modified
+        owner = list(range(len(graph.nodes)))
+        for node in graph.nodes:
+            if node.alias_of is not None:
+                owner[node.index] = owner[node.alias_of]
+        read = {owner[q] for node in graph.nodes for q in node.backward_needs}
+        self._read_by_backward = {node.index for node in graph.nodes if owner[node.index] in read}
         self._computations = computations
         self._modules: dict[str, nn.Module] = {}
         self._generators = tuple(g for _, g in held_generators(graph_module) if isinstance(g, torch.Generator))
@@ -131,7 +139,24 @@ class ScheduleExecutor:
                 if isinstance(leaf, fx.Node) else int(isinstance(leaf, torch.Tensor))
             source = self.cost_index.get(leaf.name) if isinstance(leaf, fx.Node) else None
             state.output_sources += [(source, k) for k in range(count)]
+            if source in self._read_by_backward:
+                state.output_versions += [(source, k, t._version) for k, t in enumerate(
+                    t for t in pytree_leaves(state.values.get(source)) if isinstance(t, torch.Tensor))]
         return state, output
+
+    def _refuse_modified_outputs(self, state: StepState) -> None:
+        """Autograd's refusal, for an output the backward reads that the caller wrote in place after the
+        forward (``out.mul_(2)`` on a sigmoid's output): the executor's tapes save their tensors through
+        hooks, which autograd does not check, so the backward read the written values silently."""
+        for source, k, version in state.output_versions:
+            tensors = [t for t in pytree_leaves(state.values.get(source)) if isinstance(t, torch.Tensor)]
+            if k < len(tensors) and tensors[k]._version != version:
+                raise RuntimeError(
+                    f"one of the variables needed for gradient computation has been modified by an inplace "
+                    f"operation: the output of {self.fx_of[source].format_node()} (at version "
+                    f"{tensors[k]._version}; expected version {version}), which the optimized module's backward "
+                    "reads, was written in place after the forward. Write to a copy (out = out.clone()) or "
+                    "out of place.")
 
     def run_backward(self, state: StepState, output_grads: Sequence[torch.Tensor | None], keep_graph: bool = False
                      ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
@@ -153,6 +178,7 @@ class ScheduleExecutor:
 
     def _run_backward(self, state: StepState, output_grads: Sequence[torch.Tensor | None]
                       ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+        self._refuse_modified_outputs(state)
         state.external_keys = {storage_key(g) for g in output_grads if g is not None}
         for (source, position), grad in zip(state.output_sources, output_grads):
             if source is not None and grad is not None:

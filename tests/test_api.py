@@ -994,3 +994,29 @@ def test_a_module_optimize_returned_inside_another_model_is_refused_naming_it(pa
         rg.optimize(parent, 0.8, example_inputs=(x,), **path_options)
     for name, p in parent.named_parameters():
         assert torch.equal(p, before[name]) and p.grad is None
+
+
+@pytest.mark.parametrize("last", ["sigmoid", "linear"])
+def test_an_output_written_in_place_before_backward_is_refused_when_the_backward_reads_it(path_options, last):
+    """``out = model(x); out.mul_(2)``: autograd refuses when the backward reads ``out`` (a sigmoid's
+    output), and lets a linear layer's output be written. The executor saves its tensors through hooks
+    autograd does not check, so its backward read the written sigmoid output, silently."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32)]
+    model = nn.Sequential(*layers, *([nn.Sigmoid()] if last == "sigmoid" else []))
+    reference, x = copy.deepcopy(model), torch.randn(64, 32)
+    optimized = rg.optimize(model, 0.9, example_inputs=(x,), **path_options)
+    outputs = []
+    for module in (optimized, reference):
+        out = module(x)
+        out.mul_(2)
+        outputs.append(out)
+    if last == "sigmoid":
+        for out in outputs:
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                out.square().mean().backward()
+        return
+    for out in outputs:
+        out.square().mean().backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
