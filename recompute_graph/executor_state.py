@@ -59,6 +59,7 @@ class StepState:
     computed: set[int] = field(default_factory=set)
     output_sources: list[tuple[int | None, int]] = field(default_factory=list)
     output_versions: list[tuple[int, int, int]] = field(default_factory=list)  # outputs a backward reads
+    input_versions: list[tuple[torch.Tensor, int]] = field(default_factory=list)  # inputs it reads
     autocast: tuple = ()  # the autocast settings of the forward, re-entered to recompute in backward
     external_keys: set = field(default_factory=set)  # storages of the output gradients autograd handed in
     passed_on: set = field(default_factory=set)  # ids of tensors a node returned as given (an nn.Identity)
@@ -77,6 +78,7 @@ class StepState:
             owned_grads=set(self.owned_grads), rng_states=dict(self.rng_states),
             random_computations=Counter(self.random_computations), computed=set(self.computed),
             output_sources=list(self.output_sources), output_versions=list(self.output_versions),
+            input_versions=list(self.input_versions),
             passed_on=set(self.passed_on),
             state_before=dict(self.state_before), kept_for_next_backward=None)
 
@@ -208,7 +210,18 @@ def compact_gradients(value: Any) -> None:
             node.register_hook(_compacted)
 
 
-def unpack_saved(tensor: torch.Tensor) -> torch.Tensor:
+def unpack_saved(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
+    """A tensor a tape saved (``rewrite``'s pack hook: a detached alias and its version then), refused
+    as autograd refuses it when it was written in place since: autograd does not check tensors saved
+    through hooks, so an input or an output the caller wrote between the forward and the backward
+    (``x.add_(1)`` after ``model(x)``) was read modified, silently."""
+    tensor, version = packed
+    if version is not None and tensor._version != version:
+        raise RuntimeError(
+            f"one of the variables needed for gradient computation has been modified by an inplace operation: "
+            f"a {type(tensor).__name__} of shape {tuple(tensor.shape)} the optimized module's backward reads is "
+            f"at version {tensor._version}; expected version {version}. Write to a copy (x = x.clone()) or out "
+            "of place between the forward and the backward.")
     return tensor
 
 

@@ -59,6 +59,10 @@ from .schedule import Backward, Forward, FreeValue, Op, Schedule
 __all__ = ["RewriteError", "ScheduleExecutor"]
 
 
+#: the words of autograd's refusal of a saved tensor written in place (``executor_state.unpack_saved``)
+_INPLACE_WRITE = "modified by an inplace operation"
+
+
 class ScheduleExecutor:
     """Executes a :class:`Schedule` over the fx graph a :class:`CostGraph` was profiled from.
 
@@ -101,6 +105,12 @@ class ScheduleExecutor:
                 owner[node.index] = owner[node.alias_of]
         read = {owner[q] for node in graph.nodes for q in node.backward_needs}
         self._read_by_backward = {node.index for node in graph.nodes if owner[node.index] in read}
+        # inputs a backward reads, saved or recomputed from: the caller must not write them before it
+        again = set(schedule.recomputed_nodes())
+        self._inputs_read_in_backward = [p for p in self.placeholders if any(
+            u.name in self.cost_index and (graph.nodes[self.cost_index[u.name]].saved_input_bytes
+                                           or self.cost_index[u.name] in again) for u in p.users)]
+        self._buffer_keys = {storage_key(b) for b in graph_module.buffers()}
         self._computations = computations
         self._modules: dict[str, nn.Module] = {}
         self._generators = tuple(g for _, g in held_generators(graph_module) if isinstance(g, torch.Generator))
@@ -142,12 +152,22 @@ class ScheduleExecutor:
             if source in self._read_by_backward:
                 state.output_versions += [(source, k, t._version) for k, t in enumerate(
                     t for t in pytree_leaves(state.values.get(source)) if isinstance(t, torch.Tensor))]
+        state.input_versions = [(t, t._version) for p in self._inputs_read_in_backward
+                                for t in pytree_leaves(state.static.get(p.name)) if isinstance(t, torch.Tensor)]
         return state, output
 
-    def _refuse_modified_outputs(self, state: StepState) -> None:
-        """Autograd's refusal, for an output the backward reads that the caller wrote in place after the
-        forward (``out.mul_(2)`` on a sigmoid's output): the executor's tapes save their tensors through
-        hooks, which autograd does not check, so the backward read the written values silently."""
+    def _refuse_written_values(self, state: StepState) -> None:
+        """Autograd's refusal, for an input or an output the backward reads (or recomputes from) that the
+        caller wrote in place after the forward (``out.mul_(2)`` on a sigmoid's output, ``x.add_(1)``):
+        the executor's tapes save their tensors through hooks, which autograd does not check, and a
+        recomputation reads the input as it is then: the backward read the written values silently."""
+        for tensor, version in state.input_versions:
+            if tensor._version != version:
+                raise RuntimeError(
+                    f"one of the variables needed for gradient computation has been modified by an inplace "
+                    f"operation: an input of shape {tuple(tensor.shape)} (at version {tensor._version}; expected "
+                    f"version {version}), which the optimized module's backward reads or recomputes from, was "
+                    "written in place after the forward. Write to a copy (x = x.clone()) or out of place.")
         for source, k, version in state.output_versions:
             tensors = [t for t in pytree_leaves(state.values.get(source)) if isinstance(t, torch.Tensor)]
             if k < len(tensors) and tensors[k]._version != version:
@@ -178,7 +198,7 @@ class ScheduleExecutor:
 
     def _run_backward(self, state: StepState, output_grads: Sequence[torch.Tensor | None]
                       ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
-        self._refuse_modified_outputs(state)
+        self._refuse_written_values(state)
         state.external_keys = {storage_key(g) for g in output_grads if g is not None}
         for (source, position), grad in zip(state.output_sources, output_grads):
             if source is not None and grad is not None:
@@ -345,6 +365,8 @@ class ScheduleExecutor:
                 results = torch.autograd.grad([t for t, _ in pairs], targets, [g for _, g in pairs], allow_unused=True,
                                               retain_graph=state.kept_tape(index, tape))
         except RuntimeError as error:
+            if _INPLACE_WRITE in str(error):  # autograd's own refusal, as the original model raises it
+                raise
             raise RewriteError(f"backward of node {self.fx_of[index].format_node()} failed: {error}") from error
         fresh = fresh_results(results, {storage_key(g) for _, g in pairs})
         for (source, position, _), grad, owned in zip(tape.leaves, results, fresh):
@@ -396,6 +418,8 @@ class ScheduleExecutor:
             with parameter_hooks_held(parameters):
                 results = torch.autograd.grad(dummies, targets, allow_unused=True, retain_graph=retain)
         except RuntimeError as error:
+            if _INPLACE_WRITE in str(error):
+                raise
             names = [self.fx_of[op.node].name for op in ops if isinstance(op, Backward)]
             raise RewriteError(f"backward of nodes {names[:5]}... failed: {error}") from error
         fresh = fresh_results(results, incoming_keys)
@@ -520,9 +544,11 @@ class ScheduleExecutor:
         """Call without grad (``saved`` None), or with grad, appending the storage key of every tensor
         autograd saves to ``saved`` and packing it as a separate alias, so that emptying ``.data`` of an
         input leaf or an output never touches what the backward reads."""
-        def pack(tensor: torch.Tensor) -> torch.Tensor:
-            saved.append(storage_key(tensor))
-            return tensor.detach()
+        def pack(tensor: torch.Tensor) -> tuple[torch.Tensor, int | None]:
+            key = storage_key(tensor)
+            saved.append(key)
+            # checked when unpacked (``unpack_saved``), but for the buffers a recomputation puts back
+            return tensor.detach(), None if key in self._buffer_keys else tensor._version
         previous = torch.is_grad_enabled()
         torch._C._set_grad_enabled(saved is not None)  # cheaper than a grad-mode context object (hot path)
         try:

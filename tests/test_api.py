@@ -1020,3 +1020,23 @@ def test_an_output_written_in_place_before_backward_is_refused_when_the_backward
         out.square().mean().backward()
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_an_input_written_in_place_before_backward_is_refused_as_autograd_refuses_it(path_options):
+    """``out = model(x); x.add_(1)`` before ``backward()``: the first linear layer saved ``x`` for its
+    weight's gradient, so autograd refuses. The executor's tapes save through hooks autograd does not
+    check: its weight gradient was computed from the written ``x``, silently. Its hooks now keep the
+    version each tensor had when saved and refuse as autograd does."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32))
+    reference = copy.deepcopy(model)
+    optimized = rg.optimize(model, 0.9, example_inputs=(torch.randn(64, 32),), **path_options)
+    for module in (optimized, reference):
+        x = torch.randn(64, 32)
+        out = module(x)
+        x.add_(1)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.square().mean().backward()
+    x = torch.randn(64, 32)
+    default_loss(optimized(x)).backward()  # the next step runs
+    assert all(p.grad is not None for p in model.parameters())
