@@ -58,8 +58,8 @@ class StepState:
     random_computations: Counter = field(default_factory=Counter)  # of each replayed random node so far
     computed: set[int] = field(default_factory=set)
     output_sources: list[tuple[int | None, int]] = field(default_factory=list)
-    output_versions: list[tuple[int, int, int]] = field(default_factory=list)  # outputs a backward reads
-    input_versions: list[tuple[torch.Tensor, int]] = field(default_factory=list)  # inputs it reads
+    # the inputs and outputs a recomputation reads, with their versions when the forward ended
+    read_again: list[tuple[torch.Tensor, int]] = field(default_factory=list)
     autocast: tuple = ()  # the autocast settings of the forward, re-entered to recompute in backward
     external_keys: set = field(default_factory=set)  # storages of the output gradients autograd handed in
     passed_on: set = field(default_factory=set)  # ids of tensors a node returned as given (an nn.Identity)
@@ -77,8 +77,7 @@ class StepState:
             grads={source: dict(buffers) for source, buffers in self.grads.items()},
             owned_grads=set(self.owned_grads), rng_states=dict(self.rng_states),
             random_computations=Counter(self.random_computations), computed=set(self.computed),
-            output_sources=list(self.output_sources), output_versions=list(self.output_versions),
-            input_versions=list(self.input_versions),
+            output_sources=list(self.output_sources), read_again=list(self.read_again),
             passed_on=set(self.passed_on),
             state_before=dict(self.state_before), kept_for_next_backward=None)
 

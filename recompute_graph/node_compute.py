@@ -193,12 +193,10 @@ class ComputePass(BoundInterpreter):
             input_grads = self._backward(n, out, leaves)
         record.backward_flops = int(counter.get_total_flops())
         del input_grads, out, leaves
-        fresh_args, fresh_kwargs, leaves = self._fresh_inputs(args, kwargs, trainable_ids)
         # the tracker sees the forward too, so that the backward's peak is net of the saved tensors it
         # frees as it goes (the attention weights of SDPA's math path, freed after the first bmm)
         with StorageTracker() as tracker:
-            out = self._forward(n, fresh_args, fresh_kwargs)
-            seeds = gradient_seeds(tensors_of(out), self.layouts.get(n.name, {}))
+            out, leaves, seeds = self._isolated_forward(n, args, kwargs, trainable_ids)
             tracker.reset_peak()
             live_before = tracker.live_bytes
             tracker.owner = "backward"  # storages made from here on (a freed one's key may be reused)
@@ -224,6 +222,14 @@ class ComputePass(BoundInterpreter):
             self._allocator_window(n, args, kwargs, trainable_ids)
         return record
 
+    def _isolated_forward(self, n: fx.Node, args: Any, kwargs: Any, trainable_ids: set[int]
+                          ) -> tuple[Any, list[torch.Tensor], list[torch.Tensor]]:
+        """The node's forward on fresh copies of its inputs: its output, the leaves its backward computes
+        gradients for, and the output gradients as training lays them out."""
+        fresh_args, fresh_kwargs, leaves = self._fresh_inputs(args, kwargs, trainable_ids)
+        out = self._forward(n, fresh_args, fresh_kwargs)
+        return out, leaves, gradient_seeds(tensors_of(out), self.layouts.get(n.name, {}))
+
     def _allocator_window(self, n: fx.Node, args: Any, kwargs: Any, trainable_ids: set[int]) -> None:
         """The isolated forward and backward once more, with no dispatch mode active, its backward in
         the allocator window ``add_allocator_workspace`` reads. Under a Python dispatch mode (the
@@ -231,9 +237,7 @@ class ComputePass(BoundInterpreter):
         (``areAnyTensorSubclassLike``): gather, index_select, indexing, sort, topk and max over a
         dimension allocated a second gradient-sized tensor that the executor's own backward, run with
         no mode, never makes (a sort's workspace was priced at its gradient's size, 13 % of a step)."""
-        fresh_args, fresh_kwargs, leaves = self._fresh_inputs(args, kwargs, trainable_ids)
-        out = self._forward(n, fresh_args, fresh_kwargs)
-        seeds = gradient_seeds(tensors_of(out), self.layouts.get(n.name, {}))
+        out, leaves, seeds = self._isolated_forward(n, args, kwargs, trainable_ids)
         with node_window(n.name):
             input_grads = self._backward(n, out, leaves, seeds)
         del input_grads, seeds, out, leaves

@@ -97,19 +97,17 @@ class ScheduleExecutor:
         computations = Counter(op.node for op in (*schedule.forward_ops, *schedule.backward_ops)
                                if isinstance(op, Forward))
         self._random = [node.random and computations[node.index] > 1 for node in graph]
-        # the storages some backward reads (by their owning node): a model output among them that the
-        # caller writes in place between the forward and the backward would be read modified
+        # What a tape saved is checked when the backward unpacks it (``unpack_saved``); the inputs and
+        # outputs a recomputation reads (through a view too) are checked when the backward starts: the
+        # caller may write them in place after the forward, and the recomputation would read them so.
         owner = list(range(len(graph.nodes)))
         for node in graph.nodes:
             if node.alias_of is not None:
                 owner[node.index] = owner[node.alias_of]
-        read = {owner[q] for node in graph.nodes for q in node.backward_needs}
-        self._read_by_backward = {node.index for node in graph.nodes if owner[node.index] in read}
-        # inputs a backward reads, saved or recomputed from: the caller must not write them before it
-        again = set(schedule.recomputed_nodes())
-        self._inputs_read_in_backward = [p for p in self.placeholders if any(
-            u.name in self.cost_index and (graph.nodes[self.cost_index[u.name]].saved_input_bytes
-                                           or self.cost_index[u.name] in again) for u in p.users)]
+        read_again = {a.name for v in schedule.recomputed_nodes() for a in self.fx_of[v].all_input_nodes}
+        owners_read_again = {owner[self.cost_index[name]] for name in read_again if name in self.cost_index}
+        self._outputs_read_again = {node.index for node in graph.nodes if owner[node.index] in owners_read_again}
+        self._inputs_read_again = [p for p in self.placeholders if p.name in read_again]
         self._buffer_keys = {storage_key(b) for b in graph_module.buffers()}
         self._computations = computations
         self._modules: dict[str, nn.Module] = {}
@@ -149,34 +147,26 @@ class ScheduleExecutor:
                 if isinstance(leaf, fx.Node) else int(isinstance(leaf, torch.Tensor))
             source = self.cost_index.get(leaf.name) if isinstance(leaf, fx.Node) else None
             state.output_sources += [(source, k) for k in range(count)]
-            if source in self._read_by_backward:
-                state.output_versions += [(source, k, t._version) for k, t in enumerate(
-                    t for t in pytree_leaves(state.values.get(source)) if isinstance(t, torch.Tensor))]
-        state.input_versions = [(t, t._version) for p in self._inputs_read_in_backward
-                                for t in pytree_leaves(state.static.get(p.name)) if isinstance(t, torch.Tensor)]
+            if source in self._outputs_read_again:
+                state.read_again += [(t, t._version) for t in pytree_leaves(state.values.get(source))
+                                     if isinstance(t, torch.Tensor)]
+        state.read_again += [(t, t._version) for p in self._inputs_read_again
+                             for t in pytree_leaves(state.static.get(p.name)) if isinstance(t, torch.Tensor)]
         return state, output
 
-    def _refuse_written_values(self, state: StepState) -> None:
-        """Autograd's refusal, for an input or an output the backward reads (or recomputes from) that the
-        caller wrote in place after the forward (``out.mul_(2)`` on a sigmoid's output, ``x.add_(1)``):
-        the executor's tapes save their tensors through hooks, which autograd does not check, and a
-        recomputation reads the input as it is then: the backward read the written values silently."""
-        for tensor, version in state.input_versions:
+    @staticmethod
+    def _refuse_written_values(state: StepState) -> None:
+        """Autograd's refusal, for an input or output a recomputation reads that the caller wrote in
+        place after the forward (``x.add_(1)`` after ``model(x)``): the recomputation would read the
+        written values, silently. Then the step lets go of them (outputs are freed as planned)."""
+        for tensor, version in state.read_again:
             if tensor._version != version:
                 raise RuntimeError(
                     f"one of the variables needed for gradient computation has been modified by an inplace "
-                    f"operation: an input of shape {tuple(tensor.shape)} (at version {tensor._version}; expected "
-                    f"version {version}), which the optimized module's backward reads or recomputes from, was "
-                    "written in place after the forward. Write to a copy (x = x.clone()) or out of place.")
-        for source, k, version in state.output_versions:
-            tensors = [t for t in pytree_leaves(state.values.get(source)) if isinstance(t, torch.Tensor)]
-            if k < len(tensors) and tensors[k]._version != version:
-                raise RuntimeError(
-                    f"one of the variables needed for gradient computation has been modified by an inplace "
-                    f"operation: the output of {self.fx_of[source].format_node()} (at version "
-                    f"{tensors[k]._version}; expected version {version}), which the optimized module's backward "
-                    "reads, was written in place after the forward. Write to a copy (out = out.clone()) or "
-                    "out of place.")
+                    f"operation: a tensor of shape {tuple(tensor.shape)} (at version {tensor._version}; expected "
+                    f"version {version}), which the optimized module's backward recomputes from, was written "
+                    "in place after the forward. Write to a copy (x = x.clone()) or out of place.")
+        state.read_again = []
 
     def run_backward(self, state: StepState, output_grads: Sequence[torch.Tensor | None], keep_graph: bool = False
                      ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
