@@ -52,7 +52,7 @@ from .joint_capture import refuse_symbolic_shapes, warn_of_graph_break
 from .joint_lowering import (InfeasibleBudgetWarning, Lowered, SchedulePass, lower_plan, plan_and_lower, price_joint,
                              set_last_lowering)
 from .joint_partition import boxed_interpreter
-from .joint_units import JointUnits, joint_units
+from .joint_units import JointUnits, drop_backward_copies, joint_units
 from .native_kernels import native_kernels
 from .step_graphs import StepPlan, choose_step_plans
 
@@ -176,6 +176,7 @@ class RecomputeBackend:
     def _partition(self, record: _CompiledGraph, joint: fx.GraphModule, joint_inputs: Any, *,
                    num_fwd_outputs: int, **_: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
         with full_collections_deferred():  # also a recompilation's planning, inside the user's step
+            drop_backward_copies(joint, num_fwd_outputs)
             if record.target is not None:  # compiled again with a plan chosen for the step
                 lowered = self._lower_target(record, joint, num_fwd_outputs)
             else:

@@ -6,7 +6,11 @@ carry the same ``meta["seq_nr"]`` (``addmm`` and the ``mm``/``sum`` of its backw
 
 Units (:func:`joint_units`). A *unit* is a connected group of forward nodes of one ``seq_nr`` (an op
 with its ``getitem``s; a causal mask built under the same number is a unit of its own; a node without a
-number is a unit of its own). Its *backward nodes* are the tangent-dependent nodes of that number: of
+number is a unit of its own). The forward nodes are those the forward's outputs need; the others are
+backward nodes: the tangent-dependent ones, and the *coefficients* no tangent reaches (``2 * x`` of
+``pow(x, 2)``'s backward, the ``clone`` a functionalized ``silu_`` keeps for its backward), which the
+backward makes from what they read, as in PyTorch's partitioners, rather than the forward saving them.
+Its *backward nodes* are the backward nodes of that number: of
 the units sharing it, the one they read most among those the forward reads on (a transpose made only
 for an attention ``bmm``'s backward is not one: nothing would order its backward after the units making
 the gradient it reads); moved to the unit that consumes it when they read values its own forward does
@@ -16,7 +20,8 @@ input). Backward nodes whose number no forward unit has (functionalized in-place
 ``clone`` kept for its backward). A custom ``autograd.Function``'s backward, traced in Python, carries
 one number for every application (BLOOM's scripted GELU): a node that reads a gradient made by the
 backward of a unit wholly before its owner goes to the unit whose output's gradient it reads
-(``_move_custom_backward_chains``). Units are ordered so that every edge points
+(``_move_custom_backward_chains``); a coefficient goes with the backward that reads it
+(``_coefficients_with_their_reader``). Units are ordered so that every edge points
 forward, including from the values a unit's backward reads (they must be live when it runs, so they
 are its predecessors); units caught in a cycle are merged.
 
@@ -35,7 +40,8 @@ from .gradient_accumulation import in_place_sums
 from .joint_capture import RANDOM_TARGETS, op_name, reachable
 from .joint_partition import _is_tensor
 
-__all__ = ["JointUnits", "joint_units", "is_tangent", "is_gradient_sum", "incoming_gradient_sums", "gradient_readers",
+__all__ = ["JointUnits", "joint_units", "drop_backward_copies", "is_tangent",
+           "is_gradient_sum", "incoming_gradient_sums", "gradient_readers",
            "backward_reads"]
 
 
@@ -43,8 +49,8 @@ __all__ = ["JointUnits", "joint_units", "is_tangent", "is_gradient_sum", "incomi
 class JointUnits:
     """The joint graph split into forward units (in topological order) and their backward nodes."""
 
-    forward: list[fx.Node]                     # forward nodes (no tangent reaches them), placeholders excluded
-    backward: set[fx.Node]                     # tangent-dependent nodes (tangents included)
+    forward: list[fx.Node]                     # forward nodes (the forward's outputs need them), no placeholders
+    backward: set[fx.Node]                     # the others: tangent-dependent nodes (tangents included), coefficients
     units: list[list[fx.Node]]                 # forward nodes of each unit, in graph order
     unit_of: dict[fx.Node, int]                # forward node -> its unit
     backward_of: list[list[fx.Node]]           # backward nodes of each unit, in graph order
@@ -111,6 +117,29 @@ def is_tangent(node: fx.Node) -> bool:
     return node.op == "placeholder" and "tangents" in node.name
 
 
+def drop_backward_copies(joint: fx.GraphModule, num_fwd_outputs: int) -> int:
+    """Erase from ``joint`` each ``clone`` that only the backward reads and no tangent reaches: its
+    readers read its input instead. Functionalized, an in-place activation (EfficientNet's ``silu_``)
+    is a ``clone`` of its input, kept for its backward, beside the ``silu``; the backward would copy a
+    value it can read as it is (the graph is functional: nothing writes either). Returns how many."""
+    nodes = list(joint.graph.nodes)
+    output = next(n for n in nodes if n.op == "output")
+    needed = reachable([n for n in output.args[0][:num_fwd_outputs] if isinstance(n, fx.Node)],
+                       lambda n: n.all_input_nodes)
+    gradient_flow = reachable([n for n in nodes if is_tangent(n)], lambda n: list(n.users))
+    dropped = 0
+    for node in nodes:
+        if (node.target is torch.ops.aten.clone.default and node not in needed and node not in gradient_flow
+                and node.kwargs.get("memory_format", torch.preserve_format) == torch.preserve_format
+                and isinstance(node.args[0], fx.Node) and output not in node.users):
+            node.replace_all_uses_with(node.args[0])
+            joint.graph.erase_node(node)
+            dropped += 1
+    if dropped:
+        joint.recompile()
+    return dropped
+
+
 def tangents_held_through_backward() -> bool:
     """Whether AOTAutograd's runtime holds each output gradient (tangent) until its compiled backward
     returns, whatever the generated backward's own liveness says.
@@ -129,7 +158,15 @@ def joint_units(joint: fx.GraphModule, num_fwd_outputs: int) -> JointUnits:
     """Units and backward nodes of ``joint`` (module docstring)."""
     nodes = list(joint.graph.nodes)
     tangents = [n for n in nodes if is_tangent(n)]
-    backward = reachable(tangents, lambda n: [u for u in n.users if u.op != "output"])
+    gradient_flow = reachable(tangents, lambda n: [u for u in n.users if u.op != "output"])
+    backward = set(gradient_flow)
+    output = next(n for n in nodes if n.op == "output")
+    needed = reachable([n for n in output.args[0][:num_fwd_outputs] if isinstance(n, fx.Node)],
+                       lambda n: n.all_input_nodes)
+    needed |= {u for n in needed for u in n.users if u.target is operator.getitem}  # all of an op's items
+    # a node no tangent reaches that the forward's outputs do not need (``2 * x`` of ``pow(x, 2)``'s
+    # backward) is the backward's: made from what it reads when the backward runs, never saved
+    backward |= {n for n in nodes if n.op not in ("placeholder", "output") and n not in needed}
     forward = [n for n in nodes if n not in backward and n.op not in ("placeholder", "output")]
     by_seq: dict[Any, int] = {}
     groups: list[list[fx.Node]] = []
@@ -174,6 +211,7 @@ def joint_units(joint: fx.GraphModule, num_fwd_outputs: int) -> JointUnits:
     sums = _gradient_sums_out(backward_of, backward)
     _move_custom_backward_chains(backward_of, units, unit_of)
     unplaced = _place_by_reads(sums + unplaced, units, unit_of, backward_of)
+    _coefficients_with_their_reader(backward - gradient_flow, backward_of, units)
     units, unit_of, backward_of = _topological(units, unit_of, backward_of)
     result = JointUnits(forward, backward, units, unit_of, backward_of, unplaced, num_fwd_outputs)
     returned = [g for g in result.gradient_outputs(joint.graph) if isinstance(g, fx.Node)]
@@ -402,6 +440,32 @@ def _move_custom_backward_chains(backward_of: list[list[fx.Node]], units: list[l
                 nodes.remove(b)
                 backward_of[target].append(b)
                 moved[b] = placed[b] = target
+    for nodes in backward_of:
+        nodes.sort(key=position.get)
+
+
+def _coefficients_with_their_reader(coefficients: set[fx.Node], backward_of: list[list[fx.Node]],
+                                    units: list[list[fx.Node]]) -> None:
+    """Move each backward node no gradient reaches (a *coefficient*: ``2 * x`` of ``pow(x, 2)``'s
+    backward, a custom ``autograd.Function``'s tanh terms) to the backward that reads it: of the units
+    whose backward nodes read it, the one whose forward ends last (its backward runs first). Its
+    sequence number says little: a custom Function's backward carries the last application's for
+    every application, whose backward would make every layer's coefficient and hold it. Taken in
+    reverse graph order, so a chain of coefficients follows its reader."""
+    if not coefficients:
+        return
+    position = {n: k for k, n in enumerate(next(iter(coefficients)).graph.nodes)}
+    last = [max((position[n] for n in members), default=-1) for members in units]
+    placed = {b: i for i, nodes in enumerate(backward_of) for b in nodes}
+    for b in sorted(coefficients, key=position.get, reverse=True):
+        readers = {placed[u] for u in b.users if u in placed}
+        if not readers or b not in placed:
+            continue
+        target = max(readers, key=lambda i: last[i])
+        if target != placed[b]:
+            backward_of[placed[b]].remove(b)
+            backward_of[target].append(b)
+            placed[b] = target
     for nodes in backward_of:
         nodes.sort(key=position.get)
 

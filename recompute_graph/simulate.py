@@ -374,8 +374,9 @@ class _Simulation:
 
         A backward with ``backward_steps`` makes the gradients its steps name at those steps, after the
         others, with each step's own bytes on top, and lets go of each tape reference after the step
-        that reads it last; the incoming gradients and sums of inputs that already have a buffer are
-        counted beside every step and what it released (when they are made is not known)."""
+        that reads it last; the terms for inputs that already have a buffer are counted from the step
+        that makes them (those no step names from the first), and the sums after every step, beside
+        what it released (an RMS norm's ``pow`` makes ``2 * x`` and its product before the term)."""
         graph = self.graph
         handed = self.grad_storage.pop(index)
         held = index in graph.outputs and graph.output_gradients_held
@@ -438,7 +439,7 @@ class _Simulation:
         for step, p in enumerate(steps):
             if p >= 0:
                 make_gradient(p)
-            step_peak = max(step_peak, self.live + node.backward_step_workspace_bytes[step])
+            step_peak = max(step_peak, self.live + node.backward_step_workspace_bytes[step] + incoming_bytes)
             if node.tape_release_steps:
                 released_early += self._release_after(node, tape, step)
             if (step == node.grad_release_step and not released and not held
@@ -451,8 +452,8 @@ class _Simulation:
         handed_free = (self.storage_bytes[handed] if not released and not held and not node.backward_aliases_grad
                        and self.storage_refs.get(handed) == 1 else 0)
         sums = incoming_bytes + first_sum_bytes
-        if steps:
-            workspace_peak = step_peak + incoming_bytes
+        if steps:  # each step with the terms made so far (those no step names: before the first)
+            workspace_peak = step_peak
         else:
             workspace_peak = self.live + node.backward_workspace_bytes + incoming_bytes
         # the sums come after the kernels: the parameter gradients those made are alive beside them

@@ -237,8 +237,10 @@ def test_an_inplace_activations_backward_runs_after_the_gradient_it_reads_is_mad
             made_elsewhere = {unit_of_backward[a] for b in nodes for a in b.all_input_nodes
                               if unit_of_backward.get(a, index) != index}
             assert made_elsewhere <= readers, (graph.nodes[index].name, made_elsewhere - readers)
-        clones = [node for node in graph.nodes if node.name.startswith("clone")]
-        assert len(clones) == 3 and all(node.output_bytes for node in clones)
+        # the ``clone`` of each ``silu_``'s input, which only its backward reads: that backward reads
+        # the input itself (``joint_units.drop_backward_copies``)
+        assert not [node for node in graph.nodes if node.name.startswith("clone")]
+        assert "aten.clone" not in lowered.backward_code and lowered.backward_code.count("silu_backward.default(") == 3
         # within 128 B: a gap at the linear head's backward, the same before this fix and not
         # traced to its values yet; a clone is 16 KB
         assert abs(simulate(graph, lowered.plan.schedule).peak_bytes
