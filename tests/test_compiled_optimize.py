@@ -578,8 +578,8 @@ class _RootMeanSquareNormed(nn.Module):
 def test_a_backward_value_no_gradient_reaches_is_made_in_the_backward_not_saved_by_the_forward():
     """The joint graph's nodes that read no gradient were all taken as forward values, so a store-all
     plan saved ``2 * x`` of each norm's ``pow(x, 2)`` beside ``x``: tiny Llama's step held 1.21 of
-    eager's peak. A node the forward's outputs do not need is the backward's, as in PyTorch's own
-    partitioners (``classify_nodes``)."""
+    eager's peak. A node the forward's outputs do not need, reading only what the backward saves
+    anyway, is the backward's, as in PyTorch's own partitioners (``classify_nodes``)."""
     torch.manual_seed(0)
     model, x = _RootMeanSquareNormed(), torch.randn(16, 32, 64)
     eager = allocator_peak_memory(lambda: default_loss(model(x)).backward())
