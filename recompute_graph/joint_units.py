@@ -123,8 +123,7 @@ def drop_backward_copies(joint: fx.GraphModule, num_fwd_outputs: int) -> int:
     value it can read as it is (the graph is functional: nothing writes either). Returns how many."""
     nodes = list(joint.graph.nodes)
     output = next(n for n in nodes if n.op == "output")
-    needed = reachable([n for n in output.args[0][:num_fwd_outputs] if isinstance(n, fx.Node)],
-                       lambda n: n.all_input_nodes)
+    needed = _needed_by_the_forward(output, num_fwd_outputs)
     gradient_flow = reachable([n for n in nodes if is_tangent(n)], lambda n: list(n.users))
     dropped = 0
     for node in nodes:
@@ -138,6 +137,13 @@ def drop_backward_copies(joint: fx.GraphModule, num_fwd_outputs: int) -> int:
     if dropped:
         joint.recompile()
     return dropped
+
+
+def _needed_by_the_forward(output: fx.Node, num_fwd_outputs: int) -> set[fx.Node]:
+    """The nodes the joint graph's forward outputs (the first ``num_fwd_outputs`` of ``output``) read,
+    directly or not, with those outputs."""
+    return reachable([n for n in output.args[0][:num_fwd_outputs] if isinstance(n, fx.Node)],
+                     lambda n: n.all_input_nodes)
 
 
 def _whole_storage(node: fx.Node) -> bool:
@@ -170,9 +176,7 @@ def joint_units(joint: fx.GraphModule, num_fwd_outputs: int) -> JointUnits:
     tangents = [n for n in nodes if is_tangent(n)]
     gradient_flow = reachable(tangents, lambda n: [u for u in n.users if u.op != "output"])
     backward = set(gradient_flow)
-    output = next(n for n in nodes if n.op == "output")
-    needed = reachable([n for n in output.args[0][:num_fwd_outputs] if isinstance(n, fx.Node)],
-                       lambda n: n.all_input_nodes)
+    needed = _needed_by_the_forward(next(n for n in nodes if n.op == "output"), num_fwd_outputs)
     needed |= {u for n in needed for u in n.users if u.target is operator.getitem}  # all of an op's items
     backward |= _coefficients_made_in_the_backward(nodes, needed, gradient_flow)
     forward = [n for n in nodes if n not in backward and n.op not in ("placeholder", "output")]
