@@ -1,0 +1,53 @@
+"""What the zero gradients of unreached outputs cost a language model's step on the compiler path.
+
+A ``transformers`` causal LM given ``labels`` returns its own loss beside the logits. Training
+backpropagates the loss alone, so the logits get no gradient from outside. AOTAutograd's backward
+takes one tangent per differentiable output, and autograd fills the logits' tangent with zeros when
+the backward starts, one logits-sized tensor that eager PyTorch never makes.
+
+Prints the allocator's peak of one eager step, of a store-all plan's step on the compiler path (its
+prediction beside it), the logits' bytes, and ``torch.compile(backend="aot_eager")``'s peak (whose
+min-cut partitioner also recomputes cheap ops, so it is not a store-all step). CPU.
+Usage: ``python scripts/unreached_output_gradients.py [LAYERS] [WIDTH] [VOCAB] [TOKENS]`` (default
+4 256 50257 256, batch 2).
+"""
+from __future__ import annotations
+
+import sys
+import warnings
+
+import torch
+
+import recompute_graph as rg
+from models_zoo import third_party
+from recompute_graph.losses import default_training_loss
+from recompute_graph.measure import allocator_peak_memory
+
+
+def main(layers: int, width: int, vocab: int, tokens: int) -> None:
+    warnings.simplefilter("ignore")
+    third_party.import_timm()  # (transformers' import needs torchvision's fake ops skipped)
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=layers, n_embd=width, n_head=4, n_positions=tokens,
+                                       vocab_size=vocab))
+    ids = torch.randint(0, vocab, (2, tokens))
+    call = dict(input_ids=ids, labels=ids)
+    eager = allocator_peak_memory(lambda: default_training_loss(model(**call)).backward())
+    model.zero_grad(set_to_none=True)
+    report = rg.verify(model, 1.0, example_kwargs=call, compiler=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager")
+    default_training_loss(compiled(**call)).backward()
+    model.zero_grad(set_to_none=True)
+    aot_eager = allocator_peak_memory(lambda: default_training_loss(compiled(**call)).backward())
+    logits = 2 * tokens * vocab * 4
+    print(f"eager {eager:,} B; store-all on the compiler path {report.measured_peak_bytes:,} B "
+          f"({report.measured_peak_bytes / eager:.3f} of eager, predicted {report.predicted_peak_bytes:,} B); "
+          f"logits {logits:,} B; excess {report.measured_peak_bytes - eager:,} B; "
+          f"aot_eager {aot_eager:,} B ({aot_eager / eager:.3f})")
+
+
+if __name__ == "__main__":
+    values = [int(a) for a in sys.argv[1:]]
+    main(*(values + [4, 256, 50257, 256][len(values):]))
