@@ -7,7 +7,7 @@ carry the same ``meta["seq_nr"]`` (``addmm`` and the ``mm``/``sum`` of its backw
 Units (:func:`joint_units`). A *unit* is a connected group of forward nodes of one ``seq_nr`` (an op
 with its ``getitem``s; a causal mask built under the same number is a unit of its own; a node without a
 number is a unit of its own). The backward nodes are the tangent-dependent ones and the
-*coefficients* the backward makes from values it saves anyway (``2 * x`` of ``pow(x, 2)``'s backward:
+*coefficients* cheaper to make in the backward than to save (``2 * x`` of ``pow(x, 2)``'s backward:
 :func:`_coefficients_made_in_the_backward`); the other nodes are forward nodes.
 Its *backward nodes* are the backward nodes of that number: of
 the units sharing it, the one they read most among those the forward reads on (a transpose made only
@@ -459,22 +459,71 @@ def _move_custom_backward_chains(backward_of: list[list[fx.Node]], units: list[l
 def _coefficients_made_in_the_backward(nodes: list[fx.Node], needed: set[fx.Node], gradient_flow: set[fx.Node]
                                        ) -> set[fx.Node]:
     """The *coefficients* (nodes no tangent reaches that the forward's outputs do not need: ``2 * x`` of
-    ``pow(x, 2)``'s backward) the backward makes from what it reads, as PyTorch's partitioners do: each
-    one whose inputs are primals, other such coefficients, or forward values a gradient-dependent node
-    reads anyway (saved whatever the coefficient does). Saved beside ``x``, the ``2 * x`` of each RMS
-    norm held a tiny Llama's store-all step at 1.205 of eager's peak. A coefficient reading a value
-    nothing else in the backward reads stays a forward unit, which a plan saves or recomputes: BLOOM's
-    scripted GELU saves its coefficient instead of its input (made in the backward, its ten temporaries
-    came on top of the backward's peak: store-all 300,800 B against 243,712 B)."""
-    read_by_gradients = {a for n in gradient_flow for a in n.all_input_nodes}
+    ``pow(x, 2)``'s backward) the backward makes from what it reads, as PyTorch's partitioners do. They
+    are judged by connected region: a region moves when the values it reads that nothing else in the
+    backward reads (through views) are smaller than its values the backward reads, which a forward
+    region would save. Saved beside ``x``, the ``2 * x`` of each RMS norm held a tiny Llama's store-all
+    step at 1.205 of eager's peak (nothing new to save: it moves). BLOOM's scripted GELU reads its
+    input, which only it reads, for a coefficient of the same size: it stays a forward unit, which a
+    plan saves or recomputes (made in the backward, its ten temporaries came on top of the backward's
+    peak: store-all 300,800 B against 243,712 B). XCiT's ``F.normalize`` reads a 2 KB norm for two
+    q-sized coefficients: it moves."""
+    candidates = [n for n in nodes if n.op == "call_function" and n not in needed and n not in gradient_flow]
+    if not candidates:
+        return set()
+    read_by_gradients = {_viewed_value(a) for n in gradient_flow for a in n.all_input_nodes}
+    inside = set(candidates)
+    root = {n: n for n in candidates}
+
+    def find(n: fx.Node) -> fx.Node:
+        while root[n] is not n:
+            root[n] = root[root[n]]
+            n = root[n]
+        return n
+    for n in candidates:
+        for a in n.all_input_nodes:
+            if a in inside:
+                root[find(a)] = find(n)
+    def newly_saved(n: fx.Node) -> list[fx.Node]:  # what moving ``n`` would save that nothing else does
+        values = (_viewed_value(a) for a in n.all_input_nodes)
+        return [a for a in values if a not in inside and a.op not in ("placeholder", "get_attr")
+                and a not in read_by_gradients]
+    # regions reading one value that would be newly saved are judged together (XCiT's normalize: two
+    # regions read ``q``, saved once for both)
+    for n in candidates:
+        for a in newly_saved(n):
+            root.setdefault(a, a)
+            root[find(a)] = find(n)
+    regions: dict[fx.Node, list[fx.Node]] = {}
+    for n in candidates:
+        regions.setdefault(find(n), []).append(n)
     moved: set[fx.Node] = set()
-    for node in nodes:  # in graph order: a coefficient's inputs are judged before it
-        if node.op in ("placeholder", "output") or node in needed or node in gradient_flow:
-            continue
-        if all(a.op in ("placeholder", "get_attr") or a in moved or a in read_by_gradients
-               for a in node.all_input_nodes):
-            moved.add(node)
+    for members in regions.values():
+        cost = sum(_node_bytes(a) for a in {a for n in members for a in newly_saved(n)})
+        kept = {_viewed_value(n) for n in members if any(u in gradient_flow for u in n.users)}
+        if not cost or cost < sum(_node_bytes(n) for n in kept if n in inside):
+            moved.update(members)
     return moved
+
+
+#: aten ops whose result views their one tensor input: reading one reads what the input holds
+_VIEW_OPS = frozenset({"detach", "expand", "view", "_unsafe_view", "alias", "t", "transpose", "permute",
+                       "unsqueeze", "squeeze", "slice", "select"})
+
+
+def _viewed_value(node: fx.Node) -> fx.Node:
+    """The value ``node`` views, through views (``detach``, ``expand``: module constant), else ``node``."""
+    while (node.op == "call_function" and op_name(node.target) in _VIEW_OPS and node.args
+           and isinstance(node.args[0], fx.Node)):
+        node = node.args[0]
+    return node
+
+
+def _node_bytes(node: fx.Node) -> int:
+    """Bytes of ``node``'s tensor values (its fake tensors), 0 for others."""
+    value = node.meta.get("val")
+    values = value if isinstance(value, (tuple, list)) else (value,)
+    return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
 
 
 def _coefficients_with_their_reader(coefficients: set[fx.Node], backward_of: list[list[fx.Node]],
