@@ -610,7 +610,7 @@ class _InplaceActivationOnASlice(nn.Module):
 
 def test_the_copy_of_a_slice_an_inplace_activation_keeps_for_its_backward_is_saved_not_its_base():
     """The ``clone`` a functionalized ``silu_`` keeps of its input is dropped when the backward can read
-    the input itself (``joint_units.drop_backward_copies``), but not when the input is a slice: the
+    the input itself (``joint_coefficients.drop_backward_copies``), but not when the input is a slice: the
     backward would then save the slice's whole base (64 columns for 8)."""
     torch.manual_seed(0)
     model, x = _InplaceActivationOnASlice(), torch.randn(32, 16)

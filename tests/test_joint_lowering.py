@@ -238,7 +238,7 @@ def test_an_inplace_activations_backward_runs_after_the_gradient_it_reads_is_mad
                               if unit_of_backward.get(a, index) != index}
             assert made_elsewhere <= readers, (graph.nodes[index].name, made_elsewhere - readers)
         # the ``clone`` of each ``silu_``'s input, which only its backward reads: that backward reads
-        # the input itself (``joint_units.drop_backward_copies``)
+        # the input itself (``joint_coefficients.drop_backward_copies``)
         assert not [node for node in graph.nodes if node.name.startswith("clone")]
         assert "aten.clone" not in lowered.backward_code and lowered.backward_code.count("silu_backward.default(") == 3
         # within 128 B: a gap at the linear head's backward, the same before this fix and not
