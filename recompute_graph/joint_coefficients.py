@@ -15,6 +15,7 @@ made in the backward, they cost their inputs' bytes, kept to then, and their tem
 """
 from __future__ import annotations
 
+import networkx as nx
 import torch
 from torch import fx
 
@@ -85,32 +86,21 @@ def coefficients_made_in_the_backward(nodes: list[fx.Node], needed: set[fx.Node]
         return set()
     read_by_gradients = {_viewed_value(a) for n in gradient_flow for a in n.all_input_nodes}
     inside = set(candidates)
-    root = {n: n for n in candidates}
 
-    def find(n: fx.Node) -> fx.Node:
-        while root[n] is not n:
-            root[n] = root[root[n]]
-            n = root[n]
-        return n
-    for n in candidates:
-        for a in n.all_input_nodes:
-            if a in inside:
-                root[find(a)] = find(n)
     def newly_saved(n: fx.Node) -> list[fx.Node]:  # what moving ``n`` would save that nothing else does
         values = (_viewed_value(a) for a in n.all_input_nodes)
         return [a for a in values if a not in inside and a.op not in ("placeholder", "get_attr")
                 and a not in read_by_gradients]
-    # regions reading one value that would be newly saved are judged together (XCiT's normalize: two
-    # regions read ``q``, saved once for both)
+    # connected regions, and regions reading one value that would be newly saved, are judged together
+    # (XCiT's normalize: two regions read ``q``, saved once for both)
+    groups = nx.Graph()
+    groups.add_nodes_from(candidates)
     for n in candidates:
-        for a in newly_saved(n):
-            root.setdefault(a, a)
-            root[find(a)] = find(n)
-    regions: dict[fx.Node, list[fx.Node]] = {}
-    for n in candidates:
-        regions.setdefault(find(n), []).append(n)
+        groups.add_edges_from((n, a) for a in n.all_input_nodes if a in inside)
+        groups.add_edges_from((n, a) for a in newly_saved(n))
     moved: set[fx.Node] = set()
-    for members in regions.values():
+    for component in nx.connected_components(groups):
+        members = [n for n in component if n in inside]
         cost = sum(_node_bytes(a) for a in {a for n in members for a in newly_saved(n)})
         kept = {_viewed_value(n) for n in members if any(u in gradient_flow for u in n.users)}
         if not cost or cost < sum(_node_bytes(n) for n in kept if n in inside):
