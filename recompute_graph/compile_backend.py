@@ -52,9 +52,10 @@ from .joint_capture import refuse_symbolic_shapes, warn_of_graph_break
 from .joint_lowering import (InfeasibleBudgetWarning, Lowered, SchedulePass, lower_plan, plan_and_lower, price_joint,
                              set_last_lowering)
 from .joint_partition import boxed_interpreter
-from .joint_units import JointUnits, drop_backward_copies, joint_units
+from .joint_units import JointUnits, drop_backward_copies, is_tangent, joint_units
 from .native_kernels import native_kernels
 from .step_graphs import StepPlan, choose_step_plans
+from .zero_gradients import ZeroTangentBackward, fold_zero_tangents, leave_gradients_missing
 
 __all__ = ["budget_backend", "RecomputeBackend", "MAX_STEP_CALLS"]
 
@@ -148,7 +149,10 @@ class RecomputeBackend:
         def run(*args: Any) -> Any:
             if self._breaks:  # only a broken model's steps are learned (nothing on one graph's hot path)
                 self._before_forward(record)
-            return record.run(*args)  # type: ignore[misc]
+            result = record.run(*args)  # type: ignore[misc]
+            if record.lowered is not None and record.lowered.zero_tangents:
+                leave_gradients_missing(result)  # (the unreached outputs' gradients: zero_gradients)
+            return result
         for name in ("zero_grad", "named_parameters", "named_buffers"):
             if hasattr(compiled, name):
                 setattr(run, name, getattr(compiled, name))
@@ -157,8 +161,10 @@ class RecomputeBackend:
     def _compile(self, record: _CompiledGraph, example_inputs: Any) -> Callable[..., Any]:
         from torch._dynamo.backends.common import aot_autograd
 
+        lowered_here: list[Lowered] = []  # this compilation's lowering (the record's may change later)
+
         def backward_compiler(gm: fx.GraphModule, inputs: Any) -> Callable[..., Any]:
-            compiled = self.graph_compiler(gm, inputs)
+            compiled = self._compile_backward(gm, inputs, lowered_here[-1] if lowered_here else None)
 
             def run(*args: Any) -> Any:
                 result = compiled(*args)
@@ -171,9 +177,24 @@ class RecomputeBackend:
         with native_kernels():  # interpolation as its kernel, not PyTorch's gathers (native_kernels.py)
             return aot_autograd(fw_compiler=self.graph_compiler, bw_compiler=backward_compiler,
                                 partition_fn=lambda joint, joint_inputs, **kwargs: self._partition(
-                                    record, joint, joint_inputs, **kwargs))(record.gm, example_inputs)
+                                    record, joint, joint_inputs, lowered_here, **kwargs))(record.gm, example_inputs)
 
-    def _partition(self, record: _CompiledGraph, joint: fx.GraphModule, joint_inputs: Any, *,
+    def _compile_backward(self, gm: fx.GraphModule, inputs: Any, lowered: Lowered | None) -> Callable[..., Any]:
+        """The backward's compiled function: ``gm``'s, or, where the plan folded the tangents of outputs the
+        loss does not reach, a :class:`~recompute_graph.zero_gradients.ZeroTangentBackward` that runs the
+        folded backward when their gradients are missing and ``gm`` (compiled on first need) otherwise."""
+        folded = lowered.folded_backward_graph if lowered is not None else None
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        if folded is None or [n.name for n in placeholders] != [n.name for n in folded.graph.nodes
+                                                                 if n.op == "placeholder"]:
+            return self.graph_compiler(gm, inputs)
+        zero = [i for i, n in enumerate(placeholders) if n.name in lowered.zero_tangents]
+        dropped = fold_zero_tangents(folded, lowered.zero_tangents, drop_placeholders=True)  # (nothing reads them)
+        compiled = self.graph_compiler(dropped, [a for i, a in enumerate(inputs) if i not in set(zero)])
+        tangents = {i: n.meta["val"] for i, n in enumerate(placeholders) if is_tangent(n)}
+        return ZeroTangentBackward(compiled, lambda: self.graph_compiler(gm, inputs), zero, tangents)
+
+    def _partition(self, record: _CompiledGraph, joint: fx.GraphModule, joint_inputs: Any, made: list[Lowered], *,
                    num_fwd_outputs: int, **_: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
         with full_collections_deferred():  # also a recompilation's planning, inside the user's step
             drop_backward_copies(joint, num_fwd_outputs)
@@ -185,6 +206,7 @@ class RecomputeBackend:
                     self.on_joint(joint, joint_inputs)
                 lowered = self._plan_first(record, joint, joint_inputs, num_fwd_outputs)
         record.lowered = lowered
+        made.append(lowered)
         if self.on_lowered is not None:
             self.on_lowered(lowered)
         return lowered.forward_graph, lowered.backward_graph
@@ -225,6 +247,7 @@ class RecomputeBackend:
         if _unit_names(units) != _unit_names(record.units) or num_fwd_outputs != record.num_fwd_outputs:
             raise RuntimeError(f"compiled graph {record.key} traced to other units the second time: its plan "
                                "cannot be carried over (please report this with the model)")
+        units.zero_tangents = record.units.zero_tangents  # (priced with them folded)
         return lower_plan(joint, units, record.graph, record.target, num_fwd_outputs=num_fwd_outputs,
                           schedule_pass=self.schedule_pass)
 

@@ -46,7 +46,7 @@ def own_output_known(structure: "OutputStructure | None") -> Iterator[None]:
     (``output_structure.OutputStructure``, which the joint graph's flat outputs do not carry): whether it
     returns its own loss (``losses.own_loss``), and its structure, on which the loss is priced.
     ``optimize()``'s compiled module runs the model's own forward first and says so. None: the graph
-    alone decides (``_returns_own_loss``) and the loss runs on the flat outputs, as under a user's
+    alone decides (``_own_loss_output``) and the loss runs on the flat outputs, as under a user's
     ``torch.compile`` with ``rg.backend``."""
     token = _own_output.set(structure)
     try:
@@ -249,7 +249,7 @@ def outputs_loss_bytes(joint: fx.GraphModule, units: JointUnits, loss_fn: Any) -
     leaves, by the allocator on real tensors shaped like them, each let go of once the loss is made
     unless the model's backward reads it (on meta, by the liveness of the storages it makes:
     ``measure.StorageTracker``): what the step adds when the gradients arrive; 0 when the
-    model returns its own loss (:func:`_returns_own_loss`). With it, the zero gradients of the outputs
+    model returns its own loss (:func:`_own_loss_output`). With it, the zero gradients of the outputs
     the loss does not reach (:class:`LossOnOutputs`). None when the loss cannot run on them."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.autograd.graph import get_gradient_edge
@@ -265,12 +265,14 @@ def outputs_loss_bytes(joint: fx.GraphModule, units: JointUnits, loss_fn: Any) -
         return None
     from .losses import default_training_loss
     structure = _own_output.get()
-    own = structure.returns_own_loss if structure is not None else _returns_own_loss(graph, outputs)
+    own = structure.returns_own_loss if structure is not None else _own_loss_output(graph, outputs) is not None
     if loss_fn is default_training_loss and own:
         # a model that returns its own loss (``transformers`` given labels): training backpropagates it,
         # and its computation is in the graph; the default loss on the flat outputs would price another
         # loss (Llama: 29 KB on a 245 KB step, 10 % over), as ``planner.loss_allowance_bytes`` rules too
-        return LossOnOutputs(0, 0)
+        loss_output = _own_loss_among(structure, graph, outputs)
+        return LossOnOutputs(0, 0, tuple(n.name for n in outputs if n is not loss_output)
+                             if loss_output is not None else ())
     # an input returned (an autoencoder's ``(reconstruction, x)``) is the caller's: held through the
     # step, outside what the step allocates, and without a gradient unless the input takes one
     input_storages = {key for p in primals for key, _ in storage_of(p)}
@@ -321,9 +323,12 @@ def outputs_loss_bytes(joint: fx.GraphModule, units: JointUnits, loss_fn: Any) -
             return None
         kept = sum(g.untyped_storage().nbytes() for g in grads if g is not None)
         reached = iter(g is not None for g in grads)  # in the order of the edges: the differentiable outputs
-        unreached = sum(v.numel() * v.element_size() for n, v, d in zip(outputs, values, differentiable)
-                        if d and _needs_gradient(v) and not next(reached) and n in units.unit_of)
-        return LossOnOutputs(max(0, peak - start - kept), unreached)
+        unreached = [n for n, v, d in zip(outputs, values, differentiable)
+                     if d and _needs_gradient(v) and not next(reached)]
+        return LossOnOutputs(max(0, peak - start - kept),
+                             sum(n.meta["val"].numel() * n.meta["val"].element_size() for n in unreached
+                                 if n in units.unit_of),
+                             tuple(n.name for n in unreached))
 
 
 def _warn_not_priced(error: Exception, structured: bool) -> None:
@@ -348,6 +353,9 @@ class LossOnOutputs(NamedTuple):
 
     transient_bytes: int
     unreached_gradient_bytes: int
+    #: the names of the forward outputs the loss sends no gradient to (``zero_gradients``: their
+    #: gradients are folded away where their tangents are known)
+    unreached_outputs: tuple[str, ...] = ()
 
 
 def _needs_gradient(value: Any) -> bool:
@@ -359,9 +367,24 @@ def _needs_gradient(value: Any) -> bool:
 LABELLED_LOSS_TARGETS = ("aten.nll_loss_forward.default", "aten.nll_loss2d_forward.default")
 
 
-def _returns_own_loss(graph: fx.Graph, outputs: Sequence[fx.Node]) -> bool:
-    """Whether the training loop's loss is the model's own loss among ``outputs``, which the graph's flat
-    outputs cannot say by their structure (``losses.own_loss`` reads a ``ModelOutput``'s ``loss``):
+def _own_loss_among(structure: "OutputStructure | None", graph: fx.Graph, outputs: Sequence[fx.Node]
+                    ) -> fx.Node | None:
+    """The output among ``outputs`` that is the model's own loss: the one the output's structure puts in
+    its ``loss`` entry (rebuilt from stand-ins, found by identity), else :func:`_own_loss_output`."""
+    from .losses import own_loss
+    from .output_structure import HELD
+    assignment = structure.assignment([n.meta["val"] for n in outputs]) if structure is not None else None
+    if structure is None or assignment is None:
+        return _own_loss_output(graph, outputs)
+    stand_ins = [torch.empty(0) for _ in outputs]
+    held = {i: torch.empty(0) for i, leaf in enumerate(structure.leaves) if leaf.kind == HELD}
+    loss = own_loss(structure.rebuild(stand_ins, assignment, held))
+    return next((n for n, t in zip(outputs, stand_ins) if t is loss), None)
+
+
+def _own_loss_output(graph: fx.Graph, outputs: Sequence[fx.Node]) -> fx.Node | None:
+    """The output that is the model's own loss among ``outputs`` (None when none is), where the training
+    loop's loss is that loss, which the graph's flat outputs cannot say by their structure (``losses.own_loss`` reads a ``ModelOutput``'s ``loss``):
     only for the default loss, and only for a floating-point scalar output computed by a
     classification loss (:data:`LABELLED_LOSS_TARGETS`) on targets from an integer input of the model
     (the labels of a ``transformers`` model). A scalar beside the model's outputs is not enough: a model
@@ -382,8 +405,8 @@ def _returns_own_loss(graph: fx.Graph, outputs: Sequence[fx.Node]) -> bool:
         for node in _ancestors(output):
             target = node.args[1] if str(node.target) in LABELLED_LOSS_TARGETS and len(node.args) > 1 else None
             if isinstance(target, fx.Node) and integer_inputs & (_ancestors(target) | {target}):
-                return True
-    return False
+                return output
+    return None
 
 
 def _ancestors(node: fx.Node) -> set[fx.Node]:

@@ -77,6 +77,7 @@ from .joint_storage import allocates as _allocates
 from .joint_storage import storage_of as _storage
 from .joint_storage import backward_steps, internal_peak_bytes
 from .joint_storage import value_bytes as _value_bytes
+from .zero_gradients import outputs_without_gradient
 from .joint_units import (JointUnits, backward_reads, gradient_readers, incoming_gradient_sums, is_tangent,
                           passes_no_gradient, tangents_held_through_backward)
 from .meta_flops import meta_flops
@@ -514,6 +515,7 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
                                        and op_name(n.target) in RANDOM_TARGETS)),
             reads_mutated_input=index in computed_once))
     outputs = tuple(sorted({units.unit_of[n] for n in forward_outputs if n in units.unit_of}))
+    no_gradient = outputs_without_gradient(joint)
     input_bytes = sum(_value_bytes(p) for p in primals if p not in trainable)
     return CostGraph(name=name, nodes=tuple(nodes), cost_unit="seconds", loss_bytes=loss_bytes,
                      cost_source=(f"measured ({len(measured)} nodes timed)" if measured
@@ -523,8 +525,10 @@ def joint_cost_graph(joint: fx.GraphModule, units: JointUnits, name: str = "join
                      output_indices=outputs, rng_state_bytes=_rng_state_bytes(primals),
                      # every differentiable output gets a gradient at the start of the backward: AOTAutograd's
                      # backward takes one tangent per output, and autograd fills those the loss does not
-                     # reach with zeros (T5's cached keys and values: 36 KB a plan of 331 KB did not see)
-                     loss_gradient_outputs=outputs,
+                     # reach with zeros (T5's cached keys and values: 36 KB a plan of 331 KB did not see),
+                     # unless the tangent is folded away (``zero_gradients``: nothing reads it)
+                     loss_gradient_outputs=tuple(sorted({units.unit_of[n] for n in forward_outputs
+                                                         if n in units.unit_of and n not in no_gradient})),
                      # the generated backward drops each after its last use, where AOTAutograd's runtime
                      # lets go of them (torch 2.13 on); before, they live until its backward returns
                      output_gradients_held=tangents_held_through_backward(),

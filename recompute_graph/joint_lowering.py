@@ -38,7 +38,7 @@ import heapq
 import operator
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import fx
@@ -54,6 +54,7 @@ from .joint_storage import storage_of as _storage
 from .batch_norm_recompute import (copy_batch_norm, copy_normalization, normalization_statistics, reads_updated_state,
                                    training_batch_norm)
 from .joint_partition import extract_graphs
+from .zero_gradients import fold_zero_tangents, folds_cleanly, unreached_tangents
 from .schedule import Backward, Forward, Schedule, dead_recomputations
 
 __all__ = ["Lowered", "lower_schedule", "graph_peak_bytes", "price_joint", "lower_plan", "plan_and_lower",
@@ -74,6 +75,16 @@ class Lowered:
     #: what inductor's code for the graphs holds beyond them, measured on the example inputs
     #: (``inductor_lowering.inductor_excess_bytes``); None without inductor
     inductor_excess_bytes: int | None = None
+    #: ``backward_graph`` with the tangents of the outputs the planned loss does not reach
+    #: (``zero_tangents``) folded away (``zero_gradients``): what runs when their gradients are missing,
+    #: the step the plan prices; None when there are none
+    folded_backward_graph: fx.GraphModule | None = None
+    zero_tangents: tuple[str, ...] = ()
+
+    @property
+    def planned_backward_graph(self) -> fx.GraphModule:
+        """The backward the plan prices: ``folded_backward_graph`` where there is one, else ``backward_graph``."""
+        return self.folded_backward_graph if self.folded_backward_graph is not None else self.backward_graph
 
     @property
     def predicted_step_peak_bytes(self) -> int:
@@ -83,8 +94,9 @@ class Lowered:
 
     @property
     def backward_code(self) -> str:
-        """The generated backward as Python: each recompute node is a forward op before its use."""
-        return self.backward_graph.code
+        """The generated backward as Python (``planned_backward_graph``'s): each recompute node is a
+        forward op before its use."""
+        return self.planned_backward_graph.code
 
     def __repr__(self) -> str:
         inductor = (f", inductor's code {self.inductor_excess_bytes:+d} B" if self.inductor_excess_bytes is not None
@@ -494,9 +506,21 @@ def price_joint(joint: fx.GraphModule, *, num_fwd_outputs: int, name: str = "com
     seconds = (node_seconds(joint, joint_inputs, warm_up=not workspace)  # the workspace's run warmed it
                if joint_inputs is not None and timing == "measure" else {})
     loss = outputs_loss_bytes(joint, units, loss_fn) if loss_fn is not None else None
-    graph = joint_cost_graph(joint, units, name, workspace=workspace,
+    priced, priced_units = joint, units
+    unreached_bytes = loss.unreached_gradient_bytes if loss is not None else 0
+    zero = unreached_tangents(joint, loss.unreached_outputs) if loss is not None else []
+    if zero:  # priced with the zero gradients of the outputs the loss does not reach folded away
+        folded = fold_zero_tangents(joint, zero)
+        folded_units = joint_units(folded, num_fwd_outputs) if folds_cleanly(joint, folded) else None
+        if folded_units is not None and [[n.name for n in u] for u in folded_units.units] == \
+                [[n.name for n in u] for u in units.units]:  # (the plan's units are the joint's)
+            priced, priced_units = folded, folded_units
+            units.zero_tangents = tuple(zero)
+            unreached_bytes = max(0, unreached_bytes - sum(n.meta["val"].numel() * n.meta["val"].element_size()
+                                                           for n in joint.graph.nodes if n.name in set(zero)))
+    graph = joint_cost_graph(priced, priced_units, name, workspace=workspace,
                              loss_bytes=loss.transient_bytes if loss is not None else None,
-                             loss_unreached_gradient_bytes=loss.unreached_gradient_bytes if loss is not None else 0,
+                             loss_unreached_gradient_bytes=unreached_bytes,
                              device_profile=device_profile, node_seconds=seconds)
     return units, graph
 
@@ -509,11 +533,28 @@ def lower_plan(joint: fx.GraphModule, units: JointUnits, graph: CostGraph, plan:
     module, saved, saved_sym, recomputed = lower_schedule(joint, units, schedule, graph)
     forward_graph, backward_graph = extract_graphs(module, saved, saved_sym, num_fwd_outputs=num_fwd_outputs,
                                                    recomputed=frozenset(recomputed))
+    folded = _folded_backward(backward_graph, units.zero_tangents)
     accumulate_in_place(backward_graph)
     lowered = Lowered(graph, plan, forward_graph, backward_graph, tuple(n.name for n in saved), tuple(recomputed),
-                      units)
+                      units, folded_backward_graph=folded,
+                      zero_tangents=units.zero_tangents if folded is not None else ())
     _LAST[:] = [lowered]
     return lowered
+
+
+def _folded_backward(backward_graph: fx.GraphModule, zero_tangents: Sequence[str]) -> fx.GraphModule | None:
+    """``backward_graph`` with the tangents ``zero_tangents`` folded away (``zero_gradients``), its
+    gradient sums accumulated in place as the whole one's; None without such tangents, or where the
+    folded graph's sums cannot be (the whole backward then runs, as priced without folding)."""
+    present = {n.name for n in backward_graph.graph.nodes if n.op == "placeholder"}
+    if not zero_tangents or not set(zero_tangents) <= present:
+        return None
+    folded = fold_zero_tangents(backward_graph, zero_tangents)
+    try:
+        accumulate_in_place(folded)
+    except RuntimeError:
+        return None
+    return folded
 
 
 def plan_and_lower(joint: fx.GraphModule, budget: Any, *, num_fwd_outputs: int, solver: str = "auto",

@@ -58,6 +58,8 @@ class JointUnits:
     unplaced_backward: list[fx.Node] = field(default_factory=list)  # backward nodes of no unit
     num_fwd_outputs: int = 0
     in_place_sums: set[str] = field(default_factory=set)  # gradient sums accumulated in place (names)
+    #: tangents the plan takes as zero (outputs the planned loss does not reach; ``zero_gradients``)
+    zero_tangents: tuple[str, ...] = ()
 
     def forward_outputs(self, graph: fx.Graph) -> list[fx.Node]:
         output = next(n for n in graph.nodes if n.op == "output")
