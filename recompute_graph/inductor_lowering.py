@@ -235,8 +235,9 @@ def inductor_excess_bytes(lowered: Any) -> int | None:
     the same way (:func:`compiled_graphs_peak_bytes`; the generated graphs hold what the plan predicts):
     its fusions and its decomposed backward kernels' temporaries, what the plan does not price. None
     when either cannot be measured."""
-    compiled = compiled_graphs_peak_bytes(lowered.forward_graph, lowered.backward_graph)
-    generated = compiled_graphs_peak_bytes(lowered.forward_graph, lowered.backward_graph, boxed_interpreter)
+    backward = lowered.planned_backward_graph  # (with the unreached outputs' tangents folded away, if any)
+    compiled = compiled_graphs_peak_bytes(lowered.forward_graph, backward)
+    generated = compiled_graphs_peak_bytes(lowered.forward_graph, backward, boxed_interpreter)
     return None if compiled is None or generated is None else compiled - generated
 
 
@@ -320,7 +321,7 @@ def _fits(lowered: Any, budget_bytes: int) -> bool:
 
 
 def _set_fusion_limit(lowered: Any, limited: bool) -> None:
-    for graph_module in (lowered.forward_graph, lowered.backward_graph):
+    for graph_module in (lowered.forward_graph, lowered.backward_graph, lowered.planned_backward_graph):
         if limited:
             graph_module.meta[CONFIG_KEY] = dict(FUSION_LIMITED)
         else:

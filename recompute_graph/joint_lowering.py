@@ -472,8 +472,9 @@ def graph_live_bytes(forward_graph: fx.GraphModule, backward_graph: fx.GraphModu
             for node in forward_outputs:  # the forward's holds end; the backward's placeholders take over
                 release(node)
         for i, node in enumerate(nodes):
-            if node.op == "output":
-                continue
+            if node.op == "output" or (node.op == "placeholder" and not node.users and graph_module is backward_graph
+                                       and node not in kept):
+                continue  # (a tangent folded away is None at run time; a value saved for the whole backward only)
             if node.op != "placeholder" or graph_module is backward_graph:
                 hold(node)
             points.append((tag, node.name, live_bytes()))

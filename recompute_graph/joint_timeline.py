@@ -111,7 +111,7 @@ def compiled_timeline(model: torch.nn.Module, inputs: Sequence[Any], budget: Any
         step(marked=True)
     measured = {label: (level, peak) for label, level, peak in recorder.markers(_MARK)}
     points = []
-    for tag, name, live in graph_live_bytes(lowered.forward_graph, lowered.backward_graph):
+    for tag, name, live in graph_live_bytes(lowered.forward_graph, lowered.planned_backward_graph):
         if tag == "backward" and points[-1].graph == "forward":  # the loss, between the two graphs
             level, peak = measured.get(f"{_LOSS}:{_LOSS}", (0, 0))
             predicted = loss_peak_bytes(lowered.graph, lowered.plan.simulation)

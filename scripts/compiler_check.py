@@ -75,7 +75,7 @@ def check(name: str, preset: str, fraction: float, repeats: int, inductor: bool 
                   for a, b in zip(model.buffers(), reference.buffers()))
     measured = allocator_peak_memory(step)
     predicted = lowered.plan.predicted_step_peak_bytes
-    liveness = graph_peak_bytes(lowered.forward_graph, lowered.backward_graph)
+    liveness = graph_peak_bytes(lowered.forward_graph, lowered.planned_backward_graph)
     eager_model = copy.deepcopy(reference)
     default_model = copy.deepcopy(reference)
     default = torch.compile(default_model, backend="inductor" if inductor else "aot_eager")

@@ -79,6 +79,7 @@ class _FakeLowered:
     backward_graph: SimpleNamespace
     inductor_excess_bytes: int | None = None
     predicted_step_peak_bytes = Lowered.predicted_step_peak_bytes
+    planned_backward_graph = property(lambda self: self.backward_graph)
 
 
 def lowering(step: int, schedule: str) -> _FakeLowered:
