@@ -48,6 +48,7 @@ from .joint_lowering import replay_random, rng_snapshot
 from .joint_partition import boxed_interpreter
 from .joint_units import is_tangent, tangents_held_through_backward
 from .joint_costs import rng_state_bytes
+from .native_kernels import with_kernel_layouts
 
 __all__ = ["inductor_graph_compiler", "InductorFallbackWarning", "InductorBudgetWarning", "inductor_excess_bytes",
            "compiled_graphs_peak_bytes", "fit_plan_to_inductor"]
@@ -139,8 +140,8 @@ def inductor_graph_compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -
         return boxed_interpreter(gm, example_inputs)
     with inductor_config.patch(fallback_random=True, layout_optimization=False, reorder_for_peak_memory=False,
                                **settings):
-        decompositions = {op: fn for op, fn in select_decomp_table().items()
-                          if op_name(op) != "native_dropout"}
+        decompositions = with_kernel_layouts({op: fn for op, fn in select_decomp_table().items()
+                                              if op_name(op) != "native_dropout"})
         fake_mode = torch._guards.detect_fake_mode(example_inputs)  # AOTAutograd's: constants made fake too
         with fake_mode if fake_mode is not None else contextlib.nullcontext():
             decomposed = make_fx(fx.Interpreter(gm).run, decomposition_table=decompositions)(*example_inputs)

@@ -560,6 +560,39 @@ def test_interpolation_is_captured_as_its_kernel_and_a_store_all_step_holds_what
     assert abs(report.prediction_error) <= 0.02
 
 
+class _NormThenPooled(nn.Module):
+    """A layer norm whose gradient arrives transposed (Swin's last norm, pooled over its tokens)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.norm, self.head = nn.Linear(16, 64), nn.LayerNorm(64), nn.Linear(64, 10)
+
+    def forward(self, x):
+        h = self.norm(self.proj(x))
+        return self.head(nn.functional.adaptive_avg_pool1d(h.transpose(1, 2), 1).flatten(1))
+
+
+def test_a_layer_norms_gradient_is_traced_contiguous_as_its_kernel_makes_it():
+    """``native_layer_norm_backward``'s Meta kernel laid the input's gradient out like the transposed
+    gradient it took, where its kernels make it contiguous: the linear's backward then reshaped it
+    with a ``clone``, a copy eager PyTorch does not make (``hf_swin``: 1.014 of eager's peak in a
+    store-all step, now 1.000). ``native_kernels`` lays it out as the kernel does while AOTAutograd
+    traces, and puts the decomposition back."""
+    from torch._decomp import decomposition_table
+    kernel = decomposition_table[torch.ops.aten.native_layer_norm_backward.default]
+    torch.manual_seed(0)
+    model, x = _NormThenPooled(), torch.randn(8, 128, 16)
+    optimized = rg.optimize(model, 1.0, example_inputs=(x,), compiler=True)
+    optimized(x)
+    graph = optimized.lowerings[-1].planned_backward_graph.graph
+    norm = next(n for n in graph.nodes if "native_layer_norm_backward" in str(n.target))
+    gradient = next(u for u in norm.users if u.args[1] == 0)
+    assert not any("clone" in str(u.target) for u in gradient.users), [str(u.target) for u in gradient.users]
+    assert decomposition_table[torch.ops.aten.native_layer_norm_backward.default] is kernel  # put back
+    report = rg.verify(model, 1.0, example_inputs=(x,), compiler=True)
+    assert report.gradient_error < 1e-5 and abs(report.prediction_error) <= 0.02
+
+
 def _store_all_holds_what_eager_holds(model: nn.Module, x: torch.Tensor) -> None:
     """A store-all step of ``model`` on the compiler path: exact, within 1 % of eager PyTorch's peak by
     the allocator, and predicted within 2 %."""
