@@ -20,6 +20,7 @@ import torch
 from torch import fx
 
 from .joint_capture import op_name, reachable
+from .joint_storage import storage_of
 
 __all__ = ["is_tangent", "drop_backward_copies", "coefficients_made_in_the_backward",
            "coefficients_with_their_reader"]
@@ -30,26 +31,68 @@ def is_tangent(node: fx.Node) -> bool:
 
 
 def drop_backward_copies(joint: fx.GraphModule, num_fwd_outputs: int) -> int:
-    """Erase from ``joint`` each ``clone`` that only the backward reads and no tangent reaches: its
-    readers read its input instead. Functionalized, an in-place activation (EfficientNet's ``silu_``)
-    is a ``clone`` of its input, kept for its backward, beside the ``silu``; the backward would copy a
-    value it can read as it is (the graph is functional: nothing writes either). Returns how many."""
+    """Erase from ``joint`` each ``clone`` of a whole storage, with its layout, that no tangent reaches
+    and the model does not return: its readers read its input instead. The graph is functional, so both
+    hold the same values for the whole step. Returns how many.
+
+    * Functionalized, an in-place activation (EfficientNet's ``silu_``) is a ``clone`` of its input,
+      kept for its backward, beside the ``silu``: the backward would copy a value it can read as it is.
+    * ``nn.Dropout(0.0)`` in training returns its input itself in eager PyTorch, and AOTAutograd traces
+      it as a ``clone``. After a softmax (the attention dropout of timm's and torchvision's Swin), the
+      forward saved the softmax for its backward and the copy (through the ``bmm``'s views) for the
+      ``bmm``'s: two attention matrices where eager saves one.
+
+    Not a copy of a placeholder's storage (an input or a buffer the step writes back before the
+    backward runs), of part of a storage (a slice: reading it would keep its whole base), or to another
+    layout (the views read from the copy follow its strides)."""
     nodes = list(joint.graph.nodes)
     output = next(n for n in nodes if n.op == "output")
-    needed = needed_by_the_forward(output, num_fwd_outputs)
     gradient_flow = reachable([n for n in nodes if is_tangent(n)], lambda n: list(n.users))
+    placeholder_keys = {key for n in nodes if n.op == "placeholder" for key, _ in storage_of(n)}
     dropped = 0
     for node in nodes:
-        if (node.target is torch.ops.aten.clone.default and node not in needed and node not in gradient_flow
+        source = node.args[0] if node.args else None
+        if (node.target is torch.ops.aten.clone.default and node not in gradient_flow and output not in node.users
                 and node.kwargs.get("memory_format", torch.preserve_format) == torch.preserve_format
-                and isinstance(node.args[0], fx.Node) and output not in node.users
-                and _whole_storage(node.args[0])):  # a copy of a slice keeps less than the slice's base
-            node.replace_all_uses_with(node.args[0])
+                and isinstance(source, fx.Node) and _whole_storage(source) and _same_layout(node, source)
+                and not any(key in placeholder_keys for key, _ in storage_of(source))):
+            copied = {key for key, _ in storage_of(node)}
+            node.replace_all_uses_with(source)
             joint.graph.erase_node(node)
+            _views_read_from(source, copied)
             dropped += 1
     if dropped:
         joint.recompile()
     return dropped
+
+
+def _views_read_from(source: fx.Node, copied: set[int]) -> None:
+    """Give the views that were of the erased copy (their fake values on its storage, ``copied``) and
+    now read ``source`` fake values on ``source``'s storage, each made again from its inputs' values:
+    the graph's liveness and the cost graph count storages by these values."""
+    from torch._guards import detect_fake_mode
+    mode = detect_fake_mode([source.meta.get("val")])
+    if mode is None:
+        return
+    stack = list(source.users)
+    while stack:
+        node = stack.pop(0)
+        if node.op != "call_function" or not any(key in copied for key, _ in storage_of(node)):
+            continue
+        args = fx.map_arg(node.args, lambda a: a.meta.get("val"))
+        kwargs = fx.map_arg(node.kwargs, lambda a: a.meta.get("val"))
+        try:
+            with mode:
+                node.meta["val"] = node.target(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - left on the copy's storage: priced as a copy, over
+            continue
+        stack.extend(node.users)
+
+
+def _same_layout(a: fx.Node, b: fx.Node) -> bool:
+    va, vb = a.meta.get("val"), b.meta.get("val")
+    return (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.shape == vb.shape
+            and va.dtype == vb.dtype and va.stride() == vb.stride())
 
 
 def needed_by_the_forward(output: fx.Node, num_fwd_outputs: int) -> set[fx.Node]:
