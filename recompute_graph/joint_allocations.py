@@ -384,8 +384,9 @@ def _own_loss_among(structure: "OutputStructure | None", graph: fx.Graph, output
 
 def _own_loss_output(graph: fx.Graph, outputs: Sequence[fx.Node]) -> fx.Node | None:
     """The output that is the model's own loss among ``outputs`` (None when none is), where the training
-    loop's loss is that loss, which the graph's flat outputs cannot say by their structure (``losses.own_loss`` reads a ``ModelOutput``'s ``loss``):
-    only for the default loss, and only for a floating-point scalar output computed by a
+    loop's loss is that loss, which the graph's flat outputs cannot say by their structure
+    (``losses.own_loss`` reads a ``ModelOutput``'s ``loss``): only for the default loss, and only for a
+    floating-point scalar output computed by a
     classification loss (:data:`LABELLED_LOSS_TARGETS`) on targets from an integer input of the model
     (the labels of a ``transformers`` model). A scalar beside the model's outputs is not enough: a model
     returning ``(logits, h.mean())`` trained on both had its loss priced at 0, 57,416 B measured against

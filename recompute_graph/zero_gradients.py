@@ -41,8 +41,8 @@ from torch import fx
 
 from .joint_units import is_tangent
 
-__all__ = ["unreached_tangents", "fold_zero_tangents", "folds_cleanly", "outputs_without_gradient", "leave_gradients_missing",
-           "ZeroTangentBackward"]
+__all__ = ["unreached_tangents", "fold_zero_tangents", "folds_cleanly", "outputs_without_gradient",
+           "leave_gradients_missing", "ZeroTangentBackward"]
 
 #: Ops whose result is zero when their first argument is: views, reductions, casts, and the backward
 #: kernels that are linear in the gradient they take first (every output of a multi-output one)
