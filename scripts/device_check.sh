@@ -9,6 +9,7 @@
 #     run(command="bash scripts/device_check.sh inductor-peers", timeout_s=520)  # or this: 8.3 min at most
 #     run(command="bash scripts/device_check.sh graph-breaks", timeout_s=300)  # or this: 4.5 min at most
 #     run(command="bash scripts/device_check.sh rnn", timeout_s=300)  # or this: 4.5 min at most
+#     run(command="bash scripts/device_check.sh zero-gradients", timeout_s=240)  # or this: 3.5 min at most
 # short: exact gradients (float64, then float32), the allocator's peak against the prediction and
 # step-time ratios on the zoo (cuda_check.py), beside the Gruslys target on the compiler path;
 # first, what a BatchNorm's recomputation costs on the GPU (scripts/batch_norm_recompute.py, 30 s at most).
@@ -19,8 +20,10 @@
 # and torch.compile's peer alike. compiler: the Gruslys check on the compiler path with a longer
 # capture limit. graph-breaks: a user's torch.compile of models split by graph breaks (the halves, HF
 # GPT-2, wav2vec2), whose graphs share the budget, by the caching allocator. rnn: an nn.LSTM planned step by
-# step (unroll_rnns) against cuDNN's fused kernel (scripts/unrolled_lstm.py). No argument: cuda_check,
-# executor, peers, inductor, inductor-peers, compiler, graph-breaks and rnn, one after the other, for a
+# step (unroll_rnns) against cuDNN's fused kernel (scripts/unrolled_lstm.py). zero-gradients: a GPT-2
+# given labels at its real vocabulary, store-all on the compiler path against eager's peak, whose
+# logits get no zero gradient (scripts/unreached_output_gradients.py). No argument: cuda_check,
+# executor, peers, inductor, inductor-peers, compiler, graph-breaks, rnn and zero-gradients, one after the other, for a
 # machine without those limits. Uses the device machine's own python3 (PyTorch with CUDA) and imports
 # this working tree. Each check has its own time limit so that one slow check
 # leaves the others their turn; outputs also go to $OUT.
@@ -97,4 +100,8 @@ fi
 if [[ $part == all || $part == rnn ]]; then
     timeout 260 python3 scripts/unrolled_lstm.py --device cuda --steps 100 200 --batch 256 2>&1 \
         | tee "$out/unrolled_lstm_cuda.md"
+fi
+if [[ $part == all || $part == zero-gradients ]]; then
+    timeout 200 python3 scripts/unreached_output_gradients.py --device cuda 2>&1 | quiet \
+        | tee "$out/unreached_output_gradients_cuda.md"
 fi
