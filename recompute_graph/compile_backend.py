@@ -97,10 +97,6 @@ def _parameter_grad_bytes(example_inputs: Any) -> int:
                if isinstance(value, torch.nn.Parameter) and value.requires_grad)
 
 
-def _unit_names(units: JointUnits) -> list[list[str]]:
-    return [[node.name for node in unit] for unit in units.units]
-
-
 class RecomputeBackend:
     """The callable ``budget_backend`` returns (a Dynamo backend); the module docstring says how it
     plans. ``step_plan``: the plans chosen for a broken step's graphs together (None before the second
@@ -188,9 +184,9 @@ class RecomputeBackend:
         if folded is None or [n.name for n in placeholders] != [n.name for n in folded.graph.nodes
                                                                  if n.op == "placeholder"]:
             return self.graph_compiler(gm, inputs)
-        zero = [i for i, n in enumerate(placeholders) if n.name in lowered.zero_tangents]
+        zero = {i for i, n in enumerate(placeholders) if n.name in lowered.zero_tangents}
         dropped = fold_zero_tangents(folded, lowered.zero_tangents, drop_placeholders=True)  # (nothing reads them)
-        compiled = self.graph_compiler(dropped, [a for i, a in enumerate(inputs) if i not in set(zero)])
+        compiled = self.graph_compiler(dropped, [a for i, a in enumerate(inputs) if i not in zero])
         tangents = {i: n.meta["val"] for i, n in enumerate(placeholders) if is_tangent(n)}
         return ZeroTangentBackward(compiled, lambda: self.graph_compiler(gm, inputs), zero, tangents)
 
@@ -244,7 +240,7 @@ class RecomputeBackend:
     def _lower_target(self, record: _CompiledGraph, joint: fx.GraphModule, num_fwd_outputs: int) -> Lowered:
         units = joint_units(joint, num_fwd_outputs)
         assert record.units is not None and record.graph is not None
-        if _unit_names(units) != _unit_names(record.units) or num_fwd_outputs != record.num_fwd_outputs:
+        if units.names() != record.units.names() or num_fwd_outputs != record.num_fwd_outputs:
             raise RuntimeError(f"compiled graph {record.key} traced to other units the second time: its plan "
                                "cannot be carried over (please report this with the model)")
         units.zero_tangents = record.units.zero_tangents  # (priced with them folded)

@@ -45,7 +45,7 @@ from torch import fx
 from .errors import InfeasibleBudgetError, SolverError, user_stacklevel
 from .joint_capture import op_name
 from .joint_lowering import replay_random, rng_snapshot
-from .joint_partition import boxed_interpreter
+from .joint_partition import boxed_interpreter, copy_graph_module
 from .joint_units import is_tangent, tangents_held_through_backward
 from .joint_costs import rng_state_bytes
 from .native_kernels import with_kernel_layouts
@@ -113,15 +113,6 @@ def _with_custom_ops(gm: fx.GraphModule) -> str | None:
     return None
 
 
-def _copy_of(gm: fx.GraphModule) -> fx.GraphModule:
-    """A new graph module over ``gm``'s attributes with copies of its nodes (their ``meta`` copied
-    shallowly: a deep copy of the fake values fails on models with tensor constants, HF GPT-2 and T5)."""
-    graph = fx.Graph()
-    output = graph.graph_copy(gm.graph, {})
-    graph.output(output)
-    return fx.GraphModule(gm, graph)
-
-
 def inductor_graph_compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
     """An AOTAutograd compiler for the forward or backward graph of ``joint_lowering.lower_schedule``:
     inductor's code for it (module docstring), in the boxed calling convention."""
@@ -132,7 +123,7 @@ def inductor_graph_compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -
 
     is_backward = any(n.op == "placeholder" and n.name.startswith("tangents") for n in gm.graph.nodes)
     settings = dict(gm.meta.get(CONFIG_KEY, {}))  # a fusion limit ``fit_plan_to_inductor`` chose
-    gm = _copy_of(gm)  # the Lowered keeps the graph as generated
+    gm = copy_graph_module(gm)  # the Lowered keeps the graph as generated
     why = _with_custom_ops(gm)
     if why is not None:
         warnings.warn(f"{'backward' if is_backward else 'forward'} graph runs uncompiled: {why}",

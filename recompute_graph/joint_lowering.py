@@ -513,12 +513,11 @@ def price_joint(joint: fx.GraphModule, *, num_fwd_outputs: int, name: str = "com
     if zero:  # priced with the zero gradients of the outputs the loss does not reach folded away
         folded = fold_zero_tangents(joint, zero)
         folded_units = joint_units(folded, num_fwd_outputs) if folds_cleanly(joint, folded) else None
-        if folded_units is not None and [[n.name for n in u] for u in folded_units.units] == \
-                [[n.name for n in u] for u in units.units]:  # (the plan's units are the joint's)
+        if folded_units is not None and folded_units.names() == units.names():  # (the plan's units are the joint's)
             priced, priced_units = folded, folded_units
             units.zero_tangents = tuple(zero)
             unreached_bytes = max(0, unreached_bytes - sum(n.meta["val"].numel() * n.meta["val"].element_size()
-                                                           for n in joint.graph.nodes if n.name in set(zero)))
+                                                           for n in joint.graph.nodes if n.name in units.zero_tangents))
     graph = joint_cost_graph(priced, priced_units, name, workspace=workspace,
                              loss_bytes=loss.transient_bytes if loss is not None else None,
                              loss_unreached_gradient_bytes=unreached_bytes,
@@ -546,7 +545,8 @@ def lower_plan(joint: fx.GraphModule, units: JointUnits, graph: CostGraph, plan:
 def _folded_backward(backward_graph: fx.GraphModule, zero_tangents: Sequence[str]) -> fx.GraphModule | None:
     """``backward_graph`` with the tangents ``zero_tangents`` folded away (``zero_gradients``), its
     gradient sums accumulated in place as the whole one's; None without such tangents, or where the
-    folded graph's sums cannot be (the whole backward then runs, as priced without folding)."""
+    folded graph's sums cannot be. The whole backward then runs, with the zero gradients made, which
+    the plan, priced folded, does not count (not seen on the conformance models)."""
     present = {n.name for n in backward_graph.graph.nodes if n.op == "placeholder"}
     if not zero_tangents or not set(zero_tangents) <= present:
         return None

@@ -247,6 +247,19 @@ def place_recomputation(backward_graph: fx.GraphModule, forward_names: set[str])
     return [n.name for n in backward_graph.graph.nodes if n in set(recompute)]
 
 
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A new graph module over ``gm``'s attributes with copies of its nodes (their ``meta``, the output
+    node's and the module's copied shallowly: a deep copy of the fake values fails on models with tensor
+    constants, HF GPT-2 and T5)."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    old_output = next(n for n in gm.graph.nodes if n.op == "output")
+    next(n for n in graph.nodes if n.op == "output").meta = dict(old_output.meta)
+    copied = fx.GraphModule(gm, graph)
+    copied.meta = dict(getattr(gm, "meta", {}))
+    return copied
+
+
 def boxed_interpreter(gm: fx.GraphModule, _example_inputs: Any = None) -> Callable[[list], Any]:
     """A compiler for AOTAutograd that runs ``gm`` as it is, with the *boxed* calling convention done
     right: the argument list is cleared and each value is dropped after its last use. The graph's code

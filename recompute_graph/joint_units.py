@@ -61,6 +61,10 @@ class JointUnits:
     #: tangents the plan takes as zero (outputs the planned loss does not reach; ``zero_gradients``)
     zero_tangents: tuple[str, ...] = ()
 
+    def names(self) -> list[list[str]]:
+        """The names of each unit's forward nodes: what two tracings of one graph must agree on."""
+        return [[node.name for node in unit] for unit in self.units]
+
     def forward_outputs(self, graph: fx.Graph) -> list[fx.Node]:
         output = next(n for n in graph.nodes if n.op == "output")
         return [n for n in output.args[0][: self.num_fwd_outputs] if isinstance(n, fx.Node)]

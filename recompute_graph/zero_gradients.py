@@ -39,6 +39,8 @@ from typing import Any, Collection, Iterable, Sequence
 import torch
 from torch import fx
 
+from .joint_capture import reachable
+from .joint_partition import copy_graph_module
 from .joint_units import is_tangent
 
 __all__ = ["unreached_tangents", "fold_zero_tangents", "folds_cleanly", "outputs_without_gradient",
@@ -72,53 +74,42 @@ def _name(node: fx.Node) -> str:
     return getattr(packet, "__name__", "") if packet is not None else getattr(target, "__name__", "")
 
 
+def _tangent_outputs(joint: fx.GraphModule) -> dict[fx.Node, fx.Node]:
+    """Each tangent placeholder of ``joint`` with the forward output it is the gradient of, matched by
+    AOTAutograd's descriptors (``TangentAOTInput.output`` against the output node's ``meta["desc"]``);
+    empty where the graph has none."""
+    output = next(n for n in joint.graph.nodes if n.op == "output")
+    descriptions, flat = output.meta.get("desc"), output.args[0]
+    if descriptions is None or len(descriptions) != len(flat):
+        return {}
+    by_description = {repr(d): v for d, v in zip(descriptions, flat)}
+    pairs = {}
+    for node in joint.graph.nodes:
+        if node.op == "placeholder" and is_tangent(node):
+            value = by_description.get(repr(getattr(node.meta.get("desc"), "output", None)))
+            if isinstance(value, fx.Node):
+                pairs[node] = value
+    return pairs
+
+
 def unreached_tangents(joint: fx.GraphModule, unreached_outputs: Collection[str]) -> list[str]:
     """The names of the tangent placeholders of the forward outputs named ``unreached_outputs`` (the
-    outputs the planned loss sends no gradient to), matched by AOTAutograd's descriptors
-    (``TangentAOTInput.output`` against the output node's ``meta["desc"]``); [] where there are none."""
+    outputs the planned loss sends no gradient to); [] where there are none."""
     if not unreached_outputs:
         return []
-    output = next(n for n in joint.graph.nodes if n.op == "output")
-    descriptions = output.meta.get("desc")
-    flat = output.args[0]
-    if descriptions is None or len(descriptions) != len(flat):
-        return []
-    by_description = {repr(d): v for d, v in zip(descriptions, flat)}
-    names = []
-    for node in joint.graph.nodes:
-        if node.op != "placeholder" or not is_tangent(node):
-            continue
-        described = getattr(node.meta.get("desc"), "output", None)
-        value = by_description.get(repr(described)) if described is not None else None
-        if isinstance(value, fx.Node) and value.name in unreached_outputs:
-            names.append(node.name)
-    return names
+    return [t.name for t, value in _tangent_outputs(joint).items() if value.name in unreached_outputs]
 
 
 def outputs_without_gradient(joint: fx.GraphModule) -> set[fx.Node]:
     """The forward outputs whose tangent nothing reads (folded away): no gradient arrives for them."""
-    output = next(n for n in joint.graph.nodes if n.op == "output")
-    descriptions = output.meta.get("desc")
-    if descriptions is None or len(descriptions) != len(output.args[0]):
-        return set()
-    by_description = {repr(d): v for d, v in zip(descriptions, output.args[0])}
-    unread = set()
-    for node in joint.graph.nodes:
-        if node.op == "placeholder" and is_tangent(node) and not node.users:
-            value = by_description.get(repr(getattr(node.meta.get("desc"), "output", None)))
-            if isinstance(value, fx.Node):
-                unread.add(value)
-    return unread
+    return {value for tangent, value in _tangent_outputs(joint).items() if not tangent.users}
 
 
 def _backward_reads(graph: fx.Graph) -> tuple[set[str], set[str]]:
     """The names of the nodes no tangent reaches (forward nodes, coefficients, placeholders but the
     tangents), and of those of them that a node a tangent reaches reads."""
-    reached: set[fx.Node] = set()
-    for node in graph.nodes:
-        if (node.op == "placeholder" and is_tangent(node)) or node.meta.get(FOLDED_ZEROS) or (
-                node.op == "call_function" and any(a in reached for a in node.all_input_nodes)):
-            reached.add(node)
+    seeds = [n for n in graph.nodes if (n.op == "placeholder" and is_tangent(n)) or n.meta.get(FOLDED_ZEROS)]
+    reached = reachable(seeds, lambda n: [u for u in n.users if u.op != "output"])
     forward = {n.name for n in graph.nodes if n not in reached and n.op != "output"}
     read = {a.name for n in reached for a in n.all_input_nodes if a not in reached}
     return forward, read
@@ -130,18 +121,6 @@ def folds_cleanly(joint: fx.GraphModule, folded: fx.GraphModule) -> bool:
     zero was folded would be priced as let go of after the forward, and the lowering, which lowers
     ``joint`` itself, saves it."""
     return _backward_reads(joint.graph) == _backward_reads(folded.graph)
-
-
-def _copy(graph_module: fx.GraphModule) -> fx.GraphModule:
-    graph = fx.Graph()
-    output = graph.graph_copy(graph_module.graph, {})
-    graph.output(output)
-    old_output = next(n for n in graph_module.graph.nodes if n.op == "output")
-    new_output = next(n for n in graph.nodes if n.op == "output")
-    new_output.meta = dict(old_output.meta)
-    copied = fx.GraphModule(graph_module, graph)
-    copied.meta = dict(getattr(graph_module, "meta", {}))
-    return copied
 
 
 def _is_zero(node: fx.Node, zero: set[fx.Node]) -> bool:
@@ -193,7 +172,7 @@ def fold_zero_tangents(graph_module: fx.GraphModule, tangents: Iterable[str], *,
     """A copy of ``graph_module`` (a joint or a backward graph) in which the placeholders named
     ``tangents`` are zero and folded away (module docstring). ``drop_placeholders``: remove those
     placeholders too (the folded backward is then called without them); else they stay, unread."""
-    copied = _copy(graph_module)
+    copied = copy_graph_module(graph_module)
     graph = copied.graph
     names = set(tangents)
     zero: set[fx.Node] = {n for n in graph.nodes if n.op == "placeholder" and n.name in names}
@@ -266,7 +245,7 @@ class ZeroTangentBackward:
     def __init__(self, folded: Any, compile_whole: Any, zero_positions: Sequence[int],
                  tangent_values: dict[int, torch.Tensor]) -> None:
         self.folded, self.compile_whole, self.whole = folded, compile_whole, None
-        self.zero_positions, self.tangent_values = tuple(zero_positions), tangent_values
+        self.zero_positions, self.tangent_values = frozenset(zero_positions), tangent_values
         self.folded_calls = self.whole_calls = 0
 
     def __repr__(self) -> str:
@@ -275,18 +254,18 @@ class ZeroTangentBackward:
 
     def __call__(self, args: list) -> Any:
         if all(args[i] is None for i in self.zero_positions):
-            self._fill(args, skip=set(self.zero_positions))
-            kept = [a for i, a in enumerate(args) if i not in set(self.zero_positions)]
+            self._fill(args, skip=self.zero_positions)
+            kept = [a for i, a in enumerate(args) if i not in self.zero_positions]
             args.clear()
             self.folded_calls += 1
             return self.folded(kept)
-        self._fill(args, skip=set())
+        self._fill(args, skip=frozenset())
         if self.whole is None:
             self.whole = self.compile_whole()
         self.whole_calls += 1
         return self.whole(args)
 
-    def _fill(self, args: list, skip: set[int]) -> None:
+    def _fill(self, args: list, skip: frozenset[int]) -> None:
         for i, value in self.tangent_values.items():
             if i not in skip and args[i] is None:
                 args[i] = torch.zeros(value.shape, dtype=value.dtype, device=value.device)

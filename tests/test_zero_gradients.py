@@ -62,9 +62,18 @@ def test_a_model_trained_on_its_own_loss_makes_no_gradient_for_its_logits():
 
 
 @pytest.mark.parametrize("reached", ["logits", "hidden"])
-def test_a_loss_that_reaches_an_output_the_plan_took_as_unreached_gets_its_exact_gradients(reached):
+def test_a_loss_that_reaches_an_output_the_plan_took_as_unreached_gets_its_exact_gradients(reached, monkeypatch):
     """The plan takes the model's own loss; the loop adds a term on another output. Its gradient arrives,
-    and the backward with the tangents as they are runs (zeros for the one still missing)."""
+    and the backward with the tangents as they are runs (zeros for the one still missing); the planned
+    loss alone runs the folded one."""
+    from recompute_graph import compile_backend
+    made = []
+
+    class Recorded(compile_backend.ZeroTangentBackward):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+    monkeypatch.setattr(compile_backend, "ZeroTangentBackward", Recorded)
     torch._dynamo.reset()
     model, call = _model_and_call()
 
@@ -81,8 +90,10 @@ def test_a_loss_that_reaches_an_output_the_plan_took_as_unreached_gets_its_exact
         scale = max(g.abs().max() for g in expected.values())
         for name, p in model.named_parameters():
             assert (p.grad - expected[name]).abs().max() <= 1e-5 * scale, name
+    assert [(b.whole_calls, b.folded_calls) for b in made] == [(2, 0)]
     model.zero_grad(set_to_none=True)
     default_training_loss(optimized(**call)).backward()  # the planned loss again: folded
+    assert [(b.whole_calls, b.folded_calls) for b in made] == [(2, 1)]
     assert model.head.weight.grad is not None
 
 
