@@ -47,6 +47,7 @@ from torch.autograd import Variable
 
 from .collector import full_collections_deferred
 from .errors import InfeasibleBudgetError, user_stacklevel
+from .gradient_layouts import conform_parameter_gradients
 from .graph import CostGraph
 from .joint_capture import refuse_symbolic_shapes, warn_of_graph_break
 from .joint_lowering import (InfeasibleBudgetWarning, Lowered, SchedulePass, lower_plan, plan_and_lower, price_joint,
@@ -73,6 +74,7 @@ class _CompiledGraph:
     fake_inputs: list[Any]
     shared: bool  # one of several graphs of a step: planned with the others
     parameter_grad_bytes: int  # the gradients its backward leaves: its parameters' (not its inputs')
+    parameter_positions: tuple[int, ...] = ()  # which example inputs are parameters (AOTAutograd's primals)
     run: Callable[..., Any] | None = None  # AOTAutograd's compiled function of the current plan
     units: JointUnits | None = None
     graph: CostGraph | None = None
@@ -134,7 +136,8 @@ class RecomputeBackend:
         shared = warn_of_graph_break(gm) or self._breaks
         self._breaks = self._breaks or shared
         record = _CompiledGraph(len(self.graphs), gm, _fake_copies(example_inputs), shared,
-                                _parameter_grad_bytes(example_inputs))
+                                _parameter_grad_bytes(example_inputs),
+                                tuple(i for i, v in enumerate(example_inputs) if isinstance(v, torch.nn.Parameter)))
         compiled = self._compile(record, example_inputs)
         if record.lowered is None:  # no partition: an inference graph (no_grad), nothing to plan or track
             return compiled
@@ -194,6 +197,8 @@ class RecomputeBackend:
                    num_fwd_outputs: int, **_: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
         with full_collections_deferred():  # also a recompilation's planning, inside the user's step
             drop_backward_copies(joint, num_fwd_outputs)
+            if len(joint_inputs[0]) == len(record.fake_inputs):  # (the primals are the example inputs)
+                conform_parameter_gradients(joint, num_fwd_outputs, record.parameter_positions)
             if record.target is not None:  # compiled again with a plan chosen for the step
                 lowered = self._lower_target(record, joint, num_fwd_outputs)
             else:

@@ -180,7 +180,12 @@ class _ModuleLevelTracer(fx.Tracer):
         return not isinstance(m, COMPOSITE_TORCH_MODULES) and super().is_leaf_module(m, module_qualified_name)
 
     def call_module(self, m: nn.Module, forward: Any, args: tuple, kwargs: dict) -> Any:
-        qualname = self.path_of_module(m)
+        try:
+            qualname = self.path_of_module(m)
+        except NameError:  # a module made in forward (transformers' ``loss_fct = CrossEntropyLoss()``)
+            if next(m.parameters(), None) is not None or next(m.buffers(), None) is not None:
+                raise  # (its state would be made anew at every call: the trace could not hold it)
+            return forward(*args, **kwargs)  # stateless: its code is traced where it is called
         if self.is_leaf_module(m, qualname):
             return super().call_module(m, forward, args, kwargs)
         try:

@@ -475,3 +475,36 @@ def test_a_generator_made_in_forward_is_refused(source, tracer):
     made = r"a torch.Generator passed to rand" if source == "torch" else r"numpy.random.default_rng\(\)"
     with pytest.raises(rg.TraceError, match=rf"a generator it makes itself, {made}"):
         rg.optimize(MadeInForward(), 0.9, example_inputs=(torch.randn(32, 16),), compiler=False, tracer=tracer)
+
+
+class _LossModuleMadeInForward(nn.Module):
+    """transformers' heads write ``loss_fct = CrossEntropyLoss(); loss = loss_fct(logits, labels)``: a
+    module that is not one of the model's submodules (torch.fx: ``NameError: module is not installed as a
+    submodule``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden, self.head = nn.Linear(16, 32), nn.Linear(32, 10)
+
+    def forward(self, x, labels):
+        logits = self.head(torch.relu(self.hidden(x)))
+        loss_fct = nn.CrossEntropyLoss()
+        return loss_fct(logits, labels), logits
+
+
+def test_a_stateless_module_made_in_forward_is_traced_where_it_is_called_and_trains_exactly():
+    import recompute_graph as rg
+    torch.manual_seed(0)
+    model, x, labels = _LossModuleMadeInForward(), torch.randn(64, 16), torch.randint(0, 10, (64,))
+    graph = trace(model).graph_module.graph
+    assert any("cross_entropy" in str(n.target) for n in graph.nodes)
+    report = rg.verify(model, 1.0, example_inputs=(x, labels), compiler=False)
+    assert report.gradient_error < 1e-6 and abs(report.prediction_error) <= 0.02
+
+
+def test_a_module_with_parameters_made_in_forward_is_refused():
+    class MadeWithWeights(nn.Module):
+        def forward(self, x):
+            return nn.Linear(4, 4)(x)
+    with pytest.raises(TraceError, match="not installed as a submodule"):
+        trace(MadeWithWeights())
