@@ -74,7 +74,7 @@ class _CompiledGraph:
     fake_inputs: list[Any]
     shared: bool  # one of several graphs of a step: planned with the others
     parameter_grad_bytes: int  # the gradients its backward leaves: its parameters' (not its inputs')
-    parameter_positions: tuple[int, ...] = ()  # which example inputs are parameters (AOTAutograd's primals)
+    leaf_positions: tuple[int, ...] = ()  # which example inputs are leaves requiring grad (parameters): primals
     run: Callable[..., Any] | None = None  # AOTAutograd's compiled function of the current plan
     units: JointUnits | None = None
     graph: CostGraph | None = None
@@ -97,6 +97,13 @@ def _parameter_grad_bytes(example_inputs: Any) -> int:
     ``nn.Parameter``s), without those of its other inputs that require one (an earlier graph's outputs)."""
     return sum(value.numel() * value.element_size() for value in example_inputs
                if isinstance(value, torch.nn.Parameter) and value.requires_grad)
+
+
+def _leaf_positions(example_inputs: Any) -> tuple[int, ...]:
+    """Which example inputs are leaves that require grad (parameters, a user's input with
+    ``requires_grad``): their gradients go to ``AccumulateGrad``, not to an earlier graph's backward."""
+    return tuple(i for i, v in enumerate(example_inputs)
+                 if isinstance(v, torch.Tensor) and v.requires_grad and v.is_leaf)
 
 
 class RecomputeBackend:
@@ -137,7 +144,7 @@ class RecomputeBackend:
         self._breaks = self._breaks or shared
         record = _CompiledGraph(len(self.graphs), gm, _fake_copies(example_inputs), shared,
                                 _parameter_grad_bytes(example_inputs),
-                                tuple(i for i, v in enumerate(example_inputs) if isinstance(v, torch.nn.Parameter)))
+                                _leaf_positions(example_inputs))
         compiled = self._compile(record, example_inputs)
         if record.lowered is None:  # no partition: an inference graph (no_grad), nothing to plan or track
             return compiled
@@ -198,7 +205,7 @@ class RecomputeBackend:
         with full_collections_deferred():  # also a recompilation's planning, inside the user's step
             drop_backward_copies(joint, num_fwd_outputs)
             if len(joint_inputs[0]) == len(record.fake_inputs):  # (the primals are the example inputs)
-                conform_parameter_gradients(joint, num_fwd_outputs, record.parameter_positions)
+                conform_parameter_gradients(joint, num_fwd_outputs, record.leaf_positions)
             if record.target is not None:  # compiled again with a plan chosen for the step
                 lowered = self._lower_target(record, joint, num_fwd_outputs)
             else:

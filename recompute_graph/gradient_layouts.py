@@ -46,11 +46,12 @@ def _memory_format(parameter: torch.Tensor) -> "torch.memory_format | None":
 
 
 def conform_parameter_gradients(joint: fx.GraphModule, num_fwd_outputs: int,
-                                parameter_positions: Sequence[int]) -> int:
-    """Copy each parameter gradient of ``joint`` that autograd would copy into the parameter's layout,
-    where it is made (module docstring). ``parameter_positions``: which primals (AOTAutograd's flat
-    inputs, in order) are parameters; the joint graph's outputs after the first ``num_fwd_outputs`` are
-    the primals' gradients in that order. Returns how many copies it added."""
+                                leaf_positions: Sequence[int]) -> int:
+    """Copy each gradient of a leaf of ``joint`` that autograd would copy into the leaf's layout, where it
+    is made (module docstring). ``leaf_positions``: which primals (AOTAutograd's flat inputs, in order)
+    are leaves that require grad (parameters; an earlier graph's output is not: its gradient goes to
+    that graph's backward); the joint graph's outputs after the first ``num_fwd_outputs`` are the
+    primals' gradients in that order. Returns how many copies it added."""
     primals = [n for n in joint.graph.nodes if n.op == "placeholder" and "tangents" not in n.name]
     output = next(n for n in reversed(joint.graph.nodes) if n.op == "output")
     outputs = list(output.args[0])
@@ -58,7 +59,7 @@ def conform_parameter_gradients(joint: fx.GraphModule, num_fwd_outputs: int,
     if len(gradients) != len(primals):
         return 0
     added = 0
-    for position in parameter_positions:
+    for position in leaf_positions:
         gradient, primal = gradients[position] if position < len(gradients) else None, primals[position]
         value, parameter = (gradient.meta.get("val") if isinstance(gradient, fx.Node) else None), primal.meta.get("val")
         if not isinstance(value, torch.Tensor) or not isinstance(parameter, torch.Tensor) or \
