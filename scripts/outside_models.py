@@ -12,7 +12,7 @@ the path, the solver, the gradients' error (of the largest gradient), measured a
 where the model takes it, else the first of 64, 96, 128 and its own size that runs). ``--hf CONFIG:TASK``:
 ``transformers.{CONFIG}Config()`` shrunk (two layers, width 32, four heads, ...) under the auto class of the
 task: ``clm`` (causal LM, labels), ``mlm`` (masked LM, labels), ``cls`` (sequence classification), ``s2s``
-(seq2seq LM, labels), ``img`` (image classification), on 2 x 32 tokens. Session 48 ran 79 timm models and
+(seq2seq LM, labels), ``img`` (image classification), on 2 x 32 tokens. Session 48 ran 76 timm models and
 69 transformers configurations (docs/benchmarks.md, "Models outside the conformance set").
 """
 from __future__ import annotations
