@@ -21,6 +21,8 @@ from typing import Any, Sequence
 import torch
 from torch import fx
 
+from .joint_coefficients import is_tangent
+
 __all__ = ["obeys_layout_contract", "conform_parameter_gradients"]
 
 
@@ -52,21 +54,20 @@ def conform_parameter_gradients(joint: fx.GraphModule, num_fwd_outputs: int,
     are leaves that require grad (parameters; an earlier graph's output is not: its gradient goes to
     that graph's backward); the joint graph's outputs after the first ``num_fwd_outputs`` are the
     primals' gradients in that order. Returns how many copies it added."""
-    primals = [n for n in joint.graph.nodes if n.op == "placeholder" and "tangents" not in n.name]
+    primals = [n for n in joint.graph.nodes if n.op == "placeholder" and not is_tangent(n)]
     output = next(n for n in reversed(joint.graph.nodes) if n.op == "output")
     outputs = list(output.args[0])
-    gradients = outputs[num_fwd_outputs:]
-    if len(gradients) != len(primals):
+    if len(outputs) - num_fwd_outputs != len(primals):
         return 0
     added = 0
     for position in leaf_positions:
-        gradient, primal = gradients[position] if position < len(gradients) else None, primals[position]
-        value, parameter = (gradient.meta.get("val") if isinstance(gradient, fx.Node) else None), primal.meta.get("val")
+        gradient, parameter = outputs[num_fwd_outputs + position], primals[position].meta.get("val")
+        value = gradient.meta.get("val") if isinstance(gradient, fx.Node) else None
         if not isinstance(value, torch.Tensor) or not isinstance(parameter, torch.Tensor) or \
-                obeys_layout_contract(value, parameter):
+                value.shape != parameter.shape or obeys_layout_contract(value, parameter):
             continue
         memory_format = _memory_format(parameter)
-        if memory_format is None or value.shape != parameter.shape:
+        if memory_format is None:
             continue
         with joint.graph.inserting_after(gradient):
             copy = joint.graph.call_function(torch.ops.aten.clone.default, (gradient,),
