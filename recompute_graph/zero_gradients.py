@@ -26,8 +26,10 @@ Folding (invariant: the folded graph returns what the graph returns when the zer
 up to the sign of zero and to ``0 * inf``): a node is *zero* when it is a zero tangent, an op linear in
 its first argument (a view, a sum, a cast, an activation's or a loss's backward) whose first argument is
 zero, a product (``mul``, ``mm``, ``bmm``) one of whose factors is zero, a sum of zeros, or an item of a
-zero tuple. ``add(x, zero)`` and ``sub(x, zero)`` are ``x`` where ``x`` has the sum's shape and dtype.
-Any other node reading a zero reads real zeros (``aten.zeros``, made once before its first such reader),
+zero tuple. ``add(x, zero)`` and ``sub(x, zero)`` are ``x`` where ``x`` has the sum's shape and dtype, or a
+copy of ``x`` laid out as the sum is where their strides differ (a later ``view`` may rely on the sum's).
+Any other node reading a zero reads real zeros (``aten.zeros``, made once before its first such reader, laid
+out as the zero value is),
 and so do the graph's outputs (a parameter gradient only an unreached output would send is zeros, as
 AOTAutograd returns it). Zero nodes are then dead code and removed.
 """
@@ -157,14 +159,52 @@ def _passed_through(node: fx.Node, zero: set[fx.Node]) -> fx.Node | None:
     return other if mine.shape == theirs.shape and mine.dtype == theirs.dtype else None
 
 
-def _zeros_value(value: torch.Tensor) -> torch.Tensor:
-    """A value for ``meta["val"]`` of new zeros shaped like ``value``: a storage of its own (fake where
-    ``value`` is)."""
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` (of one shape) step through memory alike (dimensions of size 1 aside)."""
+    return all(size == 1 or x == y for size, x, y in zip(a.shape, a.stride(), b.stride()))
+
+
+def _dense_order(value: torch.Tensor) -> list[int] | None:
+    """The dimensions of ``value`` from outermost to innermost in memory when it is dense and does not
+    overlap (a permutation of a contiguous tensor), else None."""
+    order = sorted(range(value.dim()), key=lambda d: -value.stride(d))
+    expected = 1
+    for d in reversed(order):
+        if value.shape[d] != 1 and value.stride(d) != expected:
+            return None
+        expected *= value.shape[d]
+    return order
+
+
+def _laid_out_like(graph: fx.Graph, source: fx.Node, value: torch.Tensor, before: fx.Node) -> fx.Node | None:
+    """A copy of ``source`` (inserted before ``before``) laid out as ``value`` is, which must be dense:
+    ``permute(clone(permute(source, order)), inverse)``; None where ``value`` is not dense."""
+    order = _dense_order(value)
+    if order is None:
+        return None
+    aten = torch.ops.aten
+    inverse = sorted(range(len(order)), key=order.__getitem__)
+    node = source
+    with graph.inserting_before(before):
+        steps = [(aten.clone.default, (), {"memory_format": torch.contiguous_format})]
+        if order != sorted(order):
+            steps = [(aten.permute.default, (order,), {})] + steps + [(aten.permute.default, (inverse,), {})]
+        for target, args, kwargs in steps:
+            made = graph.call_function(target, (node,) + args, kwargs)
+            made.meta["val"] = target(node.meta["val"], *args, **kwargs)
+            node = made
+    return node
+
+
+def _zeros_value(value: torch.Tensor, order: list[int]) -> torch.Tensor:
+    """A value for ``meta["val"]`` of new zeros shaped like ``value`` with its dimensions in ``order``: a
+    storage of its own (fake where ``value`` is)."""
+    shape = [value.shape[d] for d in order]
     mode = getattr(value, "fake_mode", None)
     if mode is not None:
         with mode:
-            return torch.empty(value.shape, dtype=value.dtype, device=value.device)
-    return torch.empty(value.shape, dtype=value.dtype, device="meta")
+            return torch.empty(shape, dtype=value.dtype, device=value.device)
+    return torch.empty(shape, dtype=value.dtype, device="meta")
 
 
 def fold_zero_tangents(graph_module: fx.GraphModule, tangents: Iterable[str], *,
@@ -181,12 +221,17 @@ def fold_zero_tangents(graph_module: fx.GraphModule, tangents: Iterable[str], *,
     def real_zeros(value_node: fx.Node, before: fx.Node) -> fx.Node:
         if value_node not in materialized:
             value = value_node.meta["val"]
+            order = _dense_order(value) or list(range(value.dim()))
             with graph.inserting_before(before):
-                made = graph.call_function(torch.ops.aten.zeros.default, (list(value.shape),),
+                made = graph.call_function(torch.ops.aten.zeros.default, ([value.shape[d] for d in order],),
                                            {"dtype": value.dtype, "layout": torch.strided, "device": value.device,
                                             "pin_memory": False})
-            made.meta["val"] = _zeros_value(value)
-            made.meta[FOLDED_ZEROS] = True
+                made.meta["val"] = _zeros_value(value, order)
+                made.meta[FOLDED_ZEROS] = True
+                if order != sorted(order):  # laid out as the zero value is: a reader's result may rely on it
+                    inverse = sorted(range(len(order)), key=order.__getitem__)
+                    made = graph.call_function(torch.ops.aten.permute.default, (made, inverse))
+                    made.meta["val"] = torch.ops.aten.permute.default(made.args[0].meta["val"], inverse)
             materialized[value_node] = made
         return materialized[value_node]
 
@@ -197,6 +242,8 @@ def fold_zero_tangents(graph_module: fx.GraphModule, tangents: Iterable[str], *,
             zero.add(node)
             continue
         other = _passed_through(node, zero)
+        if other is not None and not _same_layout(node.meta["val"], other.meta["val"]):
+            other = _laid_out_like(graph, other, node.meta["val"], before=node)
         if other is not None:
             node.replace_all_uses_with(other)
             graph.erase_node(node)

@@ -1,6 +1,7 @@
 """Models outside the conformance set, tried as a new user would: ``rg.verify`` at half the activations.
 
-    python scripts/outside_models.py [--timm NAME ...] [--hf CONFIG:TASK ...] [--fraction 0.5] [--timeout 400]
+    python scripts/outside_models.py [--timm NAME ...] [--torchvision NAME ...] [--hf CONFIG:TASK ...]
+                                     [--fraction 0.5] [--timeout 400]
 
 For each model, in a process of its own (one thread): build it untrained with small sizes, then
 ``rg.verify(model, fraction, ...)`` with ``optimize()``'s defaults (the compiler path, the executor as its
@@ -9,10 +10,13 @@ the path, the solver, the gradients' error (of the largest gradient), measured a
 (allocator), within the budget or not, and any fallback warning or error.
 
 ``--timm NAME``: ``timm.create_model(NAME, num_classes=10)`` on a batch of 2 images, 64 x 64 (``img_size=64``
-where the model takes it, else the first of 64, 96, 128 and its own size that runs). ``--hf CONFIG:TASK``:
-``transformers.{CONFIG}Config()`` shrunk (two layers, width 32, four heads, ...) under the auto class of the
+where the model takes it, else the first of 64, 96, 128 and its own size that runs). ``--torchvision NAME``: a torchvision builder with ``weights=None, num_classes=10``: a classification one on
+2 images (the first of 64, 96, 128 and 224 pixels that runs), a ``video`` one on 2 clips of 8 frames (the
+first of 32, 64, 112 and 224 pixels), a ``segmentation`` one on 2 images of 64 pixels. ``--hf CONFIG:TASK``:
+``transformers.{CONFIG}Config()`` (or the configuration of that ``model_type``) shrunk (two layers, width 32, four heads, ...) under the auto class of the
 task: ``clm`` (causal LM, labels), ``mlm`` (masked LM, labels), ``cls`` (sequence classification), ``s2s``
-(seq2seq LM, labels), ``img`` (image classification), on 2 x 32 tokens. Session 48 ran 76 timm models and
+(seq2seq LM, labels), ``img`` (image classification), on 2 x 32 tokens; ``CONFIG:TASK:key=value,...`` then sets those keys (JSON values) on the configuration.
+Session 48 ran 76 timm models and
 69 transformers configurations (docs/benchmarks.md, "Models outside the conformance set").
 """
 from __future__ import annotations
@@ -58,19 +62,46 @@ def _timm_model(name: str) -> tuple[torch.nn.Module, dict]:
     raise RuntimeError(f"{name}: no input size runs")
 
 
+def _torchvision_model(name: str) -> tuple[torch.nn.Module, dict]:
+    from models_zoo import third_party
+    models = third_party.import_torchvision().models
+    for family, sizes, shape in ((models, (64, 96, 128, 224), (2, 3)), (models.video, (32, 64, 112, 224), (2, 3, 8)),
+                                 (models.segmentation, (64,), (2, 3))):
+        if name not in models.list_models(module=family):
+            continue
+        options = dict(weights_backbone=None) if family is models.segmentation else {}
+        for size in sizes:
+            torch.manual_seed(0)
+            model = getattr(family, name)(weights=None, num_classes=10, **options)
+            x = torch.randn(*shape, size, size, generator=torch.Generator().manual_seed(0))
+            try:
+                with torch.no_grad():
+                    model.eval()(x)
+            except Exception:  # noqa: BLE001 - a size the model does not take: the next one
+                continue
+            return model.train(), {"example_inputs": (x,)}
+        raise RuntimeError(f"{name}: no input size runs")
+    raise RuntimeError(f"{name}: not a torchvision classification, video or segmentation builder")
+
+
 def _hf_model(spec: str) -> tuple[torch.nn.Module, dict]:
     from models_zoo import third_party
     third_party.import_timm()  # (transformers imports torchvision)
     import transformers
     transformers.logging.set_verbosity_error()
-    config_name, task = spec.split(":")
-    config = getattr(transformers, config_name + "Config")()
+    config_name, task, *overrides = spec.split(":")
+    if config_name in transformers.CONFIG_MAPPING:
+        config = transformers.CONFIG_MAPPING[config_name]()
+    else:
+        config = getattr(transformers, config_name + "Config")()
     for key, value in _SHRINK.items():
         if hasattr(config, key) and not isinstance(getattr(config, key), (list, tuple)):
             try:
                 setattr(config, key, value)
             except Exception:  # noqa: BLE001 - a read-only property of this configuration
                 pass
+    for key, value in (item.split("=", 1) for item in ",".join(overrides).split(",") if item):
+        setattr(config, key, json.loads(value))
     vocabulary = min(getattr(config, "vocab_size", 1000) or 1000, 1000)
     generator = torch.Generator().manual_seed(7)
     ids = torch.randint(3, vocabulary, (2, 32), generator=generator)
@@ -95,7 +126,7 @@ def run_one(kind: str, name: str, fraction: float) -> dict[str, Any]:
     started = time.perf_counter()
     caught: list[Any] = []
     try:
-        model, call = _timm_model(name) if kind == "timm" else _hf_model(name)
+        model, call = {"timm": _timm_model, "torchvision": _torchvision_model, "hf": _hf_model}[kind](name)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
@@ -126,6 +157,7 @@ def _cell(row: dict[str, Any]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--timm", nargs="*", default=[])
+    parser.add_argument("--torchvision", nargs="*", default=[])
     parser.add_argument("--hf", nargs="*", default=[])
     parser.add_argument("--fraction", type=float, default=0.5)
     parser.add_argument("--timeout", type=int, default=400)
@@ -136,7 +168,7 @@ def main() -> None:
         return
     print("| model | path | solver | gradient error | measured / predicted | within the budget |")
     print("|---|---|---|---|---|---|")
-    for kind, names in (("timm", args.timm), ("hf", args.hf)):
+    for kind, names in (("timm", args.timm), ("torchvision", args.torchvision), ("hf", args.hf)):
         for name in names:
             command = [sys.executable, __file__, "--one", kind, name, "--fraction", str(args.fraction)]
             try:

@@ -126,3 +126,58 @@ def test_folding_a_zero_tangent_keeps_what_the_graph_computes():
         assert torch.equal(a, b)
     dropped = fold_zero_tangents(folded, ["tangents_1"], drop_placeholders=True)
     assert [n.name for n in dropped.graph.nodes if n.op == "placeholder"] == ["primals_1", "tangents_2"]
+
+
+class _TransposedLogits(nn.Module):
+    """Returns logits transposed (a view), and a loss on a reshaped copy of them, as ProphetNet does: the
+    logits' gradient is the sum of their (zero) tangent, contiguous, and the loss's gradient, transposed,
+    and the backward then views that sum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(8, 32)
+
+    def forward(self, x, labels=None):
+        logits = self.head(x).transpose(0, 1)
+        output = {"logits": logits}
+        if labels is not None:
+            output["loss"] = nn.functional.cross_entropy(logits.reshape(-1, 32), labels.reshape(-1))
+        return output
+
+
+def test_a_folded_sum_keeps_the_layout_of_the_sum():
+    """transformers' ProphetNet raised ``view size is not compatible with input tensor's size and stride``:
+    the sum of a zero tangent and a transposed gradient was folded into the transposed gradient, which the
+    backward then viewed as the contiguous sum."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _TransposedLogits()
+    call = dict(x=torch.randn(2, 3, 4, 8), labels=torch.randint(0, 32, (3, 2, 4)))
+    report = rg.verify(model, 1.0, example_kwargs=call, compiler=True)
+    assert report.gradient_error < 1e-5
+    assert abs(report.prediction_error) <= 0.02
+
+
+def test_folding_a_sum_whose_term_is_laid_out_otherwise_copies_it_into_the_sum_s_layout():
+    aten = torch.ops.aten
+
+    def backward(tangents_1, tangents_2, tangents_3, tangents_4):
+        term = aten.transpose.int(tangents_2, 0, 1)  # (3, 2, 4) laid out as (2, 3, 4)
+        total = aten.add.Tensor(tangents_1, term)  # contiguous: a copy of term
+        channels_last = aten.permute.default(tangents_3, [0, 3, 1, 2])  # zero, (2, 5, 3, 4) laid out as (2, 3, 4, 5)
+        passed = aten.add.Tensor(channels_last, tangents_4)  # laid out as channels_last: a copy of tangents_4
+        broadcast = aten.view.default(aten.mul.Tensor(tangents_2, 2.0), [2, 1, 3, 4])
+        read = aten.add.Tensor(channels_last, broadcast)  # reads real zeros, laid out as channels_last
+        return (aten.view.default(total, [6, 4]), aten.view.default(aten.permute.default(passed, [0, 2, 3, 1]), [-1]),
+                aten.view.default(aten.permute.default(read, [0, 2, 3, 1]), [-1]))
+    graph_module = _traced(backward, (3, 2, 4), (2, 3, 4), (2, 3, 4, 5), (2, 5, 3, 4))
+    folded = fold_zero_tangents(graph_module, ["tangents_1", "tangents_3"])
+    tangent, other = torch.randn(2, 3, 4), torch.randn(2, 5, 3, 4)
+    expected = graph_module(torch.zeros(3, 2, 4), tangent, torch.zeros(2, 3, 4, 5), other)
+    got = folded(None, tangent, None, other)
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b) and a.stride() == b.stride()
+    for node in folded.graph.nodes:
+        if node.op == "call_function":
+            assert node.meta["val"].stride() == node.target(*fx.node.map_arg(
+                node.args, lambda a: a.meta["val"]), **node.kwargs).stride()
