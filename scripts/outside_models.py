@@ -110,7 +110,8 @@ def _hf_model(spec: str) -> tuple[torch.nn.Module, dict]:
             "s2s": "AutoModelForSeq2SeqLM", "img": "AutoModelForImageClassification"}[task]
     model = getattr(transformers, auto).from_config(config)
     if task == "img":
-        size = config.image_size if isinstance(config.image_size, int) else config.image_size[0]
+        size = getattr(config, "image_size", 64)
+        size = size if isinstance(size, int) else size[0]
         call = dict(pixel_values=torch.randn(2, 3, size, size, generator=generator), labels=torch.tensor([0, 1]))
     else:
         labels = {"clm": ids, "mlm": ids, "cls": torch.tensor([0, 1]), "s2s": ids[:, :16].contiguous()}[task]

@@ -181,3 +181,28 @@ def test_folding_a_sum_whose_term_is_laid_out_otherwise_copies_it_into_the_sum_s
         if node.op == "call_function":
             assert node.meta["val"].stride() == node.target(*fx.node.map_arg(
                 node.args, lambda a: a.meta["val"]), **node.kwargs).stride()
+
+
+class _ViewsOfOneTensor(nn.Module):
+    """Returns two views of one intermediate beside its own loss, as ProphetNet returns ``logits`` and
+    ``logits_ngram``: AOTAutograd returns the intermediate as another output, with the one tangent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(8, 2048)
+
+    def forward(self, x, labels):
+        predictions = self.head(x)  # (2, 3, 16, 2048)
+        loss = nn.functional.cross_entropy(predictions.reshape(-1, 2048), labels.reshape(-1))
+        return {"loss": loss, "first": predictions[:, 0], "rest": predictions[:, 1:]}
+
+
+def test_views_of_an_intermediate_returned_beside_the_loss_get_no_gradient_in_the_prediction():
+    """Both views' gradients were charged when the backward starts, which the step never makes: predicted
+    1.18 of ProphetNet's measured peak."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    call = dict(x=torch.randn(2, 3, 16, 8), labels=torch.randint(0, 2048, (2, 3, 16)))
+    report = rg.verify(_ViewsOfOneTensor(), 1.0, example_kwargs=call, compiler=True)
+    assert report.gradient_error < 1e-5
+    assert abs(report.prediction_error) <= 0.02
