@@ -4,7 +4,8 @@
 docstring) and, for each call ``model(*args, **kwargs)``, gives a :class:`CallGraph`: the traced graph,
 how the call's values map onto its placeholders and how its output maps back to what the model returns.
 An fx graph serves every call (its placeholders mirror ``forward``'s signature); an exported graph serves
-one call structure (``export_trace.py``).
+one call structure (``export_trace.py``); where neither can be made, an fx graph of the call structure
+does (``call_structure_trace.py``).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any, Callable, Iterator
 
 from torch import nn
 
+from .call_structure_trace import CallStructure, call_structure, call_values, root_function
 from .costs import profile_graph
 from .errors import TraceError
 from .graph import CostGraph
@@ -69,6 +71,7 @@ class CallGraphs:
                             or (tracer == "auto" and bool(self.fx_trace.opaque_modules
                                                           or self.fx_trace.unsafe_mutations)))
         self._bind = placeholder_binder(model, self.fx_trace.graph_module) if self.fx_trace is not None else None
+        self._per_call: dict[CallStructure, CallGraph] = {}  # fx graphs per call structure (_fx_graph_for_call)
 
     def graph_for(self, args: tuple, kwargs: dict) -> CallGraph:
         """The graph for calls like ``model(*args, **kwargs)``: exported when export is in use (falling
@@ -90,8 +93,7 @@ class CallGraphs:
             both_kept = all(KEPT_TENSOR_WORDS in str(e) for e in (self.fx_error, export_error))
             if self.fx_error is None or both_kept:
                 raise  # (both tracers refused the same kept tensor: export's words say it)
-            raise TraceError(f"{self.fx_error}\n{export_error}", module_path=self.fx_error.module_path,
-                             source_location=self.fx_error.source_location) from export_error
+            return self._fx_graph_for_call(args, kwargs, export_error)
         model = self.model
 
         def inputs_of(call_args: tuple, call_kwargs: dict) -> list[Any]:
@@ -110,6 +112,31 @@ class CallGraphs:
         """The plain forward: the model itself (its hooks as they are now, its ``self.training``
         branches taken in eval mode, which the fx graph traced in training mode has baked in)."""
         return self.model(*args, **kwargs)
+
+    def _fx_graph_for_call(self, args: tuple, kwargs: dict, export_error: TraceError) -> CallGraph:
+        """Where neither the fx graph of ``forward`` as written nor an export exists: an fx graph of this
+        call structure (``call_structure_trace``), made once per structure; else ``TraceError`` with
+        what each tracer said."""
+        structure = call_structure(self.model, args, kwargs)
+        fx_error = self.fx_error
+        if structure is not None and structure in self._per_call:
+            return self._per_call[structure]
+        if structure is not None:
+            try:
+                traced = trace(self.model, root_function(self.model, structure))
+            except TraceError as error:
+                fx_error = error
+            else:
+                if not traced.unsafe_mutations:
+                    call = CallGraph(traced, call_values(self.model, structure), _unchanged, exported=False)
+                    self._per_call[structure] = call
+                    return call
+                fx_error = TraceError(
+                    f"cannot plan {type(self.model).__name__} from its torch.fx graph: it writes into an activation"
+                    f" through one view while another view of it is read later: {traced.unsafe_mutations[0]}",
+                    module_path="")
+        raise TraceError(f"{fx_error}\n{export_error}", module_path=fx_error.module_path,
+                         source_location=fx_error.source_location) from export_error
 
     def _fx_graph(self) -> CallGraph:
         return CallGraph(self.fx_trace, self._bind, _unchanged, exported=False)

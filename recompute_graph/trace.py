@@ -37,6 +37,7 @@ from torch.utils._pytree import tree_flatten
 
 from .autograd_in_forward import (HookRefused, functions_kept_whole, proxy_hooks_refused,
                                   refuse_differentiation_nodes)
+from .call_structure_trace import wrapped_in_varargs
 from .errors import TraceError
 from .kept_tensors import (AttributeSnapshot, KeptOutsideTheModel, carried_by_a_trace, containers_keeping_proxies,
                            kept_tensor_message)
@@ -132,9 +133,10 @@ def _refused_tensor_attribute_writes(proxy: fx.Proxy, name: str, value: Any) -> 
 class _ModuleLevelTracer(fx.Tracer):
     """fx tracer that treats ``opaque`` submodules as leaves and reports which submodule failed."""
 
-    def __init__(self, opaque: frozenset[str]) -> None:
+    def __init__(self, opaque: frozenset[str], root_function: Any = None) -> None:
         super().__init__()
         self.opaque = opaque
+        self.root_function = root_function  # traced in place of ``forward`` (``call_structure_trace``)
         self.made: list[weakref.ref[fx.Proxy]] = []  # every proxy of the trace (``containers_keeping_proxies``)
         self.record_stack_traces = True  # so that errors can name the user's source line
         # buffers read as attributes (``self.num_batches_tracked.add_(1)`` in timm's BatchNormAct2d)
@@ -160,6 +162,14 @@ class _ModuleLevelTracer(fx.Tracer):
                     delattr(fx.Proxy, dunder)
                 else:
                     setattr(fx.Proxy, dunder, method)
+
+    def create_args_for_root(self, root_fn: Any, is_module: bool, concrete_args: Any = None) -> Any:
+        if self.root_function is not None:
+            root_fn = self.root_function
+        elif is_module and wrapped_in_varargs(root_fn):
+            raise RuntimeError(f"forward is a decorator's (*args, **kwargs) wrapper of {root_fn.__qualname__}, "
+                               "whose signature torch.fx cannot mirror; the model is traced for each call instead")
+        return super().create_args_for_root(root_fn, is_module, concrete_args)
 
     def create_proxy(self, *args: Any, **kwargs: Any) -> fx.Proxy:
         proxy = super().create_proxy(*args, **kwargs)
@@ -196,8 +206,9 @@ class _ModuleLevelTracer(fx.Tracer):
             raise _SubmoduleTraceFailure(qualname, error) from error
 
 
-def trace(model: nn.Module) -> TraceResult:
-    """Trace ``model`` into a module-level fx graph, making untraceable submodules opaque.
+def trace(model: nn.Module, root_function: Any = None) -> TraceResult:
+    """Trace ``model`` into a module-level fx graph, making untraceable submodules opaque; with
+    ``root_function``, that function in place of ``forward`` (``call_structure_trace.root_function``).
 
     Raises :class:`TraceError` naming the root module and the source line if the root's own
     ``forward`` cannot be traced. The user's model is never modified.
@@ -210,7 +221,7 @@ def trace(model: nn.Module) -> TraceResult:
                 functions_kept_whole(name), proxy_hooks_refused(name), \
                 host_random_draws_refused(model, "torch.fx", torch_generator=True), kept_hook_tensors_refused(
                     list(model.named_modules()), name, lambda message: TraceError(message, module_path="")):
-            result, made = _trace(model)
+            result, made = _trace(model, root_function)
         outside = containers_keeping_proxies(made, model)  # (after the hooks' own refusals, which say more)
         if outside:
             raise KeptOutsideTheModel(kept_tensor_message(
@@ -274,11 +285,11 @@ _KEPT_OUTSIDE = ("torch.fx left a proxy of its trace there (taken out now), torc
                  "and the executor's graph runs no Python to fill it")
 
 
-def _trace(model: nn.Module) -> "tuple[TraceResult, list[weakref.ref[fx.Proxy]]]":
+def _trace(model: nn.Module, root_function: Any = None) -> "tuple[TraceResult, list[weakref.ref[fx.Proxy]]]":
     opaque: dict[str, str] = {}
     submodule_count = sum(1 for _ in model.modules())
     for _attempt in range(submodule_count + 1):
-        tracer = _ModuleLevelTracer(frozenset(opaque))
+        tracer = _ModuleLevelTracer(frozenset(opaque), root_function)
         before = [(module, dict(module.__dict__), dict(module._buffers), dict(module._parameters))
                   for module in model.modules()]
         attributes = AttributeSnapshot(model)
