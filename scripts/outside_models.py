@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -100,7 +101,7 @@ def _hf_model(spec: str) -> tuple[torch.nn.Module, dict]:
                 setattr(config, key, value)
             except Exception:  # noqa: BLE001 - a read-only property of this configuration
                 pass
-    for key, value in (item.split("=", 1) for item in ",".join(overrides).split(",") if item):
+    for key, value in re.findall(r"(\w+)=(\[[^\]]*\]|[^,]+)", ":".join(overrides)):
         setattr(config, key, json.loads(value))
     vocabulary = min(getattr(config, "vocab_size", 1000) or 1000, 1000)
     generator = torch.Generator().manual_seed(7)
