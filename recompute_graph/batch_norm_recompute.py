@@ -54,12 +54,14 @@ def training_batch_norm(node: fx.Node) -> bool:
 def reads_updated_state(node: fx.Node) -> bool:
     """A node that cannot be copied into the backward: a BatchNorm (or an item of its result) that
     reads running statistics AOTAutograd writes back after the forward (autograd's version check
-    refuses them there), except a training-mode functional BatchNorm, whose copy runs without them;
-    and the new running statistics themselves (items 3 and 4), read from the forward."""
+    refuses them there), except a training-mode functional BatchNorm, whose copy runs without them, and
+    ``_native_batch_norm_legit.no_stats``, which has none (BiT's weight standardization normalizes each
+    convolution's weight so: its outputs were saved where the plan recomputed them, a step 1.11 of its
+    prediction); and the new running statistics themselves (items 3 and 4), read from the forward."""
     if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
         return reads_updated_state(node.args[0]) or (training_batch_norm(node.args[0]) and node.args[1] >= 3)
     return (node.op == "call_function" and op_name(node.target) in STATE_READING_TARGETS
-            and not training_batch_norm(node))
+            and not training_batch_norm(node) and node.target is not torch.ops.aten._native_batch_norm_legit.no_stats)
 
 
 def _item(node: fx.Node, index: int) -> fx.Node | None:

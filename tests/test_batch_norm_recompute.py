@@ -226,3 +226,31 @@ def test_reduced_precision_batch_norms_are_recomputed_from_the_batch_and_priced_
     measured, predicted = measured_and_predicted_peaks(
         model, inputs, budget_backend(0.3, solver="chain_dp", on_infeasible="floor"))
     assert measured * 0.99 <= predicted <= measured * 1.01, (measured, predicted)
+
+
+class _StandardizedConv(nn.Conv2d):
+    """BiT's weight-standardized convolution: the weight normalized by ``batch_norm`` without running
+    statistics (``_native_batch_norm_legit.no_stats`` in the joint graph) at every call."""
+
+    def forward(self, x):
+        weight = nn.functional.batch_norm(self.weight.reshape(1, self.out_channels, -1), None, None,
+                                          training=True, momentum=0.0, eps=1e-8).reshape_as(self.weight)
+        return nn.functional.conv2d(x, weight, self.bias, self.stride, self.padding)
+
+
+def test_a_batch_norm_without_running_statistics_is_recomputed_where_the_plan_says():
+    """Its outputs were saved where the plan recomputed them: BiT measured 1.11 of its prediction."""
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(4):
+        layers += [_StandardizedConv(64, 64, 3, padding=1), nn.GroupNorm(8, 64), nn.ReLU()]
+    model = nn.Sequential(_StandardizedConv(3, 64, 3, padding=1), *layers)
+    inputs = (torch.randn(2, 3, 8, 8),)
+    error, _ = compiled_step_matches_eager(model, inputs, budget_backend(0.5, solver="chain_dp",
+                                                                         on_infeasible="floor"))
+    assert error < 1e-6
+    lowered = last_lowering()
+    assert "no_stats" in lowered.backward_graph.code  # (a weight standardization recomputed)
+    measured, predicted = measured_and_predicted_peaks(model, inputs, budget_backend(0.5, solver="chain_dp",
+                                                                                     on_infeasible="floor"))
+    assert measured * 0.97 <= predicted <= measured * 1.03
