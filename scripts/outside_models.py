@@ -10,14 +10,20 @@ the path, the solver, the gradients' error (of the largest gradient), measured a
 (allocator), within the budget or not, and any fallback warning or error.
 
 ``--timm NAME``: ``timm.create_model(NAME, num_classes=10)`` on a batch of 2 images, 64 x 64 (``img_size=64``
-where the model takes it, else the first of 64, 96, 128 and its own size that runs). ``--torchvision NAME``: a torchvision builder with ``weights=None, num_classes=10``: a classification one on
-2 images (the first of 64, 96, 128 and 224 pixels that runs), a ``video`` one on 2 clips of 8 frames (the
-first of 32, 64, 112 and 224 pixels), a ``segmentation`` one on 2 images of 64 pixels. ``--hf CONFIG:TASK``:
-``transformers.{CONFIG}Config()`` (or the configuration of that ``model_type``) shrunk (two layers, width 32, four heads, ...) under the auto class of the
-task: ``clm`` (causal LM, labels), ``mlm`` (masked LM, labels), ``cls`` (sequence classification), ``s2s``
-(seq2seq LM, labels), ``img`` (image classification), on 2 x 32 tokens; ``CONFIG:TASK:key=value,...`` then sets those keys (JSON values) on the configuration.
-Session 48 ran 76 timm models and
-69 transformers configurations (docs/benchmarks.md, "Models outside the conformance set").
+where the model takes it, else the first of 64, 96, 128 and its own size that runs).
+
+``--torchvision NAME``: a torchvision builder with ``weights=None, num_classes=10``: a classification one
+on 2 images (the first of 64, 96, 128 and 224 pixels that runs), a ``video`` one on 2 clips of 8 frames
+(the first of 32, 64, 112 and 224 pixels), a ``segmentation`` one on 2 images of 64 pixels.
+
+``--hf CONFIG:TASK``: ``transformers.{CONFIG}Config()`` (or the configuration of that ``model_type``,
+``qwen3_next``) shrunk (two layers, width 32, four heads, ...) under the auto class of the task: ``clm``
+(causal LM, labels), ``mlm`` (masked LM, labels), ``cls`` (sequence classification), ``s2s`` (seq2seq LM,
+labels), ``img`` (image classification), on 2 x 32 tokens. ``CONFIG:TASK:key=value,...`` then sets those
+keys on the configuration (JSON values: ``layer_types=["mamba","attention"]``).
+
+Session 48 ran 76 timm models and 69 transformers configurations, session 49 17 torchvision builders and
+63 more configurations (docs/benchmarks.md, "Models outside the conformance set").
 """
 from __future__ import annotations
 
