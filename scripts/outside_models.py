@@ -58,15 +58,24 @@ def _timm_model(name: str) -> tuple[torch.nn.Module, dict]:
             model = timm.create_model(name, pretrained=False, num_classes=10, **options)
         except TypeError:
             continue
-        size = size or model.pretrained_cfg.get("input_size", (3, 224, 224))[-1]
-        x = torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(0))
-        try:
-            with torch.no_grad():
-                model.eval()(x)
-        except Exception:  # noqa: BLE001 - a size the model does not take: the next one
-            continue
-        return model.train(), {"example_inputs": (x,)}
+        x = _batch((2, 3), size or model.pretrained_cfg.get("input_size", (3, 224, 224))[-1])
+        if _runs(model, x):
+            return model.train(), {"example_inputs": (x,)}
     raise RuntimeError(f"{name}: no input size runs")
+
+
+def _batch(shape: tuple[int, ...], size: int) -> torch.Tensor:
+    return torch.randn(*shape, size, size, generator=torch.Generator().manual_seed(0))
+
+
+def _runs(model: torch.nn.Module, x: torch.Tensor) -> bool:
+    """Whether ``model`` takes ``x`` (in eval mode, without gradients)."""
+    try:
+        with torch.no_grad():
+            model.eval()(x)
+    except Exception:  # noqa: BLE001 - a size the model does not take
+        return False
+    return True
 
 
 def _torchvision_model(name: str) -> tuple[torch.nn.Module, dict]:
@@ -79,14 +88,9 @@ def _torchvision_model(name: str) -> tuple[torch.nn.Module, dict]:
         options = dict(weights_backbone=None) if family is models.segmentation else {}
         for size in sizes:
             torch.manual_seed(0)
-            model = getattr(family, name)(weights=None, num_classes=10, **options)
-            x = torch.randn(*shape, size, size, generator=torch.Generator().manual_seed(0))
-            try:
-                with torch.no_grad():
-                    model.eval()(x)
-            except Exception:  # noqa: BLE001 - a size the model does not take: the next one
-                continue
-            return model.train(), {"example_inputs": (x,)}
+            model, x = getattr(family, name)(weights=None, num_classes=10, **options), _batch(shape, size)
+            if _runs(model, x):
+                return model.train(), {"example_inputs": (x,)}
         raise RuntimeError(f"{name}: no input size runs")
     raise RuntimeError(f"{name}: not a torchvision classification, video or segmentation builder")
 
