@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator
 
 from torch import nn
 
-from .call_structure_trace import CallStructure, call_structure, call_values, root_function
+from .call_structure_trace import call_structure, call_values, root_function
 from .costs import profile_graph
 from .errors import TraceError
 from .graph import CostGraph
@@ -71,7 +71,7 @@ class CallGraphs:
                             or (tracer == "auto" and bool(self.fx_trace.opaque_modules
                                                           or self.fx_trace.unsafe_mutations)))
         self._bind = placeholder_binder(model, self.fx_trace.graph_module) if self.fx_trace is not None else None
-        self._per_call: dict[CallStructure, CallGraph] = {}  # fx graphs per call structure (_fx_graph_for_call)
+        self._per_call: dict[tuple, CallGraph] = {}  # fx graphs per CallStructure.key (_fx_graph_for_call)
 
     def graph_for(self, args: tuple, kwargs: dict) -> CallGraph:
         """The graph for calls like ``model(*args, **kwargs)``: exported when export is in use (falling
@@ -119,8 +119,8 @@ class CallGraphs:
         what each tracer said."""
         structure = call_structure(self.model, args, kwargs)
         fx_error = self.fx_error
-        if structure is not None and structure in self._per_call:
-            return self._per_call[structure]
+        if structure is not None and structure.key in self._per_call:
+            return self._per_call[structure.key]
         if structure is not None:
             try:
                 traced = trace(self.model, root_function(self.model, structure))
@@ -129,7 +129,7 @@ class CallGraphs:
             else:
                 if not traced.unsafe_mutations:
                     call = CallGraph(traced, call_values(self.model, structure), _unchanged, exported=False)
-                    self._per_call[structure] = call
+                    self._per_call[structure.key] = call
                     return call
                 fx_error = TraceError(
                     f"cannot plan {type(self.model).__name__} from its torch.fx graph: it writes into an activation"

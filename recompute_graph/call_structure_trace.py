@@ -39,6 +39,11 @@ class CallStructure(NamedTuple):
     tensor_names: tuple[str, ...]
     constants: tuple[tuple[str, Any], ...]
 
+    @property
+    def key(self) -> tuple[tuple[str, ...], str]:
+        """A hashable stand-in (a constant may be a list): the tensors' names and the constants' ``repr``."""
+        return self.tensor_names, repr(self.constants)
+
     def __repr__(self) -> str:
         constants = ", ".join(f"{name}={value!r}" for name, value in self.constants)
         return f"CallStructure(tensors: {', '.join(self.tensor_names) or '-'}; constants: {constants or '-'})"

@@ -56,7 +56,8 @@ def test_each_call_structure_gets_a_graph_of_its_own():
     model = _Decorated()
     optimized = rg.optimize(model, 1.0, example_inputs=(torch.randn(8, 16),), compiler=False)
     x, scale = torch.randn(8, 16), torch.randn(8, 16)
-    for kwargs in ({}, {"use_cache": True}, {"scale": scale, "return_dict": False}):
+    for kwargs in ({}, {"use_cache": True}, {"scale": scale, "return_dict": False}, {"sizes": [2, 3]},
+                   {"sizes": [2, 3]}):
         torch.manual_seed(1)
         expected = model(x, **kwargs)
         torch.manual_seed(1)
