@@ -168,7 +168,8 @@ class _ModuleLevelTracer(fx.Tracer):
             root_fn = self.root_function
         elif is_module and wrapped_in_varargs(root_fn):
             raise RuntimeError(f"forward is a decorator's (*args, **kwargs) wrapper of {root_fn.__qualname__}, "
-                               "whose signature torch.fx cannot mirror; the model is traced for each call instead")
+                               "whose signature torch.fx cannot mirror (tracer='auto' traces the model for each "
+                               "call structure where torch.export fails)")
         return super().create_args_for_root(root_fn, is_module, concrete_args)
 
     def create_proxy(self, *args: Any, **kwargs: Any) -> fx.Proxy:
