@@ -194,24 +194,29 @@ def _dense_order(value: torch.Tensor) -> list[int] | None:
     return order
 
 
+def _inverse(order: list[int]) -> list[int]:
+    """The permutation that undoes ``permute(x, order)``."""
+    return sorted(range(len(order)), key=order.__getitem__)
+
+
+def _call(graph: fx.Graph, target: Any, node: fx.Node, *args: Any, **kwargs: Any) -> fx.Node:
+    """``target(node, *args, **kwargs)`` at the graph's insertion point, with its (fake) value."""
+    made = graph.call_function(target, (node, *args), kwargs)
+    made.meta["val"] = target(node.meta["val"], *args, **kwargs)
+    return made
+
+
 def _laid_out_like(graph: fx.Graph, source: fx.Node, value: torch.Tensor, before: fx.Node) -> fx.Node | None:
     """A copy of ``source`` (inserted before ``before``) laid out as ``value`` is, which must be dense:
     ``permute(clone(permute(source, order)), inverse)``; None where ``value`` is not dense."""
     order = _dense_order(value)
     if order is None:
         return None
-    aten = torch.ops.aten
-    inverse = sorted(range(len(order)), key=order.__getitem__)
-    node = source
+    aten, permuted = torch.ops.aten, order != sorted(order)
     with graph.inserting_before(before):
-        steps = [(aten.clone.default, (), {"memory_format": torch.contiguous_format})]
-        if order != sorted(order):
-            steps = [(aten.permute.default, (order,), {})] + steps + [(aten.permute.default, (inverse,), {})]
-        for target, args, kwargs in steps:
-            made = graph.call_function(target, (node,) + args, kwargs)
-            made.meta["val"] = target(node.meta["val"], *args, **kwargs)
-            node = made
-    return node
+        node = _call(graph, aten.permute.default, source, order) if permuted else source
+        node = _call(graph, aten.clone.default, node, memory_format=torch.contiguous_format)
+        return _call(graph, aten.permute.default, node, _inverse(order)) if permuted else node
 
 
 def _zeros_value(value: torch.Tensor, order: list[int]) -> torch.Tensor:
@@ -247,9 +252,7 @@ def fold_zero_tangents(graph_module: fx.GraphModule, tangents: Iterable[str], *,
                 made.meta["val"] = _zeros_value(value, order)
                 made.meta[FOLDED_ZEROS] = True
                 if order != sorted(order):  # laid out as the zero value is: a reader's result may rely on it
-                    inverse = sorted(range(len(order)), key=order.__getitem__)
-                    made = graph.call_function(torch.ops.aten.permute.default, (made, inverse))
-                    made.meta["val"] = torch.ops.aten.permute.default(made.args[0].meta["val"], inverse)
+                    made = _call(graph, torch.ops.aten.permute.default, made, _inverse(order))
             materialized[value_node] = made
         return materialized[value_node]
 
