@@ -44,7 +44,7 @@ from .errors import (ChangingStateError, CompilerFallbackWarning, InfeasibleBudg
                      RecomputeError, user_stacklevel)
 from .joint_capture import CaptureError
 from .compile_backend import budget_backend
-from .joint_lowering import Lowered
+from .joint_lowering import InfeasibleBudgetWarning, Lowered
 from .model_state import PlainValues, changed_again, changing_state_message, generator_states, preserved_state
 from .joint_allocations import own_output_known
 from .output_structure import OutputStructure
@@ -124,9 +124,13 @@ class CompiledRecomputedModule(SharedModelModule):
                     raise CaptureError(f"{self._original_class}: torch.compile made no backward graph for this "
                                        "call (nothing in it requires grad), so there is nothing to plan")
             except InfeasibleBudgetError as error:
-                if not self._planned:
+                if self._planned:
+                    raise infeasible_for_new_call(error, args, kwargs) from None
+                reason = self._failure_beyond_the_budget(key, args, kwargs, lowered)
+                if reason is None:
                     raise
-                raise infeasible_for_new_call(error, args, kwargs) from None
+                self._fall_back(reason)
+                return self.delegate.plan(*args, **kwargs)
             except RecomputeError as error:
                 self._fall_back(error)
                 return self.delegate.plan(*args, **kwargs)
@@ -134,6 +138,34 @@ class CompiledRecomputedModule(SharedModelModule):
             self._signature_planned(key, time.perf_counter() - started, args, kwargs)
         object.__setattr__(self, "_current", key)
         return self._planned[key].plan
+
+    def _failure_beyond_the_budget(self, key: tuple, args: tuple, kwargs: dict, lowered: int
+                                   ) -> RecomputeError | None:
+        """Where the first signature's budget is infeasible on the compiler path and there is a fallback:
+        whether the compiler path would fail anyway past planning (an unused dropout, found by the trial's
+        random-draw check, which needs a compiled forward). The trial runs again planned at the floor, and
+        what it made is dropped (the compiled call, its lowerings, its graphs), so the next call compiles
+        and plans afresh. Returns that failure, for falling back, or None: then the budget's
+        ``InfeasibleBudgetError`` is the compiler path's to raise. (Otherwise the compiler path's floor was
+        reported, and a budget at that floor then fell back to the executor, whose floor may be higher:
+        Canine, PegasusX.)"""
+        if self._fallback is None:
+            return None
+        backend, graphs, asked = self._backend, len(self._backend.graphs), self._backend.on_infeasible
+        backend.on_infeasible = "floor"
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", InfeasibleBudgetWarning)
+                self._trial(key, args, kwargs)
+        except InfeasibleBudgetError:
+            return None
+        except RecomputeError as error:
+            return error
+        finally:
+            backend.on_infeasible = asked
+            self._steps.pop(key, None)
+            del self._lowerings[lowered:], backend.graphs[graphs:]
+        return None
 
     def _fall_back(self, error: RecomputeError) -> None:
         """Hand every later call to the fallback module, with a warning that says why; without a

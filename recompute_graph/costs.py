@@ -34,6 +34,7 @@ from torch import fx, nn
 from torch.utils._pytree import tree_flatten
 
 from .device_profiles import DEVICE_PROFILES, DeviceProfile
+from .functionalization import mutated_input_constraints
 from .graph import CostGraph, CostNode
 from .loss_pricing import (LossPrice, allocator_windows, incoming_gradient_layouts, node_window,
                            price_loss, rng_state_bytes)
@@ -42,7 +43,7 @@ from .measure import StorageTracker, storage_key, unique_storages
 from .model_state import preserved_state
 from .node_compute import ComputePass, NodeCompute, buffer_arguments, node_error, tensors_of
 from .progress import progress_bar
-from .trace import BoundInterpreter, TraceResult, mutated_input_constraints, trace
+from .trace import BoundInterpreter, TraceResult, trace
 
 __all__ = ["DeviceProfile", "DEVICE_PROFILES", "profile_model", "profile_graph"]
 

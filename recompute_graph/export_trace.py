@@ -42,12 +42,14 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from .autograd_in_forward import export_refusals
 from .errors import TraceError
+from .functionalization import functionalize
 from .kept_tensors import carried_by_export, kept_tensors_refused
 from .library_classes import is_transformers_model
 from .module_hooks import kept_hook_tensors_refused
 from .random_sources import host_random_draws_refused
 from .mode_switches import grad_mode_switches_refused, refuse_autocast_blocks_under_autocast
-from .trace import TraceResult, functionalize, user_source_location
+from .source_lines import user_frame, user_source_location
+from .trace import TraceResult
 
 __all__ = ["ExportedTrace", "export_trace", "training_kwargs"]
 
@@ -196,21 +198,6 @@ def _hidden_state_writer_decompositions() -> dict:
     return {op: table[op] for op in ops if op in table}
 
 
-def _user_frame(stack_trace: str) -> str:
-    """``file:line (code)`` of the innermost frame of ``stack_trace`` outside torch and this library (whose
-    torch function mode, ``random_sources``, is on the stack of every op), or ''."""
-    import os
-    import re
-    from .trace import _LIBRARY_DIR as library_dir, _TORCH_DIR as torch_dir
-    lines = stack_trace.strip().splitlines()
-    for k in range(len(lines) - 1, -1, -1):
-        match = re.match(r'\s*File "([^"]+)", line (\d+)', lines[k])
-        if match and not os.path.abspath(match.group(1)).startswith((torch_dir, library_dir)):
-            code = lines[k + 1].strip() if k + 1 < len(lines) else ""
-            return f"{match.group(1)}:{match.group(2)}" + (f" ({code})" if code else "")
-    return ""
-
-
 def _draws_random(node: torch.fx.Node) -> bool:
     """A call of an op that advances a random generator (tagged ``nondeterministic_seeded``)."""
     return node.op == "call_function" and getattr(node.target, "_nondeterministic_seeded", False)
@@ -226,7 +213,7 @@ def _refuse_unused_random_draws(graph: torch.fx.Graph, model_name: str) -> None:
             live.add(node)
     for node in graph.nodes:
         if node not in live and _draws_random(node):
-            where = _user_frame(node.meta.get("stack_trace") or "")
+            where = user_frame(node.meta.get("stack_trace") or "")
             where = f"\n  at {where}" if where else ""
             raise TraceError(
                 f"{model_name} draws random numbers it never uses ({node.target}, node {node.name!r}){where}\n"

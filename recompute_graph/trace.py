@@ -7,26 +7,20 @@ symbolically (data-dependent Python control flow, ``.item()``, iteration over a 
 *opaque* ``call_module`` node; the rest of the model stays fine-grained. Only if the root module's own
 code cannot be traced is a :class:`~recompute_graph.errors.TraceError` raised.
 
-In-place operations are *functionalized* after tracing (``relu_`` -> ``relu``, ``ReLU(inplace=True)``
--> a copy with ``inplace=False``, ``x += y`` -> ``x + y``) and later readers of the mutated tensor read the
-in-place node's result, which is what they saw in the original program. A recomputation schedule can
-then keep, free and recompute every value independently; the price is one transient activation where
-the original wrote in place. A write through a view (``x.flatten(1)`` then an in-place dropout, ``x[:, :4].zero_()``) is
-functionalized the same way when no other alias of the storage (the base, another view) is read after
-it; otherwise it is an *unsafe mutation* (``TraceResult.unsafe_mutations``) and the model is traced with
-``torch.export`` instead. In-place writes into model inputs, parameters and buffers are kept as they are
-(functionalizing them would change what the program does).
+In-place operations are *functionalized* after tracing (``functionalization``): ``relu_`` -> ``relu``,
+``x[:, 1:] = y`` -> a write into a copy, where no other alias of the written storage is read after the
+write; otherwise the write is an *unsafe mutation* (``TraceResult.unsafe_mutations``) and the model is
+traced with ``torch.export`` instead. In-place writes into model inputs, parameters and buffers are kept
+as they are. ``x[i] = v`` on a traced tensor is recorded as ``operator.setitem`` (torch.fx's ``Proxy``
+has no ``__setitem__``: transformers' ``shift_tokens_right`` stopped every seq2seq model given labels).
 
 Tracing never modifies the user's model: torch.fx only patches functions for the duration of the trace
 and the returned ``GraphModule`` refers to the user's submodules and parameters without changing them.
 """
 from __future__ import annotations
 
-import copy
 import functools
 import operator
-import os
-import traceback
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -39,21 +33,22 @@ from .autograd_in_forward import (HookRefused, functions_kept_whole, proxy_hooks
                                   refuse_differentiation_nodes)
 from .call_structure_trace import wrapped_in_varargs
 from .errors import TraceError
+from .functionalization import functionalize, mutated_input_constraints
 from .kept_tensors import (AttributeSnapshot, KeptOutsideTheModel, carried_by_a_trace, containers_keeping_proxies,
                            kept_tensor_message)
 from .mode_switches import autocast_switches_refused, grad_mode_switches_refused
 from .model_state import preserved_state
 from .module_hooks import kept_hook_tensors_refused
 from .random_sources import host_random_draws_refused, refuse_generators_made_in_forward
+from .source_lines import describe_error, user_frame, user_source_location
 
-__all__ = ["TraceResult", "BoundInterpreter", "functionalize", "trace", "user_source_location"]
+__all__ = ["TraceResult", "BoundInterpreter", "functionalize", "mutated_input_constraints", "trace",
+           "user_source_location"]
 
-_TORCH_DIR = os.path.dirname(torch.__file__)
 #: Tensor constructors that torch.fx cannot trace when a size comes from a traced shape
 #: (``torch.zeros(x.shape[0], 4)``); during tracing they record a node instead of failing.
 SHAPE_DEPENDENT_CONSTRUCTORS = ("zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange",
                                 "eye", "linspace", "tensor", "as_tensor")
-_THIS_FILE = os.path.abspath(__file__)
 #: Stacks of layers in ``torch.nn``: traced into like the model's own modules, not kept as one leaf node
 #: (an ``nn.TransformerEncoder`` was one node holding every layer's activations, so the executor could
 #: recompute nothing inside it). Their fast-path checks branch on tensors, so tracing them fails, they
@@ -98,6 +93,12 @@ def _in_place_operator(function: Any) -> Any:
     def method(self: fx.Proxy, other: Any) -> fx.Proxy:
         return self.tracer.create_proxy("call_function", function, (self, other), {})
     return method
+
+
+def _recorded_setitem(proxy: fx.Proxy, index: Any, value: Any) -> None:
+    """``Proxy.__setitem__`` while tracing: ``x[index] = value`` recorded as an ``operator.setitem`` node
+    (``functionalization`` makes it a write into a copy where that is exact)."""
+    proxy.tracer.create_proxy("call_function", operator.setitem, (proxy, index, value), {})
 
 
 class _SubmoduleTraceFailure(Exception):
@@ -146,12 +147,14 @@ class _ModuleLevelTracer(fx.Tracer):
     def trace(self, root: Any, concrete_args: Any = None) -> fx.Graph:
         _settle_lazy_torch_tables()
         originals = {name: getattr(torch, name) for name in SHAPE_DEPENDENT_CONSTRUCTORS}
-        proxy_originals = {dunder: fx.Proxy.__dict__.get(dunder) for dunder in (*IN_PLACE_OPERATORS, "__setattr__")}
+        proxy_originals = {dunder: fx.Proxy.__dict__.get(dunder)
+                           for dunder in (*IN_PLACE_OPERATORS, "__setattr__", "__setitem__")}
         try:
             for name, function in originals.items():
                 setattr(torch, name, self._recording(function))
             for dunder, function in IN_PLACE_OPERATORS.items():
                 setattr(fx.Proxy, dunder, _in_place_operator(function))
+            fx.Proxy.__setitem__ = _recorded_setitem  # type: ignore[method-assign]
             fx.Proxy.__setattr__ = _refused_tensor_attribute_writes  # type: ignore[method-assign]
             return super().trace(root, concrete_args)
         finally:
@@ -232,9 +235,6 @@ def trace(model: nn.Module, root_function: Any = None) -> TraceResult:
         return result
 
 
-_LIBRARY_DIR = os.path.dirname(_THIS_FILE)
-
-
 def assign_buffer(buffer: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """The write a traced ``self.center = 0.9 * self.center + ...`` makes into the buffer (fx recorded the
     new value but no write, so the executor never updated it): in place, as the same tensor, refused where
@@ -304,7 +304,7 @@ def _trace(model: nn.Module, root_function: Any = None) -> "tuple[TraceResult, l
         except _SubmoduleTraceFailure as failure:
             if failure.qualname in opaque:  # cannot happen: an opaque module is a leaf
                 raise _trace_error(model, "", failure.error) from failure.error
-            opaque[failure.qualname] = _describe(failure.error)
+            opaque[failure.qualname] = describe_error(failure.error)
             continue
         except HookRefused:
             raise
@@ -315,252 +315,13 @@ def _trace(model: nn.Module, root_function: Any = None) -> "tuple[TraceResult, l
         names = {id(module): name for name, module in model.named_modules()}
         _buffer_assignments(graph, [(f"{names[id(m)]}.{b}".lstrip("."), proxy) for m, b, proxy in assigned])
         del assigned
-        refuse_differentiation_nodes(type(model).__name__, graph, _user_frame)
+        refuse_differentiation_nodes(type(model).__name__, graph, user_frame)
         graph_module = fx.GraphModule(tracer.root, graph, class_name=f"Traced{type(model).__name__}")
         for name in set(model.__dict__) - set(before[0][1]):  # fx's constants (``_opaque_obj0``): the copy's now
             del model.__dict__[name]
         functionalized, unsafe = functionalize(graph_module)
         return TraceResult(graph_module, tuple(opaque), tuple(opaque.values()), functionalized, unsafe), tracer.made
     raise TraceError(f"tracing {type(model).__name__} did not converge")  # pragma: no cover
-
-
-#: Out-of-place twins of in-place Python operators.
-OUT_OF_PLACE_OPERATORS = {
-    operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
-    operator.itruediv: operator.truediv, operator.ifloordiv: operator.floordiv, operator.imod: operator.mod,
-    operator.ipow: operator.pow, operator.iand: operator.and_, operator.ior: operator.or_,
-    operator.ixor: operator.xor, operator.ilshift: operator.lshift, operator.irshift: operator.rshift,
-    operator.imatmul: operator.matmul,
-}
-#: Producers whose result may share storage with another tensor: writing into them in place changes that
-#: other tensor too, so such writes are not functionalized.
-_VIEW_METHODS = frozenset({"view", "view_as", "reshape", "reshape_as", "permute", "transpose", "t", "narrow",
-                           "select", "squeeze", "unsqueeze", "flatten", "unflatten", "expand", "expand_as",
-                           "split", "chunk", "unbind", "diagonal", "unfold", "as_strided", "movedim",
-                           "swapaxes", "detach", "__getitem__", "contiguous", "real", "imag"})
-
-
-def _out_of_place_twin(gm: fx.GraphModule, node: fx.Node) -> Any:
-    """How to rewrite ``node`` out of place: a callable applying the change, or None if not in place."""
-    if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
-        twin = _out_of_place_aten_twin(node.target)
-        return None if twin is None else (lambda: setattr(node, "target", twin))
-    if node.op == "call_function":
-        if node.target in OUT_OF_PLACE_OPERATORS:
-            twin = OUT_OF_PLACE_OPERATORS[node.target]
-            return lambda: setattr(node, "target", twin)
-        name = getattr(node.target, "__name__", "")
-        if (name.endswith("_") and not name.startswith("_") and getattr(torch, name, None) is node.target
-                and callable(getattr(torch, name[:-1], None))):
-            twin = getattr(torch, name[:-1])
-            return lambda: setattr(node, "target", twin)
-        if node.kwargs.get("inplace") is True:
-            return lambda: setattr(node, "kwargs", {**node.kwargs, "inplace": False})
-    elif node.op == "call_method":
-        name = node.target
-        if name.endswith("_") and not name.startswith("_") and callable(getattr(torch.Tensor, name[:-1], None)):
-            return lambda: setattr(node, "target", name[:-1])
-    elif node.op == "call_module":
-        module = gm.get_submodule(node.target)
-        if getattr(module, "inplace", None) is True:
-            def replace_module() -> None:
-                twin = copy.copy(module)  # shares parameters; the user's module keeps inplace=True
-                twin.inplace = False
-                parent, _, leaf = node.target.rpartition(".")
-                setattr(gm.get_submodule(parent), leaf, twin)
-            return replace_module
-    return None
-
-
-def _out_of_place_aten_twin(op: "torch._ops.OpOverload") -> Any:
-    """``aten.relu.default`` for ``aten.relu_.default``, ``aten.add.Tensor`` for ``aten.add_.Tensor``
-    (graphs from ``torch.export``); None when ``op`` is not in place or has no twin."""
-    namespace, _, name = op._schema.name.partition("::")
-    if not name.endswith("_") or name.startswith("_") or not op._schema.arguments:
-        return None
-    if not (op._schema.arguments[0].alias_info is not None and op._schema.arguments[0].alias_info.is_write):
-        return None
-    packet = getattr(getattr(torch.ops, namespace, None), name[:-1], None)
-    return getattr(packet, op._overloadname, None) if packet is not None else None
-
-
-def _is_view_of_argument(node: fx.Node) -> bool:
-    """Whether ``node``'s result may share storage with its first argument (a view, an item, a detach)."""
-    if not node.args or not isinstance(node.args[0], fx.Node):
-        return False
-    if node.op == "call_method":
-        return node.target in _VIEW_METHODS
-    if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
-        return node.target.is_view
-    if node.op == "call_function":
-        return node.target is operator.getitem or getattr(node.target, "__name__", "") in _VIEW_METHODS
-    return False
-
-
-def _alias_group(target: fx.Node, gm: fx.GraphModule | None = None) -> tuple[fx.Node, set[fx.Node]]:
-    """The base whose storage ``target`` may share (walking up through views and, given ``gm``, through
-    writes kept in place: ``w.mul_(0.9).add_(v)`` writes twice into ``w``) and every node that may alias
-    it (the base and all views taken from it, transitively)."""
-    base = target
-    while _is_view_of_argument(base) or (gm is not None and _writes_in_place(gm, base)):
-        base = base.args[0]
-    members, stack = {base}, [base]
-    while stack:
-        for user in stack.pop().users:
-            if user not in members and _is_view_of_argument(user) and user.args[0] in members:
-                members.add(user)
-                stack.append(user)
-    return base, members
-
-
-def _writes_in_place(gm: fx.GraphModule, node: fx.Node) -> bool:
-    """Whether ``node`` writes into its first argument (what :func:`functionalize` has not rewritten)."""
-    return (bool(node.args) and isinstance(node.args[0], fx.Node)
-            and (_out_of_place_twin(gm, node) is not None or _writes_without_twin(node)))
-
-
-def _functionalizable(node: fx.Node, mutated: fx.Node, order: dict[fx.Node, int],
-                      gm: fx.GraphModule | None = None) -> bool | None:
-    """Whether the in-place ``node`` writing into ``mutated`` can become out of place exactly: True when
-    nothing but ``mutated`` itself, among the tensors that may share its storage, is read after the
-    write (later readers of ``mutated`` then read the new value). None when the write reaches a model
-    input, parameter or buffer (kept in place on purpose); False otherwise (a write whose effect other
-    aliases would see)."""
-    base, members = _alias_group(mutated, gm)
-    if base.op in ("placeholder", "get_attr"):
-        return None
-    for member in members - {mutated}:
-        if any(order[user] > order[node] and user is not node for user in member.users):
-            return False
-    return True
-
-
-def functionalize(gm: fx.GraphModule) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """Rewrite in-place nodes out of place (see the module docstring). Returns the names of the nodes
-    rewritten and a description (node, code, source line) of each write into an activation that could
-    not be rewritten exactly because another alias of its storage is read after it."""
-    rewritten, unsafe = [], []
-    order = {node: i for i, node in enumerate(gm.graph.nodes)}
-    for node in list(gm.graph.nodes):
-        if not node.args or not isinstance(node.args[0], fx.Node):
-            continue
-        rewrite = _out_of_place_twin(gm, node)
-        if rewrite is None:
-            if _writes_without_twin(node) and _alias_group(node.args[0], gm)[0].op not in ("placeholder", "get_attr"):
-                unsafe.append(describe_node(node))  # x[:, :4] = 0, x.copy_(y), x.zero_() on an activation
-            continue
-        mutated = node.args[0]
-        exact = _functionalizable(node, mutated, order, gm)
-        if exact is None:
-            continue
-        if not exact:
-            unsafe.append(describe_node(node))
-            continue
-        rewrite()
-        for user in list(mutated.users):
-            if user is not node and order[user] > order[node]:
-                user.replace_input_with(mutated, node)
-        rewritten.append(node.name)
-    if rewritten:
-        gm.graph.lint()
-        gm.recompile()
-    return tuple(rewritten), tuple(unsafe)
-
-
-#: In-place tensor methods that change no values.
-_METADATA_IN_PLACE = frozenset({"requires_grad_", "retain_grad", "share_memory_", "resize_", "set_"})
-
-
-def mutated_input_constraints(gm: fx.GraphModule) -> tuple[frozenset[str], dict[str, set[str]]]:
-    """What writes kept in place into a model input, parameter or buffer (:func:`functionalize` keeps
-    them) ask of a schedule: ``(once, after)``.
-
-    ``once``: the writing nodes and the nodes that read the written tensor or a view of it before the
-    write; a recomputation of either would read the value after the write (``CostNode.reads_mutated_input``).
-    ``x.mul_(2)`` on the input, recomputed, doubled it again; a momentum update of a frozen parameter in
-    ``forward`` was applied twice. Views are left out (a view of the written storage shows the new values
-    however often it is taken), and so is a batch norm reading its running statistics (an exported graph
-    writes them back at its end): in training it normalizes with the batch's own, and the executor
-    restores the statistics after each recomputation (``stateful``).
-
-    ``after``: for each node, the nodes it must follow besides those it reads: a reader of the written
-    tensor after the write follows the write, which follows the readers before it. The graph has no edge
-    between them (later readers read the input, not the write's result), and a plan ran the write after
-    the first block that read the input (forward outputs off by 4)."""
-    order = {node: i for i, node in enumerate(gm.graph.nodes)}
-    once: set[str] = set()
-    after: dict[str, set[str]] = {}
-    for node in gm.graph.nodes:
-        if not _writes_in_place(gm, node):
-            continue
-        base, members = _alias_group(node.args[0], gm)
-        if base.op not in ("placeholder", "get_attr"):
-            continue
-        once.add(node.name)
-        for user in {user for member in members for user in member.users}:
-            if user is node or user in members or user.op == "output":
-                continue
-            if order[user] > order[node]:
-                after.setdefault(user.name, set()).add(node.name)
-            elif "batch_norm" not in getattr(user.target, "__name__", str(user.target)):
-                once.add(user.name)
-                after.setdefault(node.name, set()).add(user.name)
-    return frozenset(once), after
-
-
-def _writes_without_twin(node: fx.Node) -> bool:
-    """An in-place write that has no out-of-place twin here: ``operator.setitem``, or a tensor method
-    or aten op whose name ends in ``_`` (``copy_``, ``fill_``, ``zero_``, ``index_put_``)."""
-    if node.op == "call_function" and node.target is operator.setitem:
-        return True
-    if node.op == "call_method":
-        return node.target.endswith("_") and not node.target.startswith("_") and node.target not in _METADATA_IN_PLACE
-    if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
-        arguments = node.target._schema.arguments
-        return bool(arguments) and arguments[0].alias_info is not None and arguments[0].alias_info.is_write
-    return False
-
-
-def describe_node(node: fx.Node) -> str:
-    """``name = code`` of an fx node and, when tracing recorded it, the user's source line."""
-    text = f"{node.name} = {node.format_node()}"
-    location = _user_frame(node.stack_trace or "")
-    return f"{text} at {location}" if location else text
-
-
-def _user_frame(stack_trace: str) -> str:
-    """The innermost ``file:line (code)`` of a recorded stack trace outside torch and this library."""
-    lines = stack_trace.strip().splitlines()
-    found = ""
-    for i, line in enumerate(lines):
-        line = line.strip()
-        if line.startswith('File "'):
-            path = line.split('"')[1]
-            if os.path.abspath(path).startswith((_TORCH_DIR, _LIBRARY_DIR)):
-                continue
-            number = line.split("line ")[1].split(",")[0] if "line " in line else "?"
-            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
-            found = f"{path}:{number}" + (f" ({code})" if code else "")
-    return found
-
-
-def _describe(error: BaseException) -> str:
-    location = user_source_location(error)
-    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    return f"{type(error).__name__}: {first_line}" + (f" at {location}" if location else "")
-
-
-def user_source_location(error: BaseException) -> str:
-    """``file:line`` of the innermost traceback frame in user code (outside torch and this library)."""
-    location = ""
-    for frame in traceback.extract_tb(error.__traceback__):
-        path = os.path.abspath(frame.filename)
-        if path.startswith((_TORCH_DIR, _LIBRARY_DIR)):  # this library's wrappers (random_sources' mode) too
-            continue
-        location = f"{frame.filename}:{frame.lineno}"
-        if frame.line:
-            location += f" ({frame.line.strip()})"
-    return location
 
 
 def _trace_error(model: nn.Module, qualname: str, error: BaseException) -> TraceError:

@@ -249,6 +249,24 @@ def test_an_unused_dropout_is_refused_by_the_compiler_path_and_the_executor_trai
     assert parameter_gradient_error(model, reference) == 0
 
 
+def test_an_infeasible_budget_on_a_path_that_falls_back_is_the_executors_to_report():
+    """The compiler path's floor was reported, though it would fall back (the unused dropout is found
+    after planning); at that floor the executor, whose floor was higher, raised again (Canine, PegasusX)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, x = _UnusedDropout(), torch.randn(64, 32)
+    with pytest.warns(rg.CompilerFallbackWarning, match="unused dropout"), \
+            pytest.raises(rg.InfeasibleBudgetError) as raised:
+        rg.optimize(model, 0.05, example_inputs=(x,))
+    executor_floor = raised.value.min_budget_bytes
+    with pytest.raises(rg.InfeasibleBudgetError) as raised:
+        rg.optimize(model, 0.05, example_inputs=(x,), compiler=False)
+    assert raised.value.min_budget_bytes == executor_floor
+    with pytest.warns(rg.CompilerFallbackWarning):
+        optimized = rg.optimize(model, executor_floor, example_inputs=(x,))
+    assert isinstance(optimized, rg.RecomputedModule)
+
+
 class _InPlaceDropoutOnAChannelsLastView(nn.Module):
     """EfficientNet's in-place dropout on a flattened activation, here one with channels-last strides
     (a LayerNorm over channels, permuted back): torch.compile's decomposition fills the mask in another

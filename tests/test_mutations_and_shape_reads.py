@@ -35,7 +35,7 @@ class InPlaceDropoutOnView(nn.Module):
 
 class BaseReadAfterViewWrite(nn.Module):
     """A write through a view, then the base is read (T5's ``_shift_right``, in float). (``h[:, :3] = 0``
-    is the same in torch.export's eyes; torch.fx cannot trace item assignment at all.)"""
+    is the same in torch.export's eyes.)"""
 
     def __init__(self):
         super().__init__()
@@ -131,6 +131,70 @@ def test_a_base_read_after_a_write_through_its_view_goes_to_export_or_is_refused
         rg.optimize(model, 0.8, example_inputs=(x,), tracer="fx", timing="flops")
     optimized = trains_exactly(model, x, 0.95)  # auto: the functional graph of torch.export
     assert any("aten" in node.target for node in optimized.recompute_plan.graph)
+
+
+class AssignsIntoActivations(nn.Module):
+    """transformers' ``shift_tokens_right`` (``shifted[:, 1:] = ids[:, :-1]``) and writes into activations
+    that require grad (``h[:, 0] = 0``), each written tensor read (directly, or through a view taken
+    from it then) only after the write."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(40, 32)
+        self.a = nn.Linear(32, 128)
+        self.b = nn.Linear(128, 32)
+        self.c = nn.Linear(32, 32)
+
+    def forward(self, ids):
+        shifted = ids.new_zeros(ids.shape)
+        shifted[:, 1:] = ids[:, :-1].clone()
+        shifted[:, 0] = 2
+        h = self.a(self.embed(shifted)) * 2
+        h[:, 0] = 0.0
+        g = self.b(h.tanh())
+        g[:, :, :4] = h[:, :, :4]
+        return self.c(g).tanh()
+
+
+def test_an_assignment_into_an_activation_becomes_a_write_into_a_copy_and_trains_exactly():
+    model = AssignsIntoActivations()
+    result = trace(model)
+    assert result.unsafe_mutations == ()
+    code = result.graph_module.code
+    assert code.count("setitem_into_copy(") == 4
+    ids = torch.randint(0, 40, (16, 24))
+    for budget in (1.0, 0.85):
+        optimized = trains_exactly(model, ids, budget, tracer="fx", compiler=False)
+    assert optimized.recompute_plan.recomputed_nodes
+
+
+def test_a_write_into_a_whole_activation_without_an_out_of_place_twin_is_written_into_a_copy():
+    class ZeroesItsActivation(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+        def forward(self, x):
+            h = self.a(x)
+            kept = h * 3
+            h.zero_()
+            return self.b(kept + h)
+
+    result = trace(ZeroesItsActivation())
+    assert result.unsafe_mutations == () and "method_into_copy" in result.graph_module.code
+    trains_exactly(ZeroesItsActivation(), torch.randn(8, 16), 1.0, tracer="fx", compiler=False)
+
+
+def test_an_assignment_whose_base_is_read_later_through_another_view_is_unsafe():
+    class ReadsAnotherView(nn.Module):
+        def forward(self, x):
+            h = x * 2
+            top = h[:, :4]
+            h[:, 4:] = 0.0  # h read after the write through ``top``, a view taken before it
+            return top.sum() + h.sum()
+
+    result = trace(ReadsAnotherView())
+    assert len(result.unsafe_mutations) == 1 and "setitem" in result.unsafe_mutations[0]
 
 
 def test_a_shape_read_is_an_edge_so_no_solver_schedules_the_reader_first():
