@@ -327,7 +327,8 @@ def _trace(model: nn.Module, root_function: Any = None) -> "tuple[TraceResult, l
 def _trace_error(model: nn.Module, qualname: str, error: BaseException) -> TraceError:
     location = user_source_location(error)
     module = f"{type(model).__name__}" + (f".{qualname}" if qualname else " (the root module)")
-    message = (f"cannot trace {module}: {type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    message = (f"cannot trace {module}: {type(error).__name__}: {first_line}"
                + (f"\n  at {location}" if location else "")
                + "\n  The root module's own forward must be traceable by torch.fx; move data-dependent "
                "control flow into a submodule (it then becomes one opaque node) or make it shape-based.")
