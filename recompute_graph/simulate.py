@@ -155,6 +155,9 @@ class _Simulation:
         # a joint graph's generated backward makes a gradient's first sum in a new buffer, also where
         # autograd would sum into a buffer handed on by a pass-through backward (``_propagate_gradient``)
         self.joint = is_joint_cost_graph(graph)
+        # the outputs whose gradients arrive from outside (their buffers are what autograd holds): not a
+        # returned value that only the model's own loss differentiates (PegasusX's logits, 12 MB)
+        self.arriving_outputs = frozenset(graph.gradient_outputs) if graph.implicit_backward else frozenset()
         self.dead: dict[str, frozenset[int]] = {"forward": frozenset(), "backward": frozenset()}  # positions
         # of dead recomputations, by phase
         self.state_updates: list[int] = []         # storages of the buffers' new values (``state_update_bytes``)
@@ -365,8 +368,11 @@ class _Simulation:
     def _propagate_gradient(self, index: int, node: CostNode, tape: list[int | None]) -> None:
         """Backward of ``node`` from its output gradient buffer (see the module docstring).
 
-        The output gradient is released when the backward ends, except a model output's, which autograd
-        holds until the whole model's backward returns (unless ``graph.output_gradients_held`` is False).
+        The output gradient is released when the backward ends, except one that arrived from outside
+        (``graph.gradient_outputs``), which autograd holds until the whole model's backward returns
+        (unless ``graph.output_gradients_held`` is False); a returned value that only the model's own
+        loss differentiates (the logits beside a ``transformers`` loss) gets its gradient from that loss,
+        inside the step, and lets go of it as any value does.
         A pass-through backward (``backward_aliases_grad``:
         an addition, a view, ``cat``) hands its buffer on without a copy: every input that gets its first
         gradient shares that one storage (an addition's two inputs; the slices of ``cat``), and when none
@@ -379,7 +385,7 @@ class _Simulation:
         what it released (an RMS norm's ``pow`` makes ``2 * x`` and its product before the term)."""
         graph = self.graph
         handed = self.grad_storage.pop(index)
-        held = index in graph.outputs and graph.output_gradients_held
+        held = index in self.arriving_outputs and graph.output_gradients_held
         # an edge that only orders the backward (``order_only_predecessors``) hands on the gradient the
         # other backward reads, when that one has none yet (BLOOM's GELU coefficient), and is no term of
         # a sum when it has (Falcon's projection, which shares its addition's gradient)
