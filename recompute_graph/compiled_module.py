@@ -45,7 +45,8 @@ from .errors import (ChangingStateError, CompilerFallbackWarning, InfeasibleBudg
 from .joint_capture import CaptureError
 from .compile_backend import budget_backend
 from .joint_lowering import InfeasibleBudgetWarning, Lowered
-from .model_state import PlainValues, changed_again, changing_state_message, generator_states, preserved_state
+from .model_state import (PlainValues, changed_again, changing_state_message, generator_states, preserved_state,
+                          replaced_submodules_refused)
 from .joint_allocations import own_output_known
 from .output_structure import OutputStructure
 from .outside_containers import OutsideContainers
@@ -230,7 +231,7 @@ class CompiledRecomputedModule(SharedModelModule):
         with preserved_state(self._original, rng=True, watch_parameters=True), torch.enable_grad(), \
                 full_collections_deferred():
             before = PlainValues(self._original)
-            with outside.recording():
+            with outside.recording(), replaced_submodules_refused(self._original):
                 output = self._original(*args, **kwargs)
             held = [*tree_flatten((args, kwargs))[0], *self._original.parameters(), *self._original.buffers()]
             structure = OutputStructure.of(output, held, own_loss(output) is not None)

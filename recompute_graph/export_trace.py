@@ -48,6 +48,7 @@ from .library_classes import is_transformers_model
 from .module_hooks import kept_hook_tensors_refused
 from .random_sources import host_random_draws_refused
 from .mode_switches import grad_mode_switches_refused, refuse_autocast_blocks_under_autocast
+from .model_state import submodules_put_back
 from .source_lines import user_frame, user_source_location
 from .trace import TraceResult
 
@@ -280,7 +281,7 @@ def export_trace(model: nn.Module, args: tuple, kwargs: dict) -> ExportedTrace:
                     model, carried_by_export, lambda message: TraceError(message, module_path=""), _KEPT_FAKE,
                     in_forward=True), kept_hook_tensors_refused(
                     list(model.named_modules()), type(model).__name__, lambda message: TraceError(message)), \
-                warnings.catch_warnings():
+                submodules_put_back(model), warnings.catch_warnings():
             # export's own word on a tensor kept on an attribute: the refusal above says it with what to do
             warnings.filterwarnings("ignore", message=r"The tensor attributes? .* assigned during export")
             program = torch.export.export(model, tuple(args), dict(kwargs), strict=False)

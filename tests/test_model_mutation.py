@@ -165,6 +165,53 @@ def test_a_value_the_forward_changes_at_each_call_is_refused(compiler):
     assert model.step == 0
 
 
+class _SparseBlock(torch.nn.Module):
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, x):
+        return torch.tanh(self.linear(x)) * 0.5
+
+
+class _FullBlock(_SparseBlock):
+    def forward(self, x):
+        return torch.tanh(self.linear(x))
+
+
+class _SwitchesItsBlockOnShortInputs(torch.nn.Module):
+    """transformers' BigBird: on a short sequence its forward replaces its attention module with another
+    class sharing the projections (``set_attention_type("original_full")``). Planning's runs put the plain
+    values back and not the modules, leaving the model half switched; its steps switched it again under a
+    plan of the old modules (gradients 1e-2 off, 3.6x the predicted peak)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Linear(64, 64)
+        self.block = _SparseBlock(torch.nn.Linear(64, 64))
+        self.kind = "sparse"
+
+    def forward(self, x):
+        if self.kind == "sparse" and x.shape[0] <= 512:
+            self.block, self.kind = _FullBlock(self.block.linear), "full"
+        return self.block(torch.relu(self.first(x)))
+
+
+@pytest.mark.parametrize("compiler", [False, "auto"])
+def test_a_forward_that_replaces_a_submodule_is_refused_and_the_model_left_as_it_was(compiler):
+    from recompute_graph import ChangingStateError, CompilerFallbackWarning, verify
+    torch._dynamo.reset()
+    model, x = _SwitchesItsBlockOnShortInputs(), torch.randn(256, 64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CompilerFallbackWarning)
+        with pytest.raises(ChangingStateError, match=r"replaces submodule block \(_SparseBlock -> _FullBlock\)"):
+            optimize(model, 0.8, example_inputs=(x,), compiler=compiler)
+    assert type(model.block) is _SparseBlock and model.kind == "sparse"
+    model(x)  # (what the message advises: one forward, and the model keeps the modules it switched to)
+    report = verify(model, 0.8, example_inputs=(x,), compiler=compiler)
+    assert report.gradient_error < 1e-6 and report.measured_peak_bytes <= report.budget_bytes
+
+
 class _SetUpOnce(torch.nn.Module):
     """A forward that sets attributes on its first call and leaves them alike later (transformers' Funnel
     and SegFormer do): not state that changes at each call."""
