@@ -49,6 +49,10 @@ __all__ = ["TraceResult", "BoundInterpreter", "functionalize", "mutated_input_co
 #: (``torch.zeros(x.shape[0], 4)``); during tracing they record a node instead of failing.
 SHAPE_DEPENDENT_CONSTRUCTORS = ("zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange",
                                 "eye", "linspace", "tensor", "as_tensor")
+#: Those that draw random numbers: recorded even with no traced argument (``torch.rand([])`` of LayerDrop,
+#: noise of a fixed shape), so that every step draws anew; torch.fx drew them once while it traced and
+#: the graph held what it drew (refused since session 40 as "drawn outside the traced values").
+RANDOM_CONSTRUCTORS = frozenset({"rand", "randn", "randint"})
 #: Stacks of layers in ``torch.nn``: traced into like the model's own modules, not kept as one leaf node
 #: (an ``nn.TransformerEncoder`` was one node holding every layer's activations, so the executor could
 #: recompute nothing inside it). Their fast-path checks branch on tensors, so tracing them fails, they
@@ -151,7 +155,7 @@ class _ModuleLevelTracer(fx.Tracer):
                            for dunder in (*IN_PLACE_OPERATORS, "__setattr__", "__setitem__")}
         try:
             for name, function in originals.items():
-                setattr(torch, name, self._recording(function))
+                setattr(torch, name, self._recording(function, always=name in RANDOM_CONSTRUCTORS))
             for dunder, function in IN_PLACE_OPERATORS.items():
                 setattr(fx.Proxy, dunder, _in_place_operator(function))
             fx.Proxy.__setitem__ = _recorded_setitem  # type: ignore[method-assign]
@@ -180,10 +184,10 @@ class _ModuleLevelTracer(fx.Tracer):
         self.made.append(weakref.ref(proxy))
         return proxy
 
-    def _recording(self, function: Any) -> Any:
+    def _recording(self, function: Any, always: bool = False) -> Any:
         @functools.wraps(function)
         def constructor(*args: Any, **kwargs: Any) -> Any:
-            if any(isinstance(leaf, fx.Proxy) for leaf in tree_flatten((args, kwargs))[0]):
+            if always or any(isinstance(leaf, fx.Proxy) for leaf in tree_flatten((args, kwargs))[0]):
                 return self.create_proxy("call_function", function, args, kwargs)
             return function(*args, **kwargs)
         return constructor

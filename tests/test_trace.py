@@ -377,12 +377,56 @@ def test_a_layer_skipped_at_random_is_refused_with_what_to_change():
     with pytest.raises(rg.TraceError, match=r"branches on a tensor's value there \(a layer skipped at random"):
         rg.optimize(LayerDrop(), 0.9, example_inputs=(torch.randn(8, 16),), compiler=False, tracer="export")
     # torch.fx ran torch.rand([]) (no traced input) while it traced, took the branch it drew, and kept
-    # that one graph for every step: a layer dropped for good, silently
+    # that one graph for every step: a layer dropped for good, silently. The draw is a node of the graph
+    # now, and a branch on it in the root's own forward is control flow fx cannot trace
     model, x = LayerDrop(), torch.randn(8, 16)
     generator = torch.get_rng_state()
-    with pytest.raises(rg.TraceError, match=r"from torch outside the traced values"):
+    with pytest.raises(rg.TraceError, match=r"cannot be used as inputs to control flow"):
         rg.optimize(model, 0.9, example_inputs=(x,), compiler=False, tracer="fx")
     assert torch.equal(torch.get_rng_state(), generator)
+
+
+class _LayerDropEncoder(nn.Module):
+    """transformers' M2M100 and NLLB-MoE: LayerDrop in an encoder the root calls, a dropout after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(128, 128) for _ in range(4))
+
+    def forward(self, x):
+        for layer in self.layers:
+            if self.training and torch.rand([]) < 0.3:
+                continue
+            x = torch.tanh(layer(x))
+        return x
+
+
+class _WithLayerDrop(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(16, 128)
+        self.encoder = _LayerDropEncoder()
+        self.head = nn.Sequential(nn.Dropout(0.2), nn.Linear(128, 128), nn.Tanh(), nn.Linear(128, 4))
+
+    def forward(self, x):
+        noise = torch.randn(128) * 0.01  # noise of a fixed shape, drawn at every call
+        return self.head(self.encoder(self.embed(x) + noise))
+
+
+def test_layer_drop_in_a_submodule_draws_anew_at_each_step_and_trains_exactly():
+    """``torch.rand([])`` deciding a branch inside the encoder was drawn once by torch.fx, which refused
+    the model (M2M100, NLLB-MoE). Recorded as a node, the branch makes the encoder one opaque node,
+    which draws at each step as eager PyTorch does, and recomputed replays its draws."""
+    import recompute_graph as rg
+    from recompute_graph.trace import trace
+    model = _WithLayerDrop()
+    traced = trace(model)
+    assert traced.opaque_modules == ("encoder",) and "torch.randn" in traced.graph_module.code
+    x = torch.randn(256, 16)
+    for seed in (0, 1):
+        report = rg.verify(model, 0.965, example_inputs=(x,), compiler=False, seed=seed)
+        assert report.gradient_error < 1e-6 and report.measured_peak_bytes <= report.budget_bytes
+    assert rg.optimize(model, 0.965, example_inputs=(x,), compiler=False).recompute_plan.recomputed_nodes
 
 
 class _OwnGeneratorNoise(nn.Module):
