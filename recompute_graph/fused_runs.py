@@ -5,8 +5,9 @@ incoming gradients enter through one ``autograd.grad`` call, and the tapes it ba
 connected where one reads another's value, so autograd hands gradients between them. A run stays node
 by node when fusing would hold more than the simulator counts or run in another order: its tapes out
 of reverse order, a tape reading a value of the run that is not the one the run back-propagates, a
-value from outside read by three or more of its tapes, or parameters that already have a gradient
-buffer from an earlier backward op.
+value from outside read by three or more of its tapes (or by two, when it has a gradient buffer from an
+earlier backward op already), or parameters that already have a gradient buffer from an earlier backward
+op.
 """
 from __future__ import annotations
 
@@ -81,16 +82,26 @@ def plan_fused_runs(schedule: Schedule, graph: CostGraph, cost_inputs: Sequence[
     broken |= {run for (run, _), count in outside_readers.items() if count >= 3}
     # Parameters with a gradient buffer from an earlier backward op: the fused call would hold its
     # own sum of their gradients next to that buffer (one parameter size more than node by node,
-    # which the simulator does not model), so runs using them stay node by node.
+    # which the simulator does not model), so runs using them stay node by node. So do runs where two
+    # of their tapes read a value from outside that has a gradient buffer already: the call sums their
+    # two terms in a buffer of its own, which is then added into that one (GPT-2's GELU input, read by
+    # its recomputed pow and add after the 0.5 * x product's backward: 16 KB over the conformance budget).
     run_at = {first: k for k, (first, _, _) in enumerate(runs)}
+    read_twice: dict[int, set[int]] = {}
+    for (run, u), count in outside_readers.items():
+        if count == 2:
+            read_twice.setdefault(run, set()).add(u)
     seen: set[int] = set()
+    with_gradient: set[int] = set()  # values an earlier backward op has made a gradient for
     for position in range(start, len(ops)):
         if position in run_at:
             k = run_at[position]
-            if any(id(p) in seen for v in runs[k][2] for p in node_parameters[v]):
+            if any(id(p) in seen for v in runs[k][2] for p in node_parameters[v]) or \
+                    read_twice.get(k, set()) & with_gradient:
                 broken.add(k)
         op = ops[position]
         if isinstance(op, Backward):
             seen.update(id(p) for p in node_parameters[op.node])
+            with_gradient.update(cost_inputs[op.node])
     return ({first: end for k, (first, end, _) in enumerate(runs) if k not in broken},
             {p: frozenset(us) for p, us in connections.items() if tape_run[p] not in broken})
