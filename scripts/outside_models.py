@@ -20,10 +20,12 @@ on 2 images (the first of 64, 96, 128 and 224 pixels that runs), a ``video`` one
 ``qwen3_next``) shrunk (two layers, width 32, four heads, ...) under the auto class of the task: ``clm``
 (causal LM, labels), ``mlm`` (masked LM, labels), ``cls`` (sequence classification), ``s2s`` (seq2seq LM,
 labels), ``img`` (image classification), on 2 x 32 tokens. ``CONFIG:TASK:key=value,...`` then sets those
-keys on the configuration (JSON values: ``layer_types=["mamba","attention"]``).
+keys on the configuration (JSON values: ``layer_types=["mamba","attention"]``), except
+``attention_mask=padded``, which passes an attention mask with the second sequence padded after 24 tokens.
 
 Session 48 ran 76 timm models and 69 transformers configurations, session 49 17 torchvision builders and
-63 more configurations (docs/benchmarks.md, "Models outside the conformance set").
+63 more configurations, session 50 the seq2seq models given labels that earlier sessions saw refused
+(docs/benchmarks.md, "Models outside the conformance set").
 """
 from __future__ import annotations
 
@@ -111,8 +113,14 @@ def _hf_model(spec: str) -> tuple[torch.nn.Module, dict]:
                 setattr(config, key, value)
             except Exception:  # noqa: BLE001 - a read-only property of this configuration
                 pass
+    padded = False
     for key, value in re.findall(r"(\w+)=(\[[^\]]*\]|[^,]+)", ":".join(overrides)):
+        if key == "attention_mask" and value == "padded":  # the call's, not the configuration's
+            padded = True
+            continue
         setattr(config, key, json.loads(value))
+    if task == "s2s" and getattr(config, "decoder_start_token_id", None) is None:
+        config.decoder_start_token_id = getattr(config, "pad_token_id", None) or 0  # (SwitchTransformers, LongT5)
     vocabulary = min(getattr(config, "vocab_size", 1000) or 1000, 1000)
     generator = torch.Generator().manual_seed(7)
     ids = torch.randint(3, vocabulary, (2, 32), generator=generator)
@@ -127,6 +135,9 @@ def _hf_model(spec: str) -> tuple[torch.nn.Module, dict]:
     else:
         labels = {"clm": ids, "mlm": ids, "cls": torch.tensor([0, 1]), "s2s": ids[:, :16].contiguous()}[task]
         call = dict(input_ids=ids, labels=labels)
+        if padded:  # the second sequence padded after 24 tokens, as a batch of unequal texts is
+            call["attention_mask"] = torch.ones_like(ids)
+            call["attention_mask"][1, 24:] = 0
     return model.train(), {"example_kwargs": call}
 
 
