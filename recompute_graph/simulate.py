@@ -26,12 +26,10 @@ Memory model (bytes of tensor storage above what was live before the step; see d
   a buffer it has), has
   ``backward_workspace_bytes`` live on top while it runs (plus, for predecessors that already have a
   buffer, the incoming gradient); a gradient assembled from view terms (``grad_term_bytes``) grows
-  by each term as it is made instead, with no sum; then, for those, the new sum is made the first time
-  where the buffer is not the step's own to write: an output gradient that arrived from outside, or one
-  handed on by a pass-through backward that something else still holds (the schedule executor sums into
-  a buffer a backward made, or a handed-on one nothing else holds, in place; a joint graph's generated
-  backward never does, its first sum is a new buffer of the gradient's size, and the handed-on one, a
-  slice of a ``cat``'s gradient, goes: U-Net's skip inputs, 32 KB over before),
+  by each term as it is made instead, with no sum; then, for those, the new sum is made the first time (unless the buffer
+  was handed on by a pass-through backward and nothing else holds it: autograd sums into that one in place;
+  a joint graph's generated backward does not, its first sum is a new buffer of the gradient's size, and
+  the handed-on one, a slice of a ``cat``'s gradient, goes: U-Net's skip inputs, 32 KB over before),
   beside the parameter gradients the node's kernels have just made,
   after the node's own output gradient is released when nothing else holds it; keeps its parameter gradients
   (``param_grad_bytes``, to the end of the step), then frees the node's tape and its output gradient
@@ -428,12 +426,8 @@ class _Simulation:
             # gradient), except for a buffer handed on by a pass-through backward that nothing else
             # holds any more: autograd and the executor sum into that one in place
             incoming = 0 if node.backward_aliases_grad else graph.nodes[p].grad_bytes
-            # the executor sums into a buffer of its own in place (``rewrite._accumulate``: one a backward
-            # made, or one handed on that nothing else holds any more), not into an output gradient that
-            # arrived from outside (Mamba's 16 slices of one tensor: their first sum was charged a new
-            # buffer, 1.118 of the allocator at the floor)
-            handed_and_free = (not self.joint and p not in self.arriving_outputs and (
-                p not in self.shared_grads or self.storage_refs.get(self.grad_storage[p], 0) == 1))
+            handed_and_free = (p in self.shared_grads and not self.joint
+                               and self.storage_refs.get(self.grad_storage[p], 0) == 1)
             first_sum = graph.nodes[p].grad_bytes if p not in self.accumulated and not handed_and_free else 0
             incoming_bytes += incoming
             first_sum_bytes += first_sum
